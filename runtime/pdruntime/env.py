@@ -1,0 +1,136 @@
+"""The one typed place where the runtime reads its environment (prefix ``PDRT_``).
+
+Every knob the runtime honours is a field of :class:`RuntimeEnv`. Nothing else in
+``pdruntime`` calls ``os.environ``: servers, the engine and the kernels receive a
+``RuntimeEnv`` (or values taken from it), and ``/config`` reports ``RuntimeEnv.as_config()``
+so the operator can record and diff what a process actually runs with.
+
+A bad value fails start-up with a message naming the variable, the value, and what is
+accepted (``ConfigError``), never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+PREFIX = "PDRT_"
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+
+
+class ConfigError(ValueError):
+    """A PDRT_* variable (or equivalent flag) has a value the runtime cannot accept."""
+
+
+def _int(env: Mapping[str, str], name: str, default: int, *, lo: int, hi: int) -> int:
+    raw = env.get(PREFIX + name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{PREFIX}{name}={raw!r} is not an integer; accepted: an integer in [{lo}, {hi}]") from None
+    if not lo <= value <= hi:
+        raise ConfigError(f"{PREFIX}{name}={value} is out of range; accepted: an integer in [{lo}, {hi}]")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float, *, lo: float, hi: float) -> float:
+    raw = env.get(PREFIX + name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{PREFIX}{name}={raw!r} is not a number; accepted: seconds in [{lo}, {hi}]") from None
+    if not lo <= value <= hi or value != value:
+        raise ConfigError(f"{PREFIX}{name}={value} is out of range; accepted: seconds in [{lo}, {hi}]")
+    return value
+
+
+def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = env.get(PREFIX + name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ConfigError(f"{PREFIX}{name}={raw!r} is not accepted; accepted: {', '.join(choices)}")
+    return value
+
+
+def _opt_str(env: Mapping[str, str], name: str) -> str | None:
+    raw = env.get(PREFIX + name)
+    return raw if raw not in (None, "") else None
+
+
+@dataclass(frozen=True)
+class RuntimeEnv:
+    """Effective PDRT_* configuration of one runtime process."""
+
+    # kernels: paged split-K decode attention
+    attention_backend: str = "auto"  # auto | triton | torch
+    decode_target_ctas: int = 0  # CTAs to aim for per decode step; 0 = derive from the device (SMs x waves)
+    max_kv_splits: int = 32  # upper bound on KV splits per sequence
+
+    # model
+    model: str | None = None  # path to a GGUF file or HF-layout directory; None = default SmolLM2
+
+    # PD watchdogs, seconds
+    bootstrap_timeout_s: float = 30.0  # prefill: decode peer never attached
+    transfer_timeout_s: float = 60.0  # prefill: KV ready -> receipt confirmed (transfer phase only)
+    decode_transfer_timeout_s: float = 60.0  # decode: waiting on a KV pull
+    watchdog_tick_s: float = 0.5  # watchdog period; runs without traffic
+
+    # KV-transfer authentication (per-deployment shared token)
+    kv_auth_token: str | None = field(default=None, repr=False)
+    kv_auth_token_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention backend {self.attention_backend!r} is not accepted; accepted: {', '.join(ATTENTION_BACKENDS)}"
+            )
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "RuntimeEnv":
+        env = os.environ if environ is None else environ
+        return cls(
+            attention_backend=_choice(env, "ATTENTION_BACKEND", "auto", ATTENTION_BACKENDS),
+            decode_target_ctas=_int(env, "DECODE_TARGET_CTAS", 0, lo=0, hi=1 << 16),
+            max_kv_splits=_int(env, "MAX_KV_SPLITS", 32, lo=1, hi=1024),
+            model=_opt_str(env, "MODEL"),
+            bootstrap_timeout_s=_float(env, "BOOTSTRAP_TIMEOUT_S", 30.0, lo=0.01, hi=86400.0),
+            transfer_timeout_s=_float(env, "TRANSFER_TIMEOUT_S", 60.0, lo=0.01, hi=86400.0),
+            decode_transfer_timeout_s=_float(env, "DECODE_TRANSFER_TIMEOUT_S", 60.0, lo=0.01, hi=86400.0),
+            watchdog_tick_s=_float(env, "WATCHDOG_TICK_S", 0.5, lo=0.001, hi=60.0),
+            kv_auth_token=_opt_str(env, "KV_AUTH_TOKEN"),
+            kv_auth_token_file=_opt_str(env, "KV_AUTH_TOKEN_FILE"),
+        )
+
+    def replace(self, **changes: Any) -> "RuntimeEnv":
+        return dataclasses.replace(self, **changes)
+
+    def resolve_kv_auth_token(self) -> str | None:
+        """The KV-transfer token: the variable wins, else the file's stripped contents."""
+        if self.kv_auth_token:
+            return self.kv_auth_token
+        if self.kv_auth_token_file:
+            try:
+                with open(self.kv_auth_token_file, encoding="utf-8") as fh:
+                    token = fh.read().strip()
+            except OSError as exc:
+                raise ConfigError(f"{PREFIX}KV_AUTH_TOKEN_FILE={self.kv_auth_token_file!r} cannot be read: {exc}") from None
+            if not token:
+                raise ConfigError(f"{PREFIX}KV_AUTH_TOKEN_FILE={self.kv_auth_token_file!r} is empty; accepted: a file holding the token")
+            return token
+        return None
+
+    def as_config(self) -> dict[str, Any]:
+        """Effective values for ``/config``; secrets are redacted."""
+        out = dataclasses.asdict(self)
+        out["kv_auth_token"] = "<redacted>" if self.kv_auth_token else None
+        out["process_env"] = {k: ("<redacted>" if "TOKEN" in k or "SECRET" in k else v)
+                              for k, v in sorted(os.environ.items()) if k.startswith(PREFIX)}
+        return out
