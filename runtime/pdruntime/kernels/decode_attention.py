@@ -1,0 +1,183 @@
+"""Paged decode attention: public entry point, backend choice and effective kernel config.
+
+``decode_attention`` is what the engine's decode step calls. It runs the Triton
+flash-decoding kernel (``triton_decode_attention.py``) where Triton can run, and the
+vectorised torch path (``reference.py``) otherwise:
+
+* ``PDRT_ATTENTION_BACKEND=auto`` (default): Triton on a CUDA device, torch on CPU.
+  The Triton CPU interpreter is a test tool (orders of magnitude slower than torch), so
+  ``auto`` never picks it, even when ``TRITON_INTERPRET=1`` is set.
+* ``PDRT_ATTENTION_BACKEND=triton``: Triton, also on CPU when Triton's interpreter is
+  active (``TRITON_INTERPRET=1`` set before ``import triton``); a host where Triton
+  cannot run fails start-up with a ``ConfigError``.
+* ``PDRT_ATTENTION_BACKEND=torch``: torch everywhere.
+
+The choice is made once, at start-up (``configure``), and reported with the split
+knobs by ``kernel_config()`` for ``/config``. Triton itself is imported only when the
+Triton backend is chosen, so importing this module stays cheap on CPU hosts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from pdruntime.env import ConfigError, RuntimeEnv
+from pdruntime.kernels.reference import torch_decode_attention
+from pdruntime.kernels.split_heuristic import BLOCK_N, effective_target_ctas, num_kv_splits
+
+TRITON = "triton"
+TORCH = "torch"
+
+
+def triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreter_active() -> bool:
+    """True when Triton kernels can run on CPU tensors in this process.
+
+    Triton reads ``TRITON_INTERPRET`` when a ``@triton.jit`` decorator runs, and its own
+    ``tl.max``/``tl.sum``/... are decorated when ``triton`` is first imported. So the
+    interpreter works only if the variable was set before that first import; checking
+    the type of ``tl.max`` tells whether it was, whatever the variable says now.
+    """
+    if not triton_importable():
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.max, InterpretedFunction)
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def select_backend(env: RuntimeEnv, device: torch.device | str | None = None) -> str:
+    """Start-up choice of the decode-attention backend: ``"triton"`` or ``"torch"``.
+
+    Raises ``ConfigError`` when ``PDRT_ATTENTION_BACKEND=triton`` is forced on a host
+    where Triton cannot run, rather than falling back silently.
+    """
+    device = torch.device(device) if device is not None else _default_device()
+    if env.attention_backend == TORCH:
+        return TORCH
+    on_cuda = device.type == "cuda" and torch.cuda.is_available()
+    if env.attention_backend == TRITON:
+        if not triton_importable():
+            raise ConfigError("PDRT_ATTENTION_BACKEND=triton but the triton package is not installed; "
+                              "accepted here: torch or auto")
+        if not on_cuda and not triton_interpreter_active():
+            raise ConfigError(f"PDRT_ATTENTION_BACKEND=triton but the device is {device.type} and the Triton "
+                              "interpreter is not active (TRITON_INTERPRET=1 must be set before triton is "
+                              "imported); accepted here: torch or auto")
+        return TRITON
+    return TRITON if on_cuda and triton_importable() else TORCH
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Effective decode-attention configuration of one process (reported at ``/config``)."""
+
+    backend: str  # triton | torch
+    device: str  # e.g. "cuda:0", "cpu"
+    num_sms: int  # SMs of the CUDA device; CPU: torch threads (only used to size splits)
+    target_ctas: int  # PDRT_DECODE_TARGET_CTAS as given; 0 = derive from the device
+    max_splits: int  # PDRT_MAX_KV_SPLITS
+    block_n: int = BLOCK_N  # KV tokens per CTA loop iteration (a "block of work")
+    triton_interpreter: bool = False  # Triton runs on CPU through its interpreter (tests)
+
+    def __post_init__(self) -> None:
+        if self.backend not in (TRITON, TORCH):
+            raise ConfigError(f"kernel backend {self.backend!r} is not accepted; accepted: triton, torch")
+        if self.num_sms < 1 or self.max_splits < 1 or self.target_ctas < 0:
+            raise ConfigError(f"num_sms={self.num_sms}, max_splits={self.max_splits} must be >= 1 and "
+                              f"target_ctas={self.target_ctas} >= 0")
+
+    @property
+    def effective_target_ctas(self) -> int:
+        """CTAs the split heuristic aims for: the knob (or 2 waves) rounded up to whole waves."""
+        return effective_target_ctas(self.target_ctas, self.num_sms)
+
+    @classmethod
+    def from_env(cls, env: RuntimeEnv, device: torch.device | str | None = None) -> "KernelConfig":
+        device = torch.device(device) if device is not None else _default_device()
+        backend = select_backend(env, device)
+        if device.type == "cuda" and torch.cuda.is_available():
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            num_sms = torch.cuda.get_device_properties(index).multi_processor_count
+            device_name = f"cuda:{index}"
+        else:
+            num_sms = max(1, torch.get_num_threads())
+            device_name = device.type
+        return cls(backend=backend, device=device_name, num_sms=num_sms, target_ctas=env.decode_target_ctas,
+                   max_splits=env.max_kv_splits,
+                   triton_interpreter=backend == TRITON and device_name == "cpu")
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["effective_target_ctas"] = self.effective_target_ctas
+        return out
+
+
+_active: KernelConfig | None = None
+
+
+def configure(env: RuntimeEnv | None = None, device: torch.device | str | None = None) -> KernelConfig:
+    """Choose the backend and knobs once, at start-up; later calls use this config."""
+    global _active
+    _active = KernelConfig.from_env(env if env is not None else RuntimeEnv.from_environ(), device)
+    return _active
+
+
+def active_config() -> KernelConfig:
+    """The config ``configure`` chose (configured from the process environment on first use)."""
+    return _active if _active is not None else configure()
+
+
+def kernel_config() -> dict[str, Any]:
+    """Effective kernel configuration as a dict, for ``/config``."""
+    return active_config().as_dict()
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, *, num_splits: int | Sequence[int] | None = None,
+                     sm_scale: float | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+    """Attention of one new query token per sequence over its paged KV cache.
+
+    q: [B, Hq, D]; k_cache, v_cache: [num_blocks, BLOCK_SIZE, Hkv, D];
+    block_table: [B, max_blocks] int32; seq_lens: [B] int32 (each >= 1, includes the
+    new token's own K/V, already stored). Returns out: [B, Hq, D] in q's dtype.
+
+    num_splits: KV splits per sequence for the Triton kernel (an int for all, or one
+        per sequence); None = ``num_kv_splits`` with the configured knobs. Ignored by torch.
+    sm_scale: softmax scale, default ``1 / sqrt(D)``.
+    config: overrides the process-wide ``active_config()`` (tests, benchmarks).
+    """
+    cfg = config if config is not None else active_config()
+    if cfg.backend == TORCH:
+        return torch_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+    if not q.is_cuda and not cfg.triton_interpreter:
+        raise RuntimeError(f"decode attention is configured for Triton on {cfg.device} but got {q.device} tensors; "
+                           "configure(device=...) with the engine's device")
+    from pdruntime.kernels.triton_decode_attention import triton_decode_attention
+
+    lens = seq_lens.tolist()  # host copy for the split plan; one small sync per step
+    if num_splits is None:
+        splits = num_kv_splits(lens, cfg.num_sms, cfg.target_ctas, cfg.max_splits,
+                               num_kv_heads=k_cache.shape[2], block_n=cfg.block_n)
+    elif isinstance(num_splits, int):
+        splits = [num_splits] * len(lens)
+    else:
+        splits = list(num_splits)
+    return triton_decode_attention(q, k_cache, v_cache, block_table, seq_lens, splits, sm_scale=sm_scale,
+                                   block_n=cfg.block_n, seq_lens_host=lens)
+
+
+__all__ = ["KernelConfig", "TORCH", "TRITON", "active_config", "configure", "decode_attention", "kernel_config",
+           "select_backend", "triton_interpreter_active", "triton_importable"]
