@@ -1,0 +1,270 @@
+"""Paged split-K decode attention in Triton (flash-decoding), GQA-grouped.
+
+Read it like Triton's tutorials: the two ``@triton.jit`` kernels, then the wrapper
+that checks shapes/strides/dtypes and computes the grids. The torch reference it is
+tested against is ``pdruntime.kernels.reference``.
+
+One decode step, B sequences, Hq query heads sharing Hkv KV heads (G = Hq // Hkv):
+
+* stage 1, grid ``(W, Hkv)``: work item ``w`` is one (sequence, split). The CTA loads the
+  G query heads of its KV head once, walks its split's KV tokens ``BLOCK_N`` at a time
+  through the block table (each K/V tile is read once for all G heads: that is the GQA
+  grouping), and keeps an online softmax. It writes the normalised partial output and
+  its log2-sum-exp per query head. ``W = sum(splits)``: short sequences in a mixed batch
+  get fewer splits and no CTA is launched without work (see ``split_heuristic``).
+* stage 2, grid ``(B, Hq)``: merges a sequence's partials with their LSE weights.
+  When every sequence has one split, stage 1 writes ``out`` directly and stage 2 is skipped.
+
+On CPU tensors the kernels run through Triton's interpreter (tests), which requires
+``TRITON_INTERPRET=1`` before ``triton`` is first imported (see
+``decode_attention.triton_interpreter_active``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from pdruntime.kernels.reference import check_decode_inputs
+from pdruntime.kernels.split_heuristic import BLOCK_N, cdiv, normalise_splits
+
+LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K_cache, V_cache, Block_table, Seq_lens, Num_splits, Work_seq, Work_split,
+    Out_partial, Lse_partial, Out,
+    sm_scale_log2,  # sm_scale * log2(e)
+    stride_qb, stride_qh,  # q: [B, Hq, D], last stride 1
+    stride_kp, stride_kt, stride_kh,  # k_cache: [pages, PAGE, Hkv, D], last stride 1
+    stride_vp, stride_vt, stride_vh,
+    stride_btb,  # block_table: [B, max_blocks], last stride 1
+    stride_opw, stride_oph,  # out_partial: [W, Hq, D]
+    stride_lpw,  # lse_partial: [W, Hq]
+    stride_ob, stride_oh,  # out: [B, Hq, D]
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,  # tokens per KV page (cache BLOCK_SIZE)
+    BLOCK_G: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum M)
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two
+    BLOCK_N: tl.constexpr,  # KV tokens per loop iteration
+    DIRECT: tl.constexpr,  # every sequence has one split: write Out, no partials
+    IEEE_DOT: tl.constexpr,  # fp32 cache: exact fp32 dot instead of tf32
+):
+    pid_w = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(Work_seq + pid_w)
+    split = tl.load(Work_split + pid_w)
+    seq_len = tl.load(Seq_lens + seq)
+    n_splits = tl.load(Num_splits + seq)
+
+    # Same partition as split_heuristic.split_bounds: whole BLOCK_N tiles per split.
+    blocks_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), n_splits)
+    start = split * blocks_per_split * BLOCK_N
+    end = tl.minimum(start + blocks_per_split * BLOCK_N, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g  # query heads of this KV head
+    q_ptrs = Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)  # running sum of exp2
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        # Page of each token from the block table; masked tokens read page 0, never used.
+        pages = tl.load(Block_table + seq * stride_btb + offs_n // PAGE, mask=mask_n, other=0)
+        slots = offs_n % PAGE
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k_ptrs = K_cache + pages[:, None] * stride_kp + slots[:, None] * stride_kt + kv_head * stride_kh \
+            + offs_d[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if IEEE_DOT:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = qk * sm_scale_log2
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))  # [BLOCK_G, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile has >= 1 valid token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = V_cache + pages[:, None] * stride_vp + slots[:, None] * stride_vt + kv_head * stride_vh \
+            + offs_d[None, :]
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # masked slots read 0, so NaN garbage never enters
+        if IEEE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out_mask = mask_g[:, None] & mask_d[None, :]
+    if DIRECT:
+        out_ptrs = Out + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=out_mask)
+    else:
+        # An empty split (not produced by split_heuristic, but possible for a caller's
+        # explicit num_splits) stores lse = -inf and zeros: it then weighs 0 in the merge.
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o_ptrs = Out_partial + pid_w * stride_opw + heads[:, None] * stride_oph + offs_d[None, :]
+        tl.store(o_ptrs, acc / l_safe[:, None], mask=out_mask)
+        tl.store(Lse_partial + pid_w * stride_lpw + heads, m_i + tl.log2(l_safe), mask=mask_g)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    Out_partial, Lse_partial, Split_offset, Num_splits, Out,
+    stride_opw, stride_oph,  # out_partial: [W, Hq, D]
+    stride_lpw,  # lse_partial: [W, Hq]
+    stride_ob, stride_oh,  # out: [B, Hq, D]
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    first = tl.load(Split_offset + seq)
+    n_splits = tl.load(Num_splits + seq)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+
+    m = float("-inf")
+    denom = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s in range(0, n_splits):
+        w = first + s
+        lse = tl.load(Lse_partial + w * stride_lpw + head)
+        o = tl.load(Out_partial + w * stride_opw + head * stride_oph + offs_d, mask=mask_d, other=0.0)
+        m_new = tl.maximum(m, lse)
+        scale_old = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        acc = acc * scale_old + weight * o
+        denom = denom * scale_old + weight
+        m = m_new
+    tl.store(Out + seq * stride_ob + head * stride_oh + offs_d, (acc / denom).to(Out.dtype.element_ty), mask=mask_d)
+
+
+_interpreted: dict[object, object] = {}
+
+
+@contextlib.contextmanager
+def _interpreter_knob(device: torch.device):
+    """On CPU, hold Triton's ``interpret`` knob on for the launch, then restore it.
+
+    Triton consults the knob at launch too (e.g. its lazily imported gluon package
+    asserts it), so an interpreted launch must see it set even when the process env
+    was cleaned after ``import triton``. ``scope()`` restores knob and env variable.
+    """
+    if device.type == "cuda":
+        yield
+        return
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = True
+        yield
+
+
+def _launchable(kernel, device: torch.device):
+    """The kernel itself on CUDA; on CPU, the same function wrapped for Triton's interpreter.
+
+    Wrapping here (instead of relying on TRITON_INTERPRET at decoration time) means this
+    module behaves the same whether or not the variable is set when it is imported;
+    only Triton's own library functions depend on the variable at ``import triton``.
+    """
+    if device.type == "cuda":
+        return kernel
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(kernel, InterpretedFunction):
+        return kernel
+    if kernel not in _interpreted:
+        _interpreted[kernel] = InterpretedFunction(kernel.fn)
+    return _interpreted[kernel]
+
+
+def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table: torch.Tensor, seq_lens: torch.Tensor, splits: Sequence[int], *,
+                            sm_scale: float | None = None, block_n: int = BLOCK_N,
+                            seq_lens_host: Sequence[int] | None = None) -> torch.Tensor:
+    """Launch stage 1 (and stage 2 when any sequence is split); returns out: [B, Hq, D].
+
+    splits: KV splits per sequence (from ``num_kv_splits`` or the caller); each is
+    clamped to [1, blocks of work]. seq_lens_host: ``seq_lens`` already on the host.
+    """
+    batch, num_q_heads, num_kv_heads, head_dim, page = check_decode_inputs(q, k_cache, v_cache, block_table, seq_lens)
+    assert q.device == k_cache.device == v_cache.device == block_table.device == seq_lens.device, \
+        "q, caches, block_table and seq_lens must be on one device"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and block_table.stride(-1) == 1, \
+        "the head dim of q/k/v and the block axis of block_table must be contiguous"
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"q dtype {q.dtype} not supported"
+    assert k_cache.dtype == q.dtype, f"cache dtype {k_cache.dtype} != q dtype {q.dtype}"
+    assert block_n & (block_n - 1) == 0 and block_n >= 16, f"block_n={block_n} must be a power of two >= 16"
+    assert len(splits) == batch, f"{len(splits)} split counts for a batch of {batch}"
+    lens = list(seq_lens_host) if seq_lens_host is not None else seq_lens.tolist()
+    assert all(n >= 1 for n in lens), "every sequence needs >= 1 token of context"
+    assert all(cdiv(n, page) <= block_table.shape[1] for n in lens), "block_table has fewer pages than seq_lens need"
+
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    # Clamp to [1, blocks of work] and drop empty trailing splits (see normalise_splits).
+    splits = [normalise_splits(cdiv(n, block_n), int(s)) for s, n in zip(splits, lens)]
+    direct = all(s == 1 for s in splits)
+
+    # Work list: item w is (sequence, split); Split_offset[b] = first item of sequence b.
+    device = q.device
+    counts = torch.tensor(splits, dtype=torch.int32)
+    split_offset = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+    work_seq = torch.repeat_interleave(torch.arange(batch, dtype=torch.int32), counts)
+    num_work = len(work_seq)
+    work_split = (torch.arange(num_work, dtype=torch.int32) - split_offset[work_seq.long()]).to(torch.int32)
+    work_seq, work_split = work_seq.to(device), work_split.to(device)
+    split_offset, num_splits = split_offset.to(device), torch.tensor(splits, dtype=torch.int32, device=device)
+    if direct:
+        out_partial = torch.empty((1, 1, 1), dtype=torch.float32, device=device)  # unused
+        lse_partial = torch.empty((1, 1), dtype=torch.float32, device=device)
+    else:
+        out_partial = torch.empty((num_work, num_q_heads, head_dim), dtype=torch.float32, device=device)
+        lse_partial = torch.empty((num_work, num_q_heads), dtype=torch.float32, device=device)
+
+    # Grids: stage 1 one CTA per (work item, KV head); stage 2 one per (sequence, query head).
+    block_d = triton.next_power_of_2(head_dim)
+    block_g = max(16, triton.next_power_of_2(group))
+    cuda = device.type == "cuda"
+    with _interpreter_knob(device):
+        _launchable(_decode_split_kernel, device)[(num_work, num_kv_heads)](
+            q, k_cache, v_cache, block_table, seq_lens, num_splits, work_seq, work_split,
+            out_partial, lse_partial, out,
+            scale * LOG2E,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_table.stride(0),
+            out_partial.stride(0), out_partial.stride(1),
+            lse_partial.stride(0),
+            out.stride(0), out.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
+            DIRECT=direct, IEEE_DOT=k_cache.dtype == torch.float32,
+            **({"num_warps": 4, "num_stages": 2} if cuda else {}),
+        )
+        if not direct:
+            _launchable(_decode_merge_kernel, device)[(batch, num_q_heads)](
+                out_partial, lse_partial, split_offset, num_splits, out,
+                out_partial.stride(0), out_partial.stride(1),
+                lse_partial.stride(0),
+                out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, BLOCK_D=block_d,
+                **({"num_warps": 1} if cuda else {}),
+            )
+    return out
