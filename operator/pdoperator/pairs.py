@@ -1,0 +1,314 @@
+"""pairs: observed worker pods -> actions. The co-restart and rollout planner (pure).
+
+Rules (DESIGN.md, "Operator"):
+
+* A PD pair restarts together. When any pod of pair k had a container restart, was deleted,
+  evicted, OOM-killed or failed, every live pod of pair k is deleted and the pair is created
+  again, after an exponential backoff (capped) counted over consecutive co-restarts. A
+  decode-only or prefill-only restart never happens under ``coRestart.policy: Pair``.
+* Spec changes roll out pair by pair: a ready pair at an old revision is replaced only while
+  fewer than ``maxUnavailablePairs`` pairs are unavailable. A pair's pods are always created
+  together at one revision, so prefill and decode of a pair never run different revisions.
+
+The planner sees each reconcile's snapshot (pods listed fresh from the API) plus the per-pair
+memory kept in ``status.pairs`` and returns what to do; the kopf shell executes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+from .render import LABEL_PAIR, LABEL_REVISION, LABEL_ROLE, ROLES
+from .spec import GPU_RESOURCE, CoRestartSpec
+
+# co-restart reasons (also the `reason` label of pdstack_operator_co_restarts_total)
+EVICTED = "Evicted"
+OOM_KILLED = "OOMKilled"
+FAILED = "Failed"
+CONTAINER_RESTART = "ContainerRestart"
+POD_DELETED = "PodDeleted"
+MIXED_REVISION = "MixedRevision"
+REASONS = (EVICTED, OOM_KILLED, FAILED, CONTAINER_RESTART, POD_DELETED, MIXED_REVISION)
+
+TERMINATING_RECHECK_S = 2.0  # poll while our deletions drain (pod events usually come first)
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What the planner needs to know about one worker pod."""
+
+    name: str
+    pair: int
+    role: str
+    revision: str
+    phase: str = "Pending"
+    ready: bool = False
+    restarts: int = 0  # sum of container restartCount
+    terminating: bool = False
+    evicted: bool = False
+    oom_killed: bool = False
+    unschedulable: str | None = None  # the scheduler's message when PodScheduled=False/Unschedulable
+    ip: str | None = None
+    gpus: int = 0
+
+
+def pod_view(pod: Mapping[str, Any]) -> PodView | None:
+    """Project an API Pod onto :class:`PodView`; None for pods that are not pdstack workers."""
+    meta = pod.get("metadata", {})
+    labels = meta.get("labels", {}) or {}
+    try:
+        pair = int(labels[LABEL_PAIR])
+        role = labels[LABEL_ROLE]
+    except (KeyError, ValueError):
+        return None
+    if role not in ROLES:
+        return None
+    status = pod.get("status", {}) or {}
+    conds = {c.get("type"): c for c in status.get("conditions", []) or []}
+    statuses = status.get("containerStatuses", []) or []
+    oom = any(
+        (cs.get(key, {}) or {}).get("terminated", {}).get("reason") == "OOMKilled"
+        for cs in statuses for key in ("state", "lastState")
+    )
+    sched = conds.get("PodScheduled", {})
+    unschedulable = (sched.get("message") or "Unschedulable") if sched.get("reason") == "Unschedulable" else None
+    gpus = 0
+    for c in pod.get("spec", {}).get("containers", []) or []:
+        gpus += int((c.get("resources", {}) or {}).get("requests", {}).get(GPU_RESOURCE, 0) or 0)
+    return PodView(
+        name=meta.get("name", ""),
+        pair=pair,
+        role=role,
+        revision=labels.get(LABEL_REVISION, ""),
+        phase=status.get("phase", "Pending") or "Pending",
+        ready=conds.get("Ready", {}).get("status") == "True",
+        restarts=sum(int(cs.get("restartCount", 0) or 0) for cs in statuses),
+        terminating=bool(meta.get("deletionTimestamp")),
+        evicted=status.get("reason") == "Evicted",
+        oom_killed=oom,
+        unschedulable=unschedulable,
+        ip=status.get("podIP"),
+        gpus=gpus,
+    )
+
+
+@dataclass(frozen=True)
+class PairMemory:
+    """Per-pair facts that outlive pods (kept in status.pairs[k]); times are epoch seconds."""
+
+    restarts: int = 0  # co-restarts of this pair, ever
+    streak: int = 0  # consecutive co-restarts without a stable ready period (drives backoff)
+    last_co_restart_at: float | None = None
+    last_co_restart_reason: str | None = None
+    ready_since: float | None = None
+    recovering: bool = False  # co-restarted and not ready since (time to recover = ready - last_co_restart_at)
+
+
+# ---------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class CoRestart:
+    pair: int
+    reason: str
+    pods: tuple[str, ...]  # every live pod of the pair: all are deleted
+    detail: str
+
+
+@dataclass(frozen=True)
+class RolloutPair:
+    pair: int
+    from_revision: str
+    to_revision: str
+    pods: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CreatePods:
+    pair: int
+    revision: str
+    roles: tuple[str, ...]  # both roles, except under coRestart.policy=Never
+
+
+@dataclass(frozen=True)
+class DeletePods:
+    pair: int
+    pods: tuple[str, ...]
+    reason: str  # ScaleDown | Duplicate | Failed (policy Never)
+
+
+Action = CoRestart | RolloutPair | CreatePods | DeletePods
+
+
+@dataclass(frozen=True)
+class PairState:
+    index: int
+    revision: str | None  # the revision its live pods run (one per pair, by construction)
+    ready: bool
+    phase: str  # Ready | Starting | Unschedulable | CoRestarting | BackingOff | RollingOut | Terminating | Creating
+    memory: PairMemory
+    recovered_after_s: float | None = None  # set on the reconcile a pair turns ready after being down
+    hosts: tuple[str | None, str | None] = (None, None)  # (prefill IP, decode IP)
+
+
+@dataclass(frozen=True)
+class Plan:
+    actions: tuple[Action, ...]
+    pairs: tuple[PairState, ...]
+    requeue_after: float | None = None
+    unschedulable: tuple[PodView, ...] = field(default=())
+
+    @property
+    def co_restarts(self) -> tuple[CoRestart, ...]:
+        return tuple(a for a in self.actions if isinstance(a, CoRestart))
+
+
+def _trigger(live: Sequence[PodView]) -> tuple[str, str] | None:
+    """(reason, detail) if this pair must co-restart, judged from its live pods."""
+    for reason, hit in ((EVICTED, lambda p: p.evicted), (OOM_KILLED, lambda p: p.oom_killed),
+                        (FAILED, lambda p: p.phase == "Failed"), (CONTAINER_RESTART, lambda p: p.restarts > 0)):
+        for p in live:
+            if hit(p):
+                detail = f"{p.role} pod {p.name}" + (f" restarted {p.restarts}x" if p.restarts else "")
+                return reason, detail
+    roles = {p.role for p in live}
+    if live and roles != set(ROLES):
+        missing = sorted(set(ROLES) - roles)
+        return POD_DELETED, f"{'/'.join(missing)} pod gone while {'/'.join(sorted(roles))} survived"
+    revisions = {p.revision for p in live}
+    if len(revisions) > 1:
+        return MIXED_REVISION, f"pods run revisions {sorted(revisions)}"
+    return None
+
+
+def _min(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return min(a, b)
+
+
+def plan_pairs(
+    *,
+    desired_revision: str,
+    pairs: int,
+    policy: CoRestartSpec,
+    max_unavailable: int,
+    pods: Sequence[PodView],
+    memory: Mapping[int, PairMemory],
+    now: float,
+) -> Plan:
+    """Decide the actions for one reconcile of the worker pods."""
+    actions: list[Action] = []
+    states: dict[int, PairState] = {}
+    requeue: float | None = None
+    by_pair: dict[int, list[PodView]] = {}
+    for p in pods:
+        by_pair.setdefault(p.pair, []).append(p)
+
+    # scale down: pairs beyond spec.pairs go, whole
+    for k in sorted(k for k in by_pair if k >= pairs):
+        names = tuple(sorted(p.name for p in by_pair[k] if not p.terminating))
+        if names:
+            actions.append(DeletePods(k, names, "ScaleDown"))
+
+    for k in range(pairs):
+        mem = memory.get(k, PairMemory())
+        all_pods = sorted(by_pair.get(k, []), key=lambda p: (p.role, p.name))
+        live = [p for p in all_pods if not p.terminating]
+        # duplicates of one role (e.g. a create retried after a timeout): keep the newest-named one
+        seen: dict[str, PodView] = {}
+        for p in live:
+            if p.role in seen:
+                actions.append(DeletePods(k, (seen[p.role].name,), "Duplicate"))
+            seen[p.role] = p
+        live = list(seen.values())
+        hosts = (seen["prefill"].ip if "prefill" in seen else None, seen["decode"].ip if "decode" in seen else None)
+
+        trig = _trigger(live)
+        if trig and policy.policy == "Pair":
+            reason, detail = trig
+            stable = mem.ready_since is not None and now - mem.ready_since >= policy.backoff_max_s
+            streak = (0 if stable else mem.streak) + 1
+            new_mem = replace(mem, restarts=mem.restarts + 1, streak=streak, last_co_restart_at=now,
+                              last_co_restart_reason=reason, ready_since=None, recovering=True)
+            actions.append(CoRestart(k, reason, tuple(p.name for p in live), detail))
+            states[k] = PairState(k, None, False, "CoRestarting", new_mem)
+            requeue = _min(requeue, max(policy.backoff(streak), 0.05))
+            continue
+        if trig and policy.policy == "Never":
+            # opt-out: replace only what is broken, one side at a time (documented as unsafe)
+            reason, _ = trig
+            broken = tuple(p.name for p in live if p.evicted or p.phase == "Failed")
+            if broken:
+                actions.append(DeletePods(k, broken, FAILED))
+            missing = tuple(r for r in ROLES if r not in seen)
+            if missing:
+                rev = next(iter(seen.values())).revision if seen else desired_revision
+                actions.append(CreatePods(k, rev, missing))
+            states[k] = PairState(k, None, False, "Starting", replace(mem, ready_since=None), hosts=hosts)
+            continue
+
+        if not live:
+            if all_pods:  # our deletions still draining
+                states[k] = PairState(k, None, False, "Terminating", mem)
+                requeue = _min(requeue, TERMINATING_RECHECK_S)
+                continue
+            if mem.last_co_restart_at is not None:
+                wait = mem.last_co_restart_at + policy.backoff(mem.streak) - now
+                if wait > 0:
+                    states[k] = PairState(k, None, False, "BackingOff", mem)
+                    requeue = _min(requeue, wait)
+                    continue
+            actions.append(CreatePods(k, desired_revision, ROLES))
+            states[k] = PairState(k, desired_revision, False, "Creating", mem)
+            continue
+
+        revision = live[0].revision
+        ready = all(p.ready and p.phase == "Running" for p in live)
+        if ready:
+            recovered = (now - mem.last_co_restart_at
+                         if mem.recovering and mem.last_co_restart_at is not None else None)
+            new_mem = replace(mem, ready_since=mem.ready_since if mem.ready_since is not None else now,
+                              recovering=False)
+            states[k] = PairState(k, revision, True, "Ready", new_mem, recovered_after_s=recovered, hosts=hosts)
+        else:
+            phase = "Unschedulable" if any(p.unschedulable for p in live) else "Starting"
+            states[k] = PairState(k, revision, False, phase, replace(mem, ready_since=None), hosts=hosts)
+
+    # rollout: replace pairs at an old revision, never more than maxUnavailable pairs down at once
+    unavailable = sum(1 for s in states.values() if not s.ready)
+    budget = max_unavailable - unavailable
+    for k in range(pairs):
+        s = states[k]
+        if s.revision is None or s.revision == desired_revision or s.phase not in ("Ready", "Starting",
+                                                                                    "Unschedulable"):
+            continue
+        names = tuple(p.name for p in by_pair.get(k, []) if not p.terminating)
+        if not s.ready:  # already unavailable: replacing it costs no availability
+            actions.append(RolloutPair(k, s.revision, desired_revision, names))
+            states[k] = replace(s, phase="RollingOut")
+        elif budget > 0:
+            actions.append(RolloutPair(k, s.revision, desired_revision, names))
+            states[k] = replace(s, ready=False, phase="RollingOut",
+                                memory=replace(s.memory, ready_since=None))
+            budget -= 1
+
+    unsched = tuple(p for p in pods if p.unschedulable and not p.terminating and p.pair < pairs)
+    return Plan(tuple(actions), tuple(states[k] for k in range(pairs)), requeue, unsched)
+
+
+def unschedulable_message(*, requested_gpus: int, pods: Sequence[PodView], nodes: Sequence[Mapping[str, Any]],
+                          node_selector: Mapping[str, str]) -> str:
+    """``Progressing/Unschedulable`` message: GPUs requested vs allocatable on matching nodes."""
+    matching = [n for n in nodes
+                if all((n.get("metadata", {}).get("labels", {}) or {}).get(k) == v for k, v in node_selector.items())]
+    allocatable = sum(int((n.get("status", {}).get("allocatable", {}) or {}).get(GPU_RESOURCE, 0) or 0)
+                      for n in matching)
+    pending_gpus = sum(p.gpus for p in pods)
+    names = ", ".join(sorted(p.name for p in pods)[:4]) + (" ..." if len(pods) > 4 else "")
+    sched = pods[0].unschedulable if pods else ""
+    where = f"on {len(matching)} node(s)" + (f" matching nodeSelector {dict(node_selector)}" if node_selector else "")
+    return (f"{len(pods)} worker pod(s) cannot be scheduled ({names}; {pending_gpus} {GPU_RESOURCE} pending): "
+            f"the deployment requests {requested_gpus} {GPU_RESOURCE} in total, {allocatable} allocatable "
+            f"{where}. Scheduler: {sched}")

@@ -1,0 +1,313 @@
+"""render: spec + revision -> the child objects of a PDDeployment (pure; no API calls).
+
+Children: one Pod per pair and role (created directly, not through a StatefulSet, so the
+operator alone decides when a pair restarts), a headless worker Service (stable DNS per pod
+via hostname/subdomain), the router Deployment and Service, the router topology ConfigMap,
+the KV-transfer auth Secret, a NetworkPolicy and a PodDisruptionBudget. Every child carries an
+owner reference to the PDDeployment, so deleting it deletes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from .spec import BOOTSTRAP_PORT, GPU_RESOURCE, GROUP, HTTP_PORT, KIND, VERSION, PDSpec, RoleSpec
+
+LABEL_DEPLOYMENT = "pdstack.io/deployment"
+LABEL_PAIR = "pdstack.io/pair"
+LABEL_ROLE = "pdstack.io/role"
+LABEL_REVISION = "pdstack.io/revision"
+LABEL_COMPONENT = "pdstack.io/component"  # worker | router
+ROLES = ("prefill", "decode")
+TOPOLOGY_KEY = "topology.yaml"
+TOPOLOGY_DIR = "/etc/pdstack"
+KV_AUTH_DIR = "/etc/pdstack/kv-auth"
+KV_AUTH_KEY = "token"
+
+
+@dataclass(frozen=True)
+class Owner:
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": self.name, "uid": self.uid,
+                "controller": True, "blockOwnerDeletion": True}
+
+
+@dataclass(frozen=True)
+class TopologyPair:
+    index: int
+    ready: bool
+    prefill_host: str | None  # pod IP (or DNS name) of the prefill worker
+    decode_host: str | None
+
+
+# ---------------------------------------------------------------- names
+def workers_service_name(name: str) -> str:
+    return f"{name}-workers"
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def topology_name(name: str) -> str:
+    return f"{name}-topology"
+
+
+def kv_secret_name(name: str) -> str:
+    return f"{name}-kv-auth"
+
+
+def worker_hostname(name: str, pair: int, role: str) -> str:
+    return f"{name}-{pair}-{role}"
+
+
+def worker_dns(owner: Owner, pair: int, role: str) -> str:
+    return f"{worker_hostname(owner.name, pair, role)}.{workers_service_name(owner.name)}.{owner.namespace}.svc"
+
+
+def pod_name(name: str, pair: int, role: str, suffix: str) -> str:
+    return f"{worker_hostname(name, pair, role)}-{suffix}"
+
+
+def _meta(owner: Owner, name: str, labels: Mapping[str, str] | None = None, **extra: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": {"app.kubernetes.io/name": "pdstack", "app.kubernetes.io/managed-by": "pdstack-operator",
+                   LABEL_DEPLOYMENT: owner.name, **(labels or {})},
+        "ownerReferences": [owner.reference()],
+    }
+    meta.update(extra)
+    return meta
+
+
+# ---------------------------------------------------------------- command lines
+def worker_command(spec: PDSpec, owner: Owner, role: str) -> list[str]:
+    """The container command of a prefill/decode worker for the spec's engine."""
+    r: RoleSpec = spec.prefill if role == "prefill" else spec.decode
+    if spec.engine == "sglang":
+        cmd = ["python", "-m", "sglang.launch_server", "--model-path", str(spec.model.source),
+               "--disaggregation-mode", role, "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
+        if spec.model.served_name:
+            cmd += ["--served-model-name", spec.model.served_name]
+        if role == "prefill":
+            cmd += ["--disaggregation-bootstrap-port", str(BOOTSTRAP_PORT)]
+        if r.gpus > 1:
+            cmd += ["--tp-size", str(r.gpus)]
+        return cmd + list(r.args)
+    cmd = ["pdrt", "serve", "--role", role, "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
+    if role == "prefill":
+        cmd += ["--bootstrap-port", str(BOOTSTRAP_PORT)]
+    if spec.model.source:
+        cmd += ["--model", spec.model.source]
+    return cmd + list(r.args)
+
+
+def router_command(spec: PDSpec, owner: Owner) -> list[str]:
+    if spec.engine == "sglang":
+        # SGLang's router takes a static list; worker DNS names are stable across co-restarts.
+        cmd = ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        for k in range(spec.pairs):
+            cmd += ["--prefill", f"http://{worker_dns(owner, k, 'prefill')}:{HTTP_PORT}", str(BOOTSTRAP_PORT)]
+        for k in range(spec.pairs):
+            cmd += ["--decode", f"http://{worker_dns(owner, k, 'decode')}:{HTTP_PORT}"]
+        return cmd + ["--host", "0.0.0.0", "--port", str(HTTP_PORT)] + list(spec.router.args)
+    return ["pdrt", "serve", "--role", "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+            "--topology-file", f"{TOPOLOGY_DIR}/{TOPOLOGY_KEY}"] + list(spec.router.args)
+
+
+def worker_env(spec: PDSpec, role: str) -> list[dict[str, str]]:
+    """Env of a worker: operator-owned knobs first (from typed fields), then the user's env."""
+    r = spec.prefill if role == "prefill" else spec.decode
+    env = [
+        {"name": "PDRT_DECODE_TARGET_CTAS", "value": str(spec.kernel.decode_target_ctas)},
+        {"name": "PDRT_MAX_KV_SPLITS", "value": str(spec.kernel.max_kv_splits)},
+        {"name": "PDRT_ATTENTION_BACKEND", "value": spec.kernel.attention_backend},
+        {"name": "PDRT_BOOTSTRAP_TIMEOUT_S", "value": _num(spec.watchdog.bootstrap_timeout_s)},
+        {"name": "PDRT_TRANSFER_TIMEOUT_S", "value": _num(spec.watchdog.transfer_timeout_s)},
+        {"name": "PDRT_DECODE_TRANSFER_TIMEOUT_S", "value": _num(spec.watchdog.decode_transfer_timeout_s)},
+        {"name": "PDRT_WATCHDOG_TICK_S", "value": _num(spec.watchdog.tick_s)},
+        {"name": "PDRT_KV_AUTH_TOKEN_FILE", "value": f"{KV_AUTH_DIR}/{KV_AUTH_KEY}"},
+    ]
+    if spec.model.source:
+        env.append({"name": "PDRT_MODEL", "value": spec.model.source})
+    return env + [{"name": n, "value": v} for n, v in r.env]
+
+
+def _num(x: float) -> str:
+    return repr(int(x)) if float(x).is_integer() else repr(x)
+
+
+def _resources(r: RoleSpec) -> dict[str, Any]:
+    requests, limits = dict(r.requests), dict(r.limits)
+    if r.gpus:
+        requests[GPU_RESOURCE] = str(r.gpus)
+        limits[GPU_RESOURCE] = str(r.gpus)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = dict(sorted(requests.items()))
+    if limits:
+        out["limits"] = dict(sorted(limits.items()))
+    return out
+
+
+def _placement(spec: PDSpec) -> dict[str, Any]:
+    p = spec.placement
+    out: dict[str, Any] = {}
+    if p.node_selector:
+        out["nodeSelector"] = dict(p.node_selector)
+    if p.tolerations:
+        out["tolerations"] = [dict(t) for t in p.tolerations]
+    if p.affinity:
+        out["affinity"] = dict(p.affinity)
+    if p.priority_class_name:
+        out["priorityClassName"] = p.priority_class_name
+    return out
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures}
+
+
+# ---------------------------------------------------------------- children
+def worker_pod(spec: PDSpec, owner: Owner, revision: str, pair: int, role: str, suffix: str) -> dict[str, Any]:
+    """One worker Pod of pair ``pair``; ``suffix`` makes the name unique per incarnation."""
+    r = spec.prefill if role == "prefill" else spec.decode
+    ports = [{"name": "http", "containerPort": HTTP_PORT}]
+    if role == "prefill":
+        ports.append({"name": "bootstrap", "containerPort": BOOTSTRAP_PORT})
+    labels = {LABEL_COMPONENT: "worker", LABEL_PAIR: str(pair), LABEL_ROLE: role, LABEL_REVISION: revision}
+    container: dict[str, Any] = {
+        "name": role,
+        "image": spec.image,
+        "command": worker_command(spec, owner, role),
+        "env": worker_env(spec, role),
+        "ports": ports,
+        "readinessProbe": _probe("/health", 5, 3),
+        # Liveness is generous: a restart costs a co-restart of the whole pair.
+        "livenessProbe": _probe("/health", 10, 30),
+        "volumeMounts": [{"name": "kv-auth", "mountPath": KV_AUTH_DIR, "readOnly": True}]
+        + [dict(m) for m in r.volume_mounts],
+    }
+    res = _resources(r)
+    if res:
+        container["resources"] = res
+    pod_spec: dict[str, Any] = {
+        "hostname": worker_hostname(owner.name, pair, role),
+        "subdomain": workers_service_name(owner.name),
+        "restartPolicy": "Always",
+        "containers": [container],
+        "volumes": [{"name": "kv-auth", "secret": {"secretName": kv_secret_name(owner.name)}}]
+        + [dict(v) for v in r.volumes],
+        **_placement(spec),
+    }
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": _meta(owner, pod_name(owner.name, pair, role, suffix), labels,
+                              annotations={"pdstack.io/engine": spec.engine}),
+            "spec": pod_spec}
+
+
+def topology_yaml(revision: str, pairs: Iterable[TopologyPair]) -> str:
+    """The router topology file (``topology.yaml``) in the cross-component format."""
+    doc = {"version": 1, "revision": revision, "pairs": []}
+    for p in pairs:
+        entry: dict[str, Any] = {"index": p.index, "ready": bool(p.ready and p.prefill_host and p.decode_host)}
+        entry["prefill"] = {"url": f"http://{p.prefill_host}:{HTTP_PORT}" if p.prefill_host else None,
+                            "bootstrap_host": p.prefill_host, "bootstrap_port": BOOTSTRAP_PORT}
+        entry["decode"] = {"url": f"http://{p.decode_host}:{HTTP_PORT}" if p.decode_host else None}
+        doc["pairs"].append(entry)
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def topology_configmap(owner: Owner, revision: str, pairs: Iterable[TopologyPair]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _meta(owner, topology_name(owner.name), {LABEL_COMPONENT: "router"}),
+            "data": {TOPOLOGY_KEY: topology_yaml(revision, pairs)}}
+
+
+def kv_secret(owner: Owner, token: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(owner, kv_secret_name(owner.name)),
+            "stringData": {KV_AUTH_KEY: token}}
+
+
+def workers_service(owner: Owner) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(owner, workers_service_name(owner.name), {LABEL_COMPONENT: "worker"}),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                     "selector": {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "worker"},
+                     "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": HTTP_PORT},
+                               {"name": "bootstrap", "port": BOOTSTRAP_PORT, "targetPort": BOOTSTRAP_PORT}]}}
+
+
+def router_deployment(spec: PDSpec, owner: Owner) -> dict[str, Any]:
+    labels = {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "router"}
+    container: dict[str, Any] = {
+        "name": "router", "image": spec.image, "command": router_command(spec, owner),
+        "env": [{"name": n, "value": v} for n, v in spec.router.env],
+        "ports": [{"name": "http", "containerPort": HTTP_PORT}],
+        "readinessProbe": _probe("/health", 5, 3),
+        "volumeMounts": [{"name": "topology", "mountPath": TOPOLOGY_DIR, "readOnly": True}]
+        + [dict(m) for m in spec.router.volume_mounts],
+    }
+    res = _resources(spec.router)
+    if res:
+        container["resources"] = res
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": _meta(owner, router_name(owner.name), {LABEL_COMPONENT: "router"}),
+            "spec": {"replicas": spec.router.replicas, "selector": {"matchLabels": labels},
+                     "template": {"metadata": {"labels": {"app.kubernetes.io/name": "pdstack", **labels}},
+                                  "spec": {"containers": [container],
+                                           "volumes": [{"name": "topology",
+                                                        "configMap": {"name": topology_name(owner.name)}}]
+                                           + [dict(v) for v in spec.router.volumes]}}}}
+
+
+def router_service(owner: Owner) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(owner, router_name(owner.name), {LABEL_COMPONENT: "router"}),
+            "spec": {"selector": {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "router"},
+                     "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": HTTP_PORT}]}}
+
+
+def network_policy(owner: Owner) -> dict[str, Any]:
+    """Workers accept traffic only from pods of the same PDDeployment (router and peers)."""
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _meta(owner, workers_service_name(owner.name), {LABEL_COMPONENT: "worker"}),
+            "spec": {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "worker"}},
+                     "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [{"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name}}}],
+                                  "ports": [{"port": HTTP_PORT}, {"port": BOOTSTRAP_PORT}]}]}}
+
+
+def disruption_budget(spec: PDSpec, owner: Owner) -> dict[str, Any]:
+    """Voluntary evictions may take down at most ``maxUnavailablePairs`` pairs' worth of pods."""
+    min_available = max(0, 2 * (spec.pairs - spec.max_unavailable_pairs))
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _meta(owner, workers_service_name(owner.name), {LABEL_COMPONENT: "worker"}),
+            "spec": {"minAvailable": min_available,
+                     "selector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "worker"}}}}
+
+
+def static_children(spec: PDSpec, owner: Owner, revision: str,
+                    topology: Iterable[TopologyPair] | None = None) -> list[dict[str, Any]]:
+    """Children other than worker Pods and the Secret (those have their own lifecycles)."""
+    if topology is None:
+        topology = [TopologyPair(k, False, None, None) for k in range(spec.pairs)]
+    return [workers_service(owner), router_deployment(spec, owner), router_service(owner),
+            topology_configmap(owner, revision, topology), network_policy(owner), disruption_budget(spec, owner)]
+
+
+def render(spec: PDSpec, owner: Owner, revision: str, *, kv_token: str, suffix: str = "0") -> list[dict[str, Any]]:
+    """Every child of a fresh PDDeployment: Secret, pods of every pair, services, router, topology."""
+    pods = [worker_pod(spec, owner, revision, k, role, suffix) for k in range(spec.pairs) for role in ROLES]
+    topology = [TopologyPair(k, False, worker_dns(owner, k, "prefill"), worker_dns(owner, k, "decode"))
+                for k in range(spec.pairs)]
+    return [kv_secret(owner, kv_token)] + pods + static_children(spec, owner, revision, topology)

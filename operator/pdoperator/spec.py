@@ -1,0 +1,322 @@
+"""Typed, defaulted, validated view of a PDDeployment spec.
+
+``parse_spec(raw)`` turns the ``spec`` dict of a PDDeployment into a frozen :class:`PDSpec`
+or raises :class:`SpecError` listing every problem found, each naming the field, the value,
+and what would be accepted. The CRD schema catches type/enum/range mistakes at admission;
+this module re-checks them (manifests rendered offline never met the API server) and adds
+the cross-field rules a schema cannot express.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+GROUP = "pdstack.io"
+VERSION = "v1alpha1"
+PLURAL = "pddeployments"
+KIND = "PDDeployment"
+
+ENGINES = ("pdrt", "sglang")
+CO_RESTART_POLICIES = ("Pair", "Never")
+DRIFT_POLICIES = ("Report", "Revert")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")  # mirrors pdruntime.env.ATTENTION_BACKENDS
+GPU_RESOURCE = "nvidia.com/gpu"
+
+HTTP_PORT = 8000  # every pdrt/sglang server: HTTP API, /health, /metrics
+BOOTSTRAP_PORT = 8998  # prefill: KV-transfer bootstrap
+
+# Env vars the operator derives from typed spec fields; setting them by hand is rejected
+# so one knob has one source (and one place in the revision diff).
+OPERATOR_OWNED_ENV = {
+    "PDRT_DECODE_TARGET_CTAS": "spec.kernel.decodeTargetCTAs",
+    "PDRT_MAX_KV_SPLITS": "spec.kernel.maxKVSplits",
+    "PDRT_ATTENTION_BACKEND": "spec.kernel.attentionBackend",
+    "PDRT_BOOTSTRAP_TIMEOUT_S": "spec.watchdog.bootstrapTimeoutSeconds",
+    "PDRT_TRANSFER_TIMEOUT_S": "spec.watchdog.transferTimeoutSeconds",
+    "PDRT_DECODE_TRANSFER_TIMEOUT_S": "spec.watchdog.decodeTransferTimeoutSeconds",
+    "PDRT_WATCHDOG_TICK_S": "spec.watchdog.tickSeconds",
+    "PDRT_KV_AUTH_TOKEN_FILE": "the operator (it mounts the KV-transfer Secret)",
+    "PDRT_KV_AUTH_TOKEN": "the operator (it mounts the KV-transfer Secret)",
+    "PDRT_MODEL": "spec.model.source",
+}
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+MAX_NAME_LEN = 40  # leaves room for "-<pair>-prefill-<suffix>" within 63 chars
+
+
+class SpecError(ValueError):
+    """The spec cannot be reconciled. ``problems`` holds one actionable line per issue."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    source: str | None = None  # path inside the image / mounted volume; None = runtime default model
+    served_name: str | None = None
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    replicas: int = 1
+    gpus: int = 0  # nvidia.com/gpu per pod (requests == limits)
+    requests: Mapping[str, str] = field(default_factory=dict)  # cpu / memory
+    limits: Mapping[str, str] = field(default_factory=dict)
+    env: tuple[tuple[str, str], ...] = ()  # (name, value), in declared order
+    args: tuple[str, ...] = ()  # appended to the rendered command line
+    volumes: tuple[Mapping[str, Any], ...] = ()
+    volume_mounts: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class Placement:
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] = field(default_factory=dict)
+    priority_class_name: str | None = None
+
+
+@dataclass(frozen=True)
+class KernelKnobs:
+    decode_target_ctas: int = 0  # 0 = derive from the device (SMs x waves)
+    max_kv_splits: int = 32
+    attention_backend: str = "auto"
+
+
+@dataclass(frozen=True)
+class WatchdogSpec:
+    bootstrap_timeout_s: float = 30.0
+    transfer_timeout_s: float = 60.0  # KV-transfer phase only, never the decode phase
+    decode_transfer_timeout_s: float = 60.0
+    tick_s: float = 0.5
+
+
+@dataclass(frozen=True)
+class CoRestartSpec:
+    policy: str = "Pair"
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 300.0
+
+    def backoff(self, streak: int) -> float:
+        """Seconds to wait before recreating a pair after its ``streak``-th consecutive co-restart."""
+        if streak <= 0:
+            return 0.0
+        return min(self.backoff_initial_s * (2.0 ** (streak - 1)), self.backoff_max_s)
+
+
+@dataclass(frozen=True)
+class PDSpec:
+    image: str
+    engine: str = "pdrt"
+    model: ModelSpec = ModelSpec()
+    pairs: int = 1
+    prefill: RoleSpec = RoleSpec()
+    decode: RoleSpec = RoleSpec()
+    router: RoleSpec = RoleSpec()
+    placement: Placement = Placement()
+    kernel: KernelKnobs = KernelKnobs()
+    watchdog: WatchdogSpec = WatchdogSpec()
+    co_restart: CoRestartSpec = CoRestartSpec()
+    drift_policy: str = "Report"
+    max_unavailable_pairs: int = 1
+    revision_history_limit: int = 10
+
+    @property
+    def gpus_per_pair(self) -> int:
+        return self.prefill.gpus * self.prefill.replicas + self.decode.gpus * self.decode.replicas
+
+
+# ---------------------------------------------------------------- parsing helpers
+class _Reader:
+    """Collects problems instead of stopping at the first one."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def fail(self, path: str, value: Any, accepted: str) -> None:
+        self.problems.append(f"{path}={value!r} is invalid; accepted: {accepted}")
+
+    def obj(self, raw: Any, path: str) -> Mapping[str, Any]:
+        if raw is None:
+            return {}
+        if not isinstance(raw, Mapping):
+            self.fail(path, raw, "an object")
+            return {}
+        return raw
+
+    def int_(self, raw: Mapping[str, Any], key: str, path: str, default: int, lo: int, hi: int) -> int:
+        value = raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            self.fail(f"{path}.{key}", value, f"an integer in [{lo}, {hi}]")
+            return default
+        return value
+
+    def num(self, raw: Mapping[str, Any], key: str, path: str, default: float, lo: float, hi: float) -> float:
+        value = raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+            self.fail(f"{path}.{key}", value, f"a number of seconds in [{lo}, {hi}]")
+            return default
+        return float(value)
+
+    def choice(self, raw: Mapping[str, Any], key: str, path: str, default: str, choices: tuple[str, ...]) -> str:
+        value = raw.get(key, default)
+        if value not in choices:
+            self.fail(f"{path}.{key}", value, " | ".join(choices))
+            return default
+        return value
+
+    def str_(self, raw: Mapping[str, Any], key: str, path: str, *, required: bool = False) -> str | None:
+        value = raw.get(key)
+        if value is None:
+            if required:
+                self.problems.append(f"{path}.{key} is required; accepted: a non-empty string")
+            return None
+        if not isinstance(value, str) or (required and not value.strip()):
+            self.fail(f"{path}.{key}", value, "a non-empty string")
+            return None
+        return value
+
+    def str_map(self, raw: Mapping[str, Any], key: str, path: str) -> dict[str, str]:
+        value = self.obj(raw.get(key), f"{path}.{key}")
+        out: dict[str, str] = {}
+        for k, v in value.items():
+            if not isinstance(v, (str, int, float)) or isinstance(v, bool):
+                self.fail(f"{path}.{key}.{k}", v, "a string or number")
+                continue
+            out[str(k)] = str(v)
+        return out
+
+    def list_of_obj(self, raw: Mapping[str, Any], key: str, path: str) -> tuple[Mapping[str, Any], ...]:
+        value = raw.get(key) or []
+        if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+            self.fail(f"{path}.{key}", value, "a list of objects")
+            return ()
+        return tuple(value)
+
+
+def _role(r: _Reader, raw: Any, path: str, *, gpu_role: bool) -> RoleSpec:
+    d = r.obj(raw, path)
+    replicas = r.int_(d, "replicas", path, 1, 1 if gpu_role else 0, 1 if gpu_role else 64)
+    res = r.obj(d.get("resources"), f"{path}.resources")
+    gpus = r.int_(res, "gpus", f"{path}.resources", 0, 0, 64 if gpu_role else 0)
+    env: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    raw_env = d.get("env") or []
+    if not isinstance(raw_env, list):
+        r.fail(f"{path}.env", raw_env, "a list of {name, value}")
+        raw_env = []
+    for i, item in enumerate(raw_env):
+        epath = f"{path}.env[{i}]"
+        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
+            r.fail(epath, item, "{name: ENV_NAME, value: string}")
+            continue
+        name = item["name"]
+        if not _ENV_NAME.match(name):
+            r.fail(f"{epath}.name", name, "a C identifier such as MY_VAR")
+            continue
+        if name in OPERATOR_OWNED_ENV:
+            r.problems.append(f"{epath}.name={name!r} is set by the operator; set {OPERATOR_OWNED_ENV[name]} instead")
+            continue
+        if name in seen:
+            r.problems.append(f"{epath}.name={name!r} is declared twice; accepted: each name once")
+            continue
+        seen.add(name)
+        value = item.get("value", "")
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            r.fail(f"{epath}.value", value, "a string")
+            continue
+        env.append((name, str(value)))
+    args = d.get("args") or []
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        r.fail(f"{path}.args", args, "a list of strings")
+        args = []
+    return RoleSpec(
+        replicas=replicas,
+        gpus=gpus,
+        requests=r.str_map(res, "requests", f"{path}.resources"),
+        limits=r.str_map(res, "limits", f"{path}.resources"),
+        env=tuple(env),
+        args=tuple(args),
+        volumes=r.list_of_obj(d, "volumes", path),
+        volume_mounts=r.list_of_obj(d, "volumeMounts", path),
+    )
+
+
+def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
+    """Validate and default a PDDeployment ``spec``; raise :class:`SpecError` with every problem."""
+    r = _Reader()
+    if name is not None and (len(name) > MAX_NAME_LEN or not _DNS_LABEL.match(name)):
+        r.fail("metadata.name", name, f"a DNS label of at most {MAX_NAME_LEN} characters")
+    d = r.obj(raw, "spec")
+    image = r.str_(d, "image", "spec", required=True) or ""
+    engine = r.choice(d, "engine", "spec", "pdrt", ENGINES)
+    m = r.obj(d.get("model"), "spec.model")
+    model = ModelSpec(source=r.str_(m, "source", "spec.model"), served_name=r.str_(m, "servedName", "spec.model"))
+    if engine == "sglang" and not model.source:
+        r.problems.append("spec.model.source is required with engine 'sglang'; accepted: a model path or HF id")
+    pairs = r.int_(d, "pairs", "spec", 1, 0, 256)
+    prefill = _role(r, d.get("prefill"), "spec.prefill", gpu_role=True)
+    decode = _role(r, d.get("decode"), "spec.decode", gpu_role=True)
+    router = _role(r, d.get("router"), "spec.router", gpu_role=False)
+
+    p = r.obj(d.get("placement"), "spec.placement")
+    placement = Placement(
+        node_selector=r.str_map(p, "nodeSelector", "spec.placement"),
+        tolerations=r.list_of_obj(p, "tolerations", "spec.placement"),
+        affinity=r.obj(p.get("affinity"), "spec.placement.affinity"),
+        priority_class_name=r.str_(p, "priorityClassName", "spec.placement"),
+    )
+    k = r.obj(d.get("kernel"), "spec.kernel")
+    kernel = KernelKnobs(
+        decode_target_ctas=r.int_(k, "decodeTargetCTAs", "spec.kernel", 0, 0, 1 << 16),
+        max_kv_splits=r.int_(k, "maxKVSplits", "spec.kernel", 32, 1, 1024),
+        attention_backend=r.choice(k, "attentionBackend", "spec.kernel", "auto", ATTENTION_BACKENDS),
+    )
+    w = r.obj(d.get("watchdog"), "spec.watchdog")
+    watchdog = WatchdogSpec(
+        bootstrap_timeout_s=r.num(w, "bootstrapTimeoutSeconds", "spec.watchdog", 30.0, 0.01, 86400.0),
+        transfer_timeout_s=r.num(w, "transferTimeoutSeconds", "spec.watchdog", 60.0, 0.01, 86400.0),
+        decode_transfer_timeout_s=r.num(w, "decodeTransferTimeoutSeconds", "spec.watchdog", 60.0, 0.01, 86400.0),
+        tick_s=r.num(w, "tickSeconds", "spec.watchdog", 0.5, 0.001, 60.0),
+    )
+    for key, value in (("transferTimeoutSeconds", watchdog.transfer_timeout_s),
+                       ("decodeTransferTimeoutSeconds", watchdog.decode_transfer_timeout_s),
+                       ("bootstrapTimeoutSeconds", watchdog.bootstrap_timeout_s)):
+        if value <= watchdog.tick_s:
+            r.problems.append(f"spec.watchdog.{key}={value} must exceed spec.watchdog.tickSeconds={watchdog.tick_s}; "
+                              "a watchdog cannot fire before its first tick")
+    c = r.obj(d.get("coRestart"), "spec.coRestart")
+    b = r.obj(c.get("backoff"), "spec.coRestart.backoff")
+    co = CoRestartSpec(
+        policy=r.choice(c, "policy", "spec.coRestart", "Pair", CO_RESTART_POLICIES),
+        backoff_initial_s=r.num(b, "initialSeconds", "spec.coRestart.backoff", 1.0, 0.0, 3600.0),
+        backoff_max_s=r.num(b, "maxSeconds", "spec.coRestart.backoff", 300.0, 0.0, 86400.0),
+    )
+    if co.backoff_initial_s > co.backoff_max_s:
+        r.problems.append(f"spec.coRestart.backoff.initialSeconds={co.backoff_initial_s} exceeds "
+                          f"maxSeconds={co.backoff_max_s}; accepted: initialSeconds <= maxSeconds")
+    dr = r.obj(d.get("drift"), "spec.drift")
+    ro = r.obj(d.get("rollout"), "spec.rollout")
+    spec = PDSpec(
+        image=image,
+        engine=engine,
+        model=model,
+        pairs=pairs,
+        prefill=prefill,
+        decode=decode,
+        router=router,
+        placement=placement,
+        kernel=kernel,
+        watchdog=watchdog,
+        co_restart=co,
+        drift_policy=r.choice(dr, "policy", "spec.drift", "Report", DRIFT_POLICIES),
+        max_unavailable_pairs=r.int_(ro, "maxUnavailablePairs", "spec.rollout", 1, 1, 256),
+        revision_history_limit=r.int_(d, "revisionHistoryLimit", "spec", 10, 1, 1000),
+    )
+    if r.problems:
+        raise SpecError(r.problems)
+    return spec

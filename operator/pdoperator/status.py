@@ -1,0 +1,167 @@
+"""PDDeployment status: conditions, phase and per-pair records (pure).
+
+The reconcile daemon is the only writer of ``.status``. It builds the whole status with
+:func:`build_status` and patches only when the result differs from what is stored.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from .pairs import PairMemory, Plan
+
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "CoRestarting", "ConfigDrift", "Stalled")
+
+
+def iso(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, tz=datetime.timezone.utc).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z")
+
+
+def parse_iso(value: Any) -> float | None:
+    if not value or not isinstance(value, str):
+        return None
+    try:
+        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def memory_from_status(status: Mapping[str, Any] | None) -> dict[int, PairMemory]:
+    """Rebuild each pair's :class:`PairMemory` from ``status.pairs``."""
+    out: dict[int, PairMemory] = {}
+    for p in (status or {}).get("pairs", []) or []:
+        try:
+            k = int(p["index"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        last = p.get("lastCoRestart") or {}
+        out[k] = PairMemory(
+            restarts=int(p.get("restarts", 0) or 0),
+            streak=int(p.get("backoffStreak", 0) or 0),
+            last_co_restart_at=parse_iso(last.get("time")),
+            last_co_restart_reason=last.get("reason"),
+            ready_since=parse_iso(p.get("readySince")),
+            recovering=bool(p.get("recovering", False)),
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Everything besides the plan that status depends on."""
+
+    generation: int
+    desired_revision: str | None
+    router_ready: bool = False
+    unschedulable_message: str | None = None
+    spec_error: str | None = None
+    drift: Sequence[str] = ()
+
+
+def _cond(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
+    return {"type": ctype, "status": "True" if ok else "False", "reason": reason, "message": message}
+
+
+def _stamp(new: list[dict[str, Any]], old: Sequence[Mapping[str, Any]], now: str) -> list[dict[str, Any]]:
+    """Keep lastTransitionTime when a condition's status did not change."""
+    prev = {c.get("type"): c for c in old or []}
+    out = []
+    for c in new:
+        p = prev.get(c["type"])
+        keep = p is not None and p.get("status") == c["status"] and p.get("lastTransitionTime")
+        out.append({**c, "lastTransitionTime": p["lastTransitionTime"] if keep else now})
+    return out
+
+
+def pair_record(state: Any) -> dict[str, Any]:
+    m: PairMemory = state.memory
+    rec: dict[str, Any] = {"index": state.index, "revision": state.revision, "ready": state.ready,
+                           "phase": state.phase, "restarts": m.restarts, "backoffStreak": m.streak,
+                           "recovering": m.recovering}
+    if m.last_co_restart_at is not None:
+        rec["lastCoRestart"] = {"time": iso(m.last_co_restart_at), "reason": m.last_co_restart_reason}
+    if m.ready_since is not None:
+        rec["readySince"] = iso(m.ready_since)
+    return rec
+
+
+def invalid_status(old: Mapping[str, Any] | None, facts: Facts, now: float) -> dict[str, Any]:
+    """Status of a PDDeployment whose spec cannot be reconciled: children are left as they are."""
+    old = old or {}
+    msg = f"invalid spec: {facts.spec_error}"
+    conds = [
+        _cond("Ready", False, "InvalidSpec", msg),
+        _cond("Progressing", False, "InvalidSpec", msg),
+        _cond("Degraded", False, "InvalidSpec", "children left as they were"),
+        _cond("CoRestarting", False, "InvalidSpec", ""),
+        _cond("ConfigDrift", False, "InvalidSpec", ""),
+        _cond("Stalled", True, "InvalidSpec", msg),
+    ]
+    out = {k: v for k, v in old.items() if k in ("pairs", "currentRevision", "updateRevision", "readyPairs")}
+    out.update({"phase": "Invalid", "observedGeneration": facts.generation,
+                "conditions": _stamp(conds, old.get("conditions", []), iso(now))})
+    return out
+
+
+def build_status(old: Mapping[str, Any] | None, plan: Plan, facts: Facts, now: float) -> dict[str, Any]:
+    old = old or {}
+    pairs = plan.pairs
+    n = len(pairs)
+    ready_pairs = sum(1 for p in pairs if p.ready)
+    at_desired = sum(1 for p in pairs if p.ready and p.revision == facts.desired_revision)
+    revisions = {p.revision for p in pairs if p.revision is not None}
+    current = next(iter(revisions)) if len(revisions) == 1 and all(p.revision for p in pairs) else \
+        old.get("currentRevision")
+    all_ready = at_desired == n and facts.router_ready
+    restarting = [p for p in pairs if p.memory.recovering or p.phase == "CoRestarting"]
+    rolling = [p for p in pairs if p.revision not in (None, facts.desired_revision) or p.phase == "RollingOut"]
+
+    ready = _cond("Ready", all_ready, "AllPairsReady" if all_ready else "PairsNotReady",
+                  f"{at_desired}/{n} pairs ready at revision {facts.desired_revision}; "
+                  f"router {'ready' if facts.router_ready else 'not ready'}")
+    if facts.unschedulable_message:
+        progressing = _cond("Progressing", False, "Unschedulable", facts.unschedulable_message)
+    elif rolling:
+        progressing = _cond("Progressing", True, "RollingOut",
+                            f"pairs {[p.index for p in rolling]} moving to revision {facts.desired_revision}")
+    elif not all_ready:
+        progressing = _cond("Progressing", True, "PairsStarting", f"{n - at_desired} pair(s) starting")
+    else:
+        progressing = _cond("Progressing", True, "RolloutComplete",
+                            f"all {n} pairs run revision {facts.desired_revision}")
+    down = [p for p in pairs if not p.ready and p.memory.restarts > 0 and p.memory.recovering]
+    degraded = _cond("Degraded", bool(down), "PairsDown" if down else "AsExpected",
+                     f"pairs {[p.index for p in down]} down after co-restart" if down else "no pair down after a failure")
+    co = _cond("CoRestarting", bool(restarting), "PairCoRestart" if restarting else "Idle",
+               "; ".join(f"pair {p.index}: {p.memory.last_co_restart_reason} ({p.phase})" for p in restarting))
+    drift = _cond("ConfigDrift", bool(facts.drift), "Drifted" if facts.drift else "NoDrift",
+                  "; ".join(facts.drift) if facts.drift else "live children match the declared spec")
+    stalled = _cond("Stalled", False, "AsExpected", "")
+    conds = [ready, progressing, degraded, co, drift, stalled]
+
+    if all_ready:
+        phase = "Ready"
+    elif facts.unschedulable_message:
+        phase = "Pending"
+    elif down:
+        phase = "Degraded"
+    else:
+        phase = "Progressing"
+    return {
+        "phase": phase,
+        "observedGeneration": facts.generation,
+        "currentRevision": current,
+        "updateRevision": facts.desired_revision,
+        "readyPairs": ready_pairs,
+        "pairs": [pair_record(p) for p in pairs],
+        "conditions": _stamp(conds, old.get("conditions", []), iso(now)),
+    }
+
+
+def same_status(a: Mapping[str, Any] | None, b: Mapping[str, Any]) -> bool:
+    """True when writing ``b`` over ``a`` would change nothing we own."""
+    a = a or {}
+    return all(a.get(k) == v for k, v in b.items())
