@@ -147,7 +147,8 @@ def kernel_config() -> dict[str, Any]:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, *, num_splits: int | Sequence[int] | None = None,
-                     sm_scale: float | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+                     sm_scale: float | None = None, config: KernelConfig | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged KV cache.
 
     q: [B, Hq, D]; k_cache, v_cache: [num_blocks, BLOCK_SIZE, Hkv, D];
@@ -158,10 +159,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         per sequence); None = ``num_kv_splits`` with the configured knobs. Ignored by torch.
     sm_scale: softmax scale, default ``1 / sqrt(D)``.
     config: overrides the process-wide ``active_config()`` (tests, benchmarks).
+    out: [B, Hq, D] like q, written in place when given.
     """
     cfg = config if config is not None else active_config()
     if cfg.backend == TORCH:
-        return torch_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+        return torch_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale, out=out)
     if not q.is_cuda and not cfg.triton_interpreter:
         raise RuntimeError(f"decode attention is configured for Triton on {cfg.device} but got {q.device} tensors; "
                            "configure(device=...) with the engine's device")
@@ -176,7 +178,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         splits = list(num_splits)
     return triton_decode_attention(q, k_cache, v_cache, block_table, seq_lens, splits, sm_scale=sm_scale,
-                                   block_n=cfg.block_n, seq_lens_host=lens)
+                                   block_n=cfg.block_n, seq_lens_host=lens, out=out)
 
 
 __all__ = ["KernelConfig", "TORCH", "TRITON", "active_config", "configure", "decode_attention", "kernel_config",

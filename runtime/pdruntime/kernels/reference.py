@@ -44,20 +44,22 @@ def check_decode_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor,
-                           sm_scale: float | None = None) -> torch.Tensor:
+                           sm_scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Vectorised paged decode attention (no per-sequence Python loop).
 
     Gathers the pages of the whole batch up to the longest sequence, masks the tail of
     each sequence, and does one batched GQA matmul + softmax. Large batches with long
     contexts are processed in batch chunks of at most ``_GATHER_BUDGET`` elements.
-    Computes in fp32 (fp64 stays fp64) and returns q's dtype.
+    Computes in fp32 (fp64 stays fp64) and returns q's dtype; writes ``out`` when given.
     """
     batch, num_q_heads, num_kv_heads, head_dim, block_size = check_decode_inputs(
         q, k_cache, v_cache, block_table, seq_lens)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     lens_cpu = seq_lens.tolist()  # one small host read; decode already syncs each step
     assert batch == 0 or min(lens_cpu) >= 1, "every sequence needs >= 1 token of context"
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype, "out must be like q"
     if batch == 0:
         return out
     # Sort-free chunking: consecutive rows, each chunk gathers up to its own longest row.

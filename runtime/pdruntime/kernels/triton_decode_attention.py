@@ -194,11 +194,15 @@ def _launchable(kernel, device: torch.device):
 def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, seq_lens: torch.Tensor, splits: Sequence[int], *,
                             sm_scale: float | None = None, block_n: int = BLOCK_N,
-                            seq_lens_host: Sequence[int] | None = None) -> torch.Tensor:
+                            seq_lens_host: Sequence[int] | None = None, out: torch.Tensor | None = None,
+                            poison_workspace: bool = False) -> torch.Tensor:
     """Launch stage 1 (and stage 2 when any sequence is split); returns out: [B, Hq, D].
 
     splits: KV splits per sequence (from ``num_kv_splits`` or the caller); each is
     clamped to [1, blocks of work]. seq_lens_host: ``seq_lens`` already on the host.
+    out: written in place when given (tests pass it pre-filled with NaN).
+    poison_workspace: fill the partial-output/LSE buffers with NaN first (tests), so a
+    partial that stage 2 reads but stage 1 never wrote shows up as NaN.
     """
     batch, num_q_heads, num_kv_heads, head_dim, page = check_decode_inputs(q, k_cache, v_cache, block_table, seq_lens)
     assert q.device == k_cache.device == v_cache.device == block_table.device == seq_lens.device, \
@@ -213,7 +217,9 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert all(n >= 1 for n in lens), "every sequence needs >= 1 token of context"
     assert all(cdiv(n, page) <= block_table.shape[1] for n in lens), "block_table has fewer pages than seq_lens need"
 
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1, "out must be like q"
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
@@ -237,6 +243,9 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:
         out_partial = torch.empty((num_work, num_q_heads, head_dim), dtype=torch.float32, device=device)
         lse_partial = torch.empty((num_work, num_q_heads), dtype=torch.float32, device=device)
+        if poison_workspace:
+            out_partial.fill_(float("nan"))
+            lse_partial.fill_(float("nan"))
 
     # Grids: stage 1 one CTA per (work item, KV head); stage 2 one per (sequence, query head).
     block_d = triton.next_power_of_2(head_dim)
