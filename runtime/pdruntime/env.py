@@ -87,6 +87,9 @@ class RuntimeEnv:
     kv_auth_token: str | None = field(default=None, repr=False)
     kv_auth_token_file: str | None = None
 
+    # test-only: enables POST /debug/test on workers (advance the watchdog clock, stall transfers)
+    test_hooks: bool = False
+
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
@@ -107,6 +110,7 @@ class RuntimeEnv:
             watchdog_tick_s=_float(env, "WATCHDOG_TICK_S", 0.5, lo=0.001, hi=60.0),
             kv_auth_token=_opt_str(env, "KV_AUTH_TOKEN"),
             kv_auth_token_file=_opt_str(env, "KV_AUTH_TOKEN_FILE"),
+            test_hooks=_choice(env, "TEST_HOOKS", "0", ("0", "1")) == "1",
         )
 
     def replace(self, **changes: Any) -> "RuntimeEnv":

@@ -1,0 +1,1 @@
+"""PD-disaggregation protocol: transfer states, KV wire format, prefill/decode queues, watchdogs."""

@@ -1,0 +1,79 @@
+"""Prefill worker queues.
+
+bootstrap -> waiting -> inflight
+
+* bootstrap: registered by the HTTP request, waiting for the decode peer to attach (bootstrap watchdog).
+* waiting:   peer attached; the request is in the engine being prefilled (no watchdog: engine-bound).
+* inflight:  KV computed and held in pages until decode confirms receipt (transfer watchdog,
+             armed at "KV ready", disarmed at ACK), then the pages are released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdruntime.disagg.queues import StageTable
+from pdruntime.disagg.states import TransferStatus
+
+STAGES = ("bootstrap", "waiting", "inflight")
+
+
+@dataclass(eq=False)
+class PrefillRequest:
+    rid: str
+    room: int
+    client: str
+    prompt_ids: list[int]
+    params: Any  # pdruntime.engine.SamplingParams
+    created_at: float  # watchdog clock seconds
+    status: TransferStatus
+    done: asyncio.Future  # None on Success; an exception on failure
+    attached: asyncio.Event = field(default_factory=asyncio.Event)
+    kv_ready: asyncio.Future | None = None  # first token id when the engine reports prefill_done
+    writer: asyncio.StreamWriter | None = None
+    in_engine: bool = False
+    first_token_id: int | None = None
+    bytes_sent: int = 0
+
+
+class PrefillQueues(StageTable[PrefillRequest]):
+    def __init__(self) -> None:
+        super().__init__(STAGES)
+        self.by_room: dict[int, PrefillRequest] = {}
+        self._room_waiters: dict[int, list[asyncio.Future]] = {}
+
+    def register(self, req: PrefillRequest) -> None:
+        if req.room in self.by_room:
+            raise KeyError(f"bootstrap room {req.room} is already in use by request {self.by_room[req.room].rid}")
+        self.put(req.rid, req, "bootstrap")
+        self.by_room[req.room] = req
+        for fut in self._room_waiters.pop(req.room, []):
+            if not fut.done():
+                fut.set_result(req)
+
+    def finish(self, req: PrefillRequest) -> None:
+        self.remove(req.rid)
+        if self.by_room.get(req.room) is req:
+            del self.by_room[req.room]
+
+    async def wait_room(self, room: int, timeout_s: float) -> PrefillRequest | None:
+        """The request registered for ``room``, waiting up to ``timeout_s`` for it (decode may attach
+        before the router's prefill request arrives; SGLang routers send both legs at once)."""
+        req = self.by_room.get(room)
+        if req is not None:
+            return req
+        fut = asyncio.get_running_loop().create_future()
+        self._room_waiters.setdefault(room, []).append(fut)
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            waiters = self._room_waiters.get(room)
+            if waiters is not None:
+                if fut in waiters:
+                    waiters.remove(fut)
+                if not waiters:
+                    del self._room_waiters[room]

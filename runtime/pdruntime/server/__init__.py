@@ -1,0 +1,1 @@
+"""pdrt servers: prefill worker, decode worker, router; `pdrt serve|up|chat` commands."""

@@ -1,0 +1,5 @@
+import sys
+
+from pdruntime.server.commands import main
+
+sys.exit(main())

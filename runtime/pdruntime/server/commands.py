@@ -1,0 +1,215 @@
+"""`pdrt serve`, `pdrt up`, `pdrt chat` (added to the pdrt CLI by ``register(subparsers)``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+ROLES = ("prefill", "decode", "router")
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pages (default: from --kv-cache-mib)")
+    g.add_argument("--kv-cache-mib", type=int, default=None, help="KV budget in MiB when --num-blocks is not given")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-prefill-tokens", type=int, default=512, help="chunked-prefill chunk, tokens")
+    g.add_argument("--max-model-len", type=int, default=None)
+
+
+def register(subparsers: Any) -> None:
+    serve = subparsers.add_parser("serve", help="run one server: prefill worker, decode worker or router")
+    serve.add_argument("--role", choices=ROLES, required=True)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--bootstrap-port", type=int, default=8998, help="prefill: KV-transfer (bootstrap) port")
+    serve.add_argument("--model", default=None, help="GGUF file or HF-layout dir (default: PDRT_MODEL, else SmolLM2)")
+    serve.add_argument("--topology-file", default=None, help="router: hot-reloaded topology YAML")
+    serve.add_argument("--prefill", action="append", default=[], help="router: prefill worker URL (repeat per pair)")
+    serve.add_argument("--decode", action="append", default=[], help="router: decode worker URL (repeat per pair)")
+    serve.add_argument("--bootstrap-ports", type=int, action="append", default=[], help="router: per-pair bootstrap port")
+    serve.add_argument("--request-timeout-s", type=float, default=600.0, help="router: per-request deadline, seconds")
+    serve.add_argument("--log-level", default="info")
+    _engine_flags(serve)
+    serve.set_defaults(func=cmd_serve, handler=cmd_serve)
+
+    up = subparsers.add_parser("up", help="run the whole PD stack locally (router + N pairs) and supervise it")
+    up.add_argument("--pairs", type=int, default=1)
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000, help="router port")
+    up.add_argument("--base-port", type=int, default=8100, help="first worker port (3 per pair)")
+    up.add_argument("--model", default=None)
+    up.add_argument("--ready-timeout-s", type=float, default=600.0)
+    _engine_flags(up)
+    up.set_defaults(func=cmd_up, handler=cmd_up)
+
+    chat = subparsers.add_parser("chat", help="chat with a running router (pdrt up)")
+    chat.add_argument("message", nargs="?", default=None, help="one message; omit for an interactive session")
+    chat.add_argument("--url", default="http://127.0.0.1:8000")
+    chat.add_argument("--model", default=None, help="default: the router's first model")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.set_defaults(func=cmd_chat, handler=cmd_chat)
+
+
+def _engine_config(args: argparse.Namespace):
+    from pdruntime.engine import EngineConfig
+
+    kw: dict[str, Any] = {"block_size": args.block_size, "num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
+                          "max_prefill_tokens": args.max_prefill_tokens, "max_model_len": args.max_model_len}
+    if args.kv_cache_mib is not None:
+        kw["kv_cache_mib"] = args.kv_cache_mib
+    return EngineConfig(**kw)
+
+
+def _worker_args(args: argparse.Namespace) -> list[str]:
+    out = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
+           "--max-prefill-tokens", str(args.max_prefill_tokens)]
+    for flag, v in (("--num-blocks", args.num_blocks), ("--kv-cache-mib", args.kv_cache_mib),
+                    ("--max-model-len", args.max_model_len)):
+        if v is not None:
+            out += [flag, str(v)]
+    return out
+
+
+def build_server(args: argparse.Namespace, env=None):
+    """-> (app, role object). Loads the model and engine for workers."""
+    from pdruntime.env import RuntimeEnv
+
+    env = env or RuntimeEnv.from_environ()
+    if args.role == "router":
+        from pdruntime.server.router_app import Router, RouterConfig
+        from pdruntime.server.topology import topology_from_flags
+
+        topo = topology_from_flags(args.prefill, args.decode, args.bootstrap_ports) if args.prefill or args.decode else None
+        if topo is None and not args.topology_file:
+            raise SystemExit("pdrt serve --role router needs --topology-file FILE or --prefill URL --decode URL")
+        router = Router(env, topology=topo, topology_file=args.topology_file,
+                        config=RouterConfig(request_timeout_s=args.request_timeout_s), host=args.host, port=args.port)
+        return router.build_app(), router
+    from pdruntime.engine import Engine
+    from pdruntime.model import load_model
+
+    loaded = load_model(args.model or env.model)
+    engine = Engine(loaded, _engine_config(args))
+    if args.role == "prefill":
+        from pdruntime.server.prefill_app import PrefillWorker
+
+        worker = PrefillWorker(loaded, engine, env, host=args.host, port=args.port, bootstrap_host=args.host,
+                               bootstrap_port=args.bootstrap_port)
+    else:
+        from pdruntime.server.decode_app import DecodeWorker
+
+        worker = DecodeWorker(loaded, engine, env, host=args.host, port=args.port)
+    return worker.build_app(), worker
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app, _ = build_server(args)
+    # keep-alive above the router's client idle expiry (30 s), so a worker never closes a connection
+    # the router is about to reuse
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_keep_alive=75)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from pdruntime.server.supervisor import LocalStack
+
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.model is None:
+        from pdruntime.model import default_model_path
+
+        try:
+            default_model_path()
+        except Exception as exc:  # ModelLoadError names the path and the pip command
+            print(f"pdrt up: {exc}", file=sys.stderr)
+            return 2
+    stack = LocalStack(pairs=args.pairs, host=args.host, port=args.port, base_port=args.base_port, model=args.model,
+                       worker_args=_worker_args(args))
+    print(f"pdrt up: starting a router and {args.pairs} PD pair(s); logs in {stack.log_dir}", flush=True)
+    stack.start()
+    try:
+        if not stack.wait_ready(args.ready_timeout_s):
+            print(f"pdrt up: not ready after {args.ready_timeout_s:.0f}s; see logs in {stack.log_dir}", file=sys.stderr)
+            stack.stop()
+            return 1
+    except (RuntimeError, KeyboardInterrupt) as exc:
+        print(f"pdrt up: {exc}", file=sys.stderr)
+        stack.stop()
+        return 1
+    url = f"http://{args.host}:{args.port}"
+    import httpx
+
+    models = httpx.get(url + "/v1/models", timeout=10).json().get("data", [])
+    model = models[0]["id"] if models else "default"
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello! Who are you?"}],
+                       "max_tokens": 64, "stream": True})
+    print(f"\npdrt up: ready at {url}  (router + {args.pairs} pair(s); Ctrl-C stops everything)\n", flush=True)
+    print(f"curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'\n", flush=True)
+    print(f"live requests:  curl {url}/debug/requests      chat:  pdrt chat --url {url}\n", flush=True)
+    stack.run_forever()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    import httpx
+
+    url = args.url.rstrip("/")
+    try:
+        model = args.model or httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        print(f"pdrt chat: cannot reach a router at {url} ({exc}); start one with `pdrt up`", file=sys.stderr)
+        return 2
+    history: list[dict] = []
+
+    def turn(text: str) -> int:
+        history.append({"role": "user", "content": text})
+        body = {"model": model, "messages": history, "max_tokens": args.max_tokens, "temperature": args.temperature,
+                "stream": True, "user": "pdrt-chat"}
+        reply = ""
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=None) as resp:
+            if resp.status_code != 200:
+                print(f"error {resp.status_code}: {resp.read().decode(errors='replace')}", file=sys.stderr)
+                history.pop()
+                return 1
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    print(f"\n[error: {ev['error'].get('message')}]", file=sys.stderr)
+                    return 1
+                for ch in ev.get("choices", []):
+                    piece = ch.get("delta", {}).get("content") or ""
+                    reply += piece
+                    print(piece, end="", flush=True)
+        print()
+        history.append({"role": "assistant", "content": reply})
+        return 0
+
+    if args.message is not None:
+        return turn(args.message)
+    print(f"pdrt chat with {model} at {url} (Ctrl-D to quit)")
+    while True:
+        try:
+            text = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if text.strip():
+            turn(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m pdruntime.server``), same subcommands as ``pdrt``."""
+    parser = argparse.ArgumentParser(prog="pdrt")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)

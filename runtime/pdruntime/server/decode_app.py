@@ -1,0 +1,289 @@
+"""Decode worker: admits against its own pool, pulls the KV from prefill, joins the batch, streams.
+
+    POST /generate (bootstrap_*)  -> prealloc queue  (reserve pages; waits for freed pages if the pool is full)
+    pages reserved                 -> transfer queue  [watchdog: decode_transfer, until the KV is verified]
+    KV verified + ACK sent         -> running queue   (engine: add_prefilled; streams tokens)
+    finished / failed / aborted    -> removed, pages freed by the engine
+
+Without bootstrap fields the worker runs the request monolithically (prefill + decode here); the
+benchmark uses that to compare PD against the same engine undisaggregated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from pdruntime.disagg import transfer, wire
+from pdruntime.disagg.decode_queues import DecodeQueues, DecodeRequest
+from pdruntime.disagg.states import TransferState, TransferStatus
+from pdruntime.disagg.wire import WireError
+from pdruntime.server.common import SSE_DONE, GuardedStream, client_of, finish_reason_json, read_generate, sse
+from pdruntime.server.schemas import ApiError, error_body
+from pdruntime.server.worker_base import WorkerBase
+
+log = logging.getLogger("pdruntime.decode")
+
+
+class DecodeFailed(Exception):
+    def __init__(self, reason: str, status: int = 502) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+class _First:
+    """The first token (sampled by prefill), delivered to the stream before the engine's outputs."""
+
+    def __init__(self, token_id: int, text: str) -> None:
+        self.new_token_ids = [token_id]
+        self.text_delta = text
+        self.finished = False
+        self.finish_reason = None
+
+
+class DecodeWorker(WorkerBase):
+    role = "decode"
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.queues = DecodeQueues()
+        self.pages_freed = asyncio.Event()
+        self.layout = None
+        self.model_sha = self.loaded.info.sha256 or ""
+
+    async def start_role(self) -> None:
+        self.layout = transfer.layout_of(self.engine.kv)
+        self.pages_freed = asyncio.Event()
+
+    async def stop_role(self) -> None:
+        for _, req in self.queues.items():
+            self._fail(req, "server shutting down", cause="shutdown")
+
+    def role_config(self) -> dict:
+        return {"watchdog": {"decode_transfer_timeout_s": self.env.decode_transfer_timeout_s,
+                             "tick_s": self.env.watchdog_tick_s}}
+
+    def queue_counts(self) -> dict[str, int]:
+        return self.queues.counts()
+
+    def debug_rows(self) -> list[dict]:
+        now = self.clock.now()
+        return [{"id": r.rid, "room": r.room, "client": r.client, "stage": stage, "state": r.status.state.label,
+                 "age_s": round(now - r.created_at, 3), "in_state_s": round(now - r.status.since(), 3),
+                 "prompt_tokens": len(r.prompt_ids), "completion_tokens": r.completion_tokens}
+                for stage, r in self.queues.items()]
+
+    # ---- failure and cleanup (idempotent) ----------------------------------------------------
+    def _fail(self, req: DecodeRequest, reason: str, *, cause: str = "peer_failure", status: int = 502) -> None:
+        if req.failure is not None or req.rid not in self.queues:
+            return
+        req.failure = reason
+        if not req.status.state.terminal:
+            req.status.fail(self.clock.now(), reason)
+            self.metrics.transfers.labels(self.role, "failed").inc()
+            self.metrics.transfer_failures.labels(self.role, cause).inc()
+        self.watchdog.disarm(req.rid)
+        if req.writer is not None:
+            req.writer.close()
+        if req.task is not None and req.task is not asyncio.current_task():
+            req.task.cancel()
+        if (req.reserved or req.in_engine) and self.runner is not None:
+            self.runner.call(lambda e, rid=req.rid: e.abort(rid))  # frees reserved or running pages
+            self.runner.drop_sink(req.rid)
+        self.queues.remove(req.rid)
+        self._pages_freed()
+        if cause in ("client_disconnect", "abort_request", "watchdog"):
+            self.metrics.aborts.labels(self.role, cause).inc()
+        req.outputs.put_nowait(DecodeFailed(reason, status))
+        log.warning("decode request failed: rid=%s room=%s reason=%s", req.rid, req.room, reason)
+
+    def _pages_freed(self) -> None:
+        self.pages_freed.set()
+        self.pages_freed = asyncio.Event()
+
+    async def abort(self, rid: str, cause: str) -> bool:
+        req = self.queues.get(rid)
+        if req is None:
+            return False
+        self._fail(req, f"aborted ({cause})", cause=cause, status=499)
+        return True
+
+    # ---- transfer ------------------------------------------------------------------------------
+    async def _reserve(self, req: DecodeRequest) -> list[int]:
+        from pdruntime.engine import OutOfBlocks
+
+        deadline = time.monotonic() + self.env.decode_transfer_timeout_s
+        while True:
+            event = self.pages_freed
+            try:
+                return await self.runner.call(lambda e, r=req: e.reserve(r.rid, len(r.prompt_ids)))
+            except OutOfBlocks as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DecodeFailed(f"decode KV pool is full: {exc}", 503) from None
+                try:
+                    await asyncio.wait_for(event.wait(), min(left, 0.5))
+                except asyncio.TimeoutError:
+                    pass
+
+    async def _pull(self, req: DecodeRequest) -> None:
+        try:
+            blocks = await self._reserve(req)
+            req.reserved = True
+            self.queues.move(req.rid, "transfer")
+            t0 = self.clock.now()
+            self.watchdog.arm(req.rid, "decode_transfer", self.env.decode_transfer_timeout_s,
+                              lambda d, r=req: self._fail(r, f"decode transfer timeout: no verified KV within "
+                                                          f"{self.env.decode_transfer_timeout_s}s", cause="watchdog", status=504),
+                              ids=f"rid={req.rid} room={req.room}")
+            att = transfer.Attach(req.room, req.rid, len(req.prompt_ids), wire.prompt_crc(req.prompt_ids))
+            reader, req.writer = await transfer.open_attach(req.bootstrap_host, req.bootstrap_port, self.kv_token, att)
+            req.status.advance(TransferState.WAITING_FOR_INPUT, self.clock.now())
+            slots = transfer.flat_slots(blocks, self.engine.config.block_size, len(req.prompt_ids))
+            kv = self.engine.kv
+            dtype = kv.k[0].dtype
+
+            def on_header(h):
+                transfer.check_header(h, att, self.layout, self.model_sha)
+                req.status.advance(TransferState.TRANSFERRING, self.clock.now())
+                return lambda layer, kind, start, count, raw: transfer.scatter_chunk(kv, slots, layer, kind, start, count, raw, dtype)
+
+            if self.hooks.take("stall_transfers"):
+                # test hook: read the HEADER, then stop reading (a stuck transfer; the peer never gets its ACK)
+                wire.header_from_json(await wire.read_control(reader, wire.FrameType.HEADER))
+                req.status.advance(TransferState.TRANSFERRING, self.clock.now())
+                await asyncio.Event().wait()
+            header, nbytes = await transfer.recv_kv(reader, req.writer, att, on_header)
+            req.writer.close()
+            req.writer = None
+            self.watchdog.disarm(req.rid, "decode_transfer")
+            req.status.advance(TransferState.SUCCESS, self.clock.now())
+            req.bytes_received = nbytes
+            self.metrics.transfers.labels(self.role, "success").inc()
+            self.metrics.transfer_seconds.labels(self.role).observe(self.clock.now() - t0)
+            self.metrics.transfer_bytes.labels(self.role).observe(nbytes)
+            self.runner.set_sink(req.rid, lambda out, r=req: self._on_output(r, out))
+            await self.runner.call(lambda e, r=req, f=header.first_token_id: e.add_prefilled(r.rid, r.prompt_ids, f, r.params))
+            req.in_engine = True
+            self.queues.move(req.rid, "running")
+            self.metrics.queue_time.labels(self.role).observe(self.clock.now() - req.created_at)
+            req.outputs.put_nowait(_First(header.first_token_id, self.loaded.tokenizer.decode([header.first_token_id])))
+        except asyncio.CancelledError:
+            raise
+        except DecodeFailed as exc:
+            self._fail(req, exc.reason, status=exc.status)
+        except WireError as exc:
+            self._fail(req, f"KV transfer failed: {exc}", status=502)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError, asyncio.TimeoutError) as exc:
+            self._fail(req, f"prefill peer unreachable or lost during {req.status.state.label}: {type(exc).__name__} {exc}",
+                       status=502)
+        except Exception as exc:
+            if type(exc).__name__ == "InvalidRequest":
+                self._fail(req, f"engine rejected the request: {exc}", status=400)
+            else:
+                log.exception("decode transfer of rid=%s crashed", req.rid)
+                self._fail(req, f"internal error: {type(exc).__name__}: {exc}", status=500)
+
+    async def _monolithic(self, req: DecodeRequest) -> None:
+        try:
+            self.runner.set_sink(req.rid, lambda out, r=req: self._on_output(r, out))
+            req.in_engine = True
+            self.queues.move(req.rid, "running")
+            await self.runner.call(lambda e, r=req: e.add_request(r.rid, r.prompt_ids, r.params))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._fail(req, f"engine rejected the request: {exc}", status=400 if type(exc).__name__ == "InvalidRequest" else 500)
+
+    def _on_output(self, req: DecodeRequest, out: Any) -> None:
+        req.outputs.put_nowait(out)
+        if out.finished:
+            self.runner.drop_sink(req.rid)
+            self.queues.remove(req.rid)
+            self._pages_freed()
+
+    # ---- HTTP ----------------------------------------------------------------------------------
+    async def generate(self, request: Request):
+        greq = await read_generate(request)
+        prompt = self.prompts.prompt_ids(greq)
+        params = self.prompts.sampling(greq, len(prompt))
+        pd = greq.bootstrap_room is not None
+        if pd and (not greq.bootstrap_host or not greq.bootstrap_port):
+            raise ApiError(400, "bootstrap_room needs bootstrap_host and bootstrap_port", param="bootstrap_host")
+        now = self.clock.now()
+        req = DecodeRequest(rid=greq.rid or uuid.uuid4().hex, room=int(greq.bootstrap_room or 0), client=client_of(request),
+                            prompt_ids=prompt, params=params, bootstrap_host=greq.bootstrap_host or "",
+                            bootstrap_port=int(greq.bootstrap_port or 0), created_at=now, status=TransferStatus(now))
+        try:
+            self.queues.put(req.rid, req, "prealloc")
+        except KeyError as exc:
+            raise ApiError(409, str(exc), param="rid", code="duplicate_request") from None
+        req.task = asyncio.get_running_loop().create_task(self._pull(req) if pd else self._monolithic(req))
+        t_arrival = time.monotonic()
+        client_label = self.metrics.clients.label(req.client)
+
+        async def events() -> AsyncIterator[dict]:
+            text = ""
+            last = None
+            while True:
+                item = await req.outputs.get()
+                if isinstance(item, DecodeFailed):
+                    raise item
+                ts = time.monotonic()
+                if item.new_token_ids:
+                    if last is None:
+                        self.metrics.ttft.labels(self.role).observe(ts - t_arrival)
+                    else:
+                        self.metrics.itl.labels(self.role).observe(ts - last)
+                    last = ts
+                    req.completion_tokens += len(item.new_token_ids)
+                    self.metrics.tokens.labels(self.role, client_label).inc(len(item.new_token_ids))
+                text += item.text_delta
+                reason = item.finish_reason if item.finished else None
+                yield {"text": text, "delta": item.text_delta, "token_ids": list(item.new_token_ids),
+                       "meta_info": {"id": req.rid, "prompt_tokens": len(prompt),
+                                     "completion_tokens": req.completion_tokens,
+                                     "finish_reason": finish_reason_json(reason)}}
+                if item.finished:
+                    return
+
+        async def on_close(completed: bool) -> None:
+            outcome = "ok" if completed else ("failed" if req.failure else "aborted")
+            if not completed and req.failure is None:
+                self._fail(req, "client disconnected", cause="client_disconnect", status=499)
+            self.metrics.requests.labels(self.role, client_label, outcome).inc()
+            self.metrics.e2e.labels(self.role).observe(time.monotonic() - t_arrival)
+
+        if greq.stream:
+            async def body() -> AsyncIterator[bytes]:
+                try:
+                    async for ev in events():
+                        yield sse(ev)
+                except DecodeFailed as exc:
+                    yield sse(error_body(exc.status, exc.reason, type="server_error", code="decode_failed"))
+                    return
+                yield SSE_DONE
+            return GuardedStream(body(), on_close)
+
+        completed = False
+        try:
+            final = None
+            async for ev in events():
+                final = ev
+            completed = True
+            return JSONResponse(final)
+        except DecodeFailed as exc:
+            return JSONResponse(error_body(exc.status, exc.reason, type="server_error", code="decode_failed"),
+                                status_code=exc.status)
+        finally:
+            await on_close(completed)
+
+    def add_routes(self, app: FastAPI) -> None:
+        app.post("/generate")(self.generate)

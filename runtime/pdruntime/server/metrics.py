@@ -1,0 +1,107 @@
+"""Prometheus metrics of every pdrt server (prefix ``pdrt_``). docs/metrics.md lists each one.
+
+One :class:`Metrics` per process, on its own registry (tests run several apps in one process).
+Client labels have bounded cardinality (:class:`ClientLabels`).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+BYTES_BUCKETS = tuple(float(1 << p) for p in range(10, 34, 2))  # 1 KiB .. 8 GiB
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 15, 16, 24, 32, 48, 64, 128, 256)
+
+MAX_CLIENT_LABELS = 32  # distinct client label values before new clients map to "other"
+
+
+class ClientLabels:
+    """Map client ids to metric label values with bounded cardinality."""
+
+    def __init__(self, limit: int = MAX_CLIENT_LABELS) -> None:
+        self.limit = limit
+        self._seen: set[str] = set()
+
+    def label(self, client: str | None) -> str:
+        client = (client or "anonymous")[:64]
+        if client in self._seen:
+            return client
+        if len(self._seen) < self.limit:
+            self._seen.add(client)
+            return client
+        return "other"
+
+
+class Metrics:
+    def __init__(self, role: str) -> None:
+        self.role = role
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.clients = ClientLabels()
+        # all roles
+        self.requests = Counter("pdrt_requests_total", "Requests finished, by role, client and outcome "
+                                "(ok, client_error, failed, aborted)", ["role", "client", "outcome"], registry=r)
+        self.e2e = Histogram("pdrt_e2e_latency_seconds", "Request arrival to last byte, seconds", ["role"],
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("pdrt_ttft_seconds", "Request arrival to first generated token, seconds", ["role"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdrt_inter_token_latency_seconds", "Time between consecutive streamed tokens, seconds",
+                             ["role"], buckets=ITL_BUCKETS, registry=r)
+        self.queue_time = Histogram("pdrt_queue_time_seconds", "Arrival to start of work (prefill: to engine "
+                                    "admission; decode: to joining the batch), seconds", ["role"],
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("pdrt_generated_tokens_total", "Tokens generated, by role and client",
+                              ["role", "client"], registry=r)
+        self.live = Gauge("pdrt_live_requests", "Requests live in this server (any stage)", ["role"], registry=r)
+        # workers
+        self.pool_blocks = Gauge("pdrt_kv_pool_blocks", "KV pool blocks by state (free, used, total)",
+                                 ["role", "state"], registry=r)
+        self.prefill_queue = Gauge("pdrt_prefill_queue_requests", "Prefill requests per queue "
+                                   "(bootstrap, waiting, inflight)", ["queue"], registry=r)
+        self.decode_queue = Gauge("pdrt_decode_queue_requests", "Decode requests per queue "
+                                  "(prealloc, transfer, running)", ["queue"], registry=r)
+        self.running_batch = Gauge("pdrt_running_batch_requests", "Requests in the engine's running batch",
+                                   ["role"], registry=r)
+        self.batch_size = Histogram("pdrt_batch_size", "Running-batch size per engine step", ["role"],
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.transfers = Counter("pdrt_kv_transfers_total", "KV transfers finished, by role and outcome "
+                                 "(success, failed)", ["role", "outcome"], registry=r)
+        self.transfer_failures = Counter("pdrt_kv_transfer_failures_total", "Failed KV transfers by reason",
+                                         ["role", "reason"], registry=r)
+        self.transfer_seconds = Histogram("pdrt_kv_transfer_seconds", "KV transfer phase duration (prefill: KV "
+                                          "ready to receipt confirmed; decode: attach to KV verified), seconds",
+                                          ["role"], buckets=LATENCY_BUCKETS, registry=r)
+        self.transfer_bytes = Histogram("pdrt_kv_transfer_bytes", "KV bytes per transfer", ["role"],
+                                        buckets=BYTES_BUCKETS, registry=r)
+        self.transfer_rejected = Counter("pdrt_kv_transfer_rejected_total", "KV-transfer connections rejected, "
+                                         "by reason (auth, unknown_room, mismatch, protocol)", ["reason"], registry=r)
+        self.watchdog_fired = Counter("pdrt_watchdog_fired_total", "Watchdog fires, by role and phase "
+                                      "(bootstrap, transfer, decode_transfer)", ["role", "phase"], registry=r)
+        self.aborts = Counter("pdrt_aborted_requests_total", "Requests aborted, by role and cause "
+                              "(client_disconnect, abort_request, watchdog, peer_failure)", ["role", "cause"], registry=r)
+        # router
+        self.pair_outstanding = Gauge("pdrt_router_pair_outstanding_requests", "Requests outstanding per pair",
+                                      ["pair"], registry=r)
+        self.pair_failures = Counter("pdrt_router_leg_failures_total", "Failed legs, by pair and leg",
+                                     ["pair", "leg"], registry=r)
+        self.circuit_open = Gauge("pdrt_router_circuit_open", "1 while a pair's circuit breaker is open", ["pair"],
+                                  registry=r)
+        self.retries = Counter("pdrt_router_retries_total", "Requests retried on another pair before the first "
+                               "token", registry=r)
+        self.disconnects = Counter("pdrt_router_client_disconnects_total", "Clients that went away mid-request",
+                                   registry=r)
+        self.topology_reloads = Counter("pdrt_router_topology_reloads_total", "Topology file reloads by outcome "
+                                        "(ok, error)", ["outcome"], registry=r)
+        self.topology_pairs = Gauge("pdrt_router_pairs", "Pairs in the topology, by readiness", ["ready"],
+                                    registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def update_pool(self, stats: dict) -> None:
+        total = stats.get("blocks_total")
+        free = stats.get("blocks_free")
+        if total is not None and free is not None:
+            self.pool_blocks.labels(self.role, "total").set(total)
+            self.pool_blocks.labels(self.role, "free").set(free)
+            self.pool_blocks.labels(self.role, "used").set(total - free)

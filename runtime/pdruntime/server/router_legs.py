@@ -1,0 +1,177 @@
+"""The two legs of one PD request (SGLang convention): the same body, with bootstrap_host/port/room,
+goes to the prefill and the decode worker of one pair. Prefill answers once its KV is delivered;
+decode streams the tokens. Either leg failing aborts the other."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from typing import Any, AsyncIterator
+
+import httpx
+
+from pdruntime.server.topology import Pair
+
+ABORT_TIMEOUT_S = 2.0  # seconds for the best-effort /abort_request calls
+
+
+class LegError(Exception):
+    """A leg failed. ``retryable`` is True for failures of the pair itself (connection, 5xx), False for
+    request errors (4xx, which another pair would reject too) and for an expired deadline."""
+
+    def __init__(self, status: int, message: str, *, leg: str, retryable: bool, code: str = "upstream_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.leg = leg
+        self.retryable = retryable
+        self.code = code
+
+
+def _error_message(resp_json: Any, fallback: str) -> tuple[str, str]:
+    if isinstance(resp_json, dict) and isinstance(resp_json.get("error"), dict):
+        err = resp_json["error"]
+        return str(err.get("message", fallback)), str(err.get("code") or "upstream_error")
+    return fallback, "upstream_error"
+
+
+class Legs:
+    def __init__(self, client: httpx.AsyncClient, pair: Pair, rid: str, body: dict, headers: dict, deadline: float) -> None:
+        self.client = client
+        self.pair = pair
+        self.rid = rid
+        self.room = random.getrandbits(63)
+        self.deadline = deadline  # time.monotonic() seconds
+        common = {**body, "rid": rid, "bootstrap_host": pair.bootstrap_host, "bootstrap_port": pair.bootstrap_port,
+                  "bootstrap_room": self.room}
+        self.prefill_body = {**common, "stream": False}
+        self.decode_body = {**common, "stream": True}
+        self.headers = headers
+        self.prefill_task: asyncio.Task | None = None
+        self.decode_resp: httpx.Response | None = None
+        self._lines: AsyncIterator[str] | None = None
+        self.stage = "dispatching"
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    # ---- prefill leg ---------------------------------------------------------------------------
+    async def _prefill(self) -> None:
+        try:
+            resp = await self.client.post(self.pair.prefill_url + "/generate", json=self.prefill_body,
+                                          headers=self.headers, timeout=httpx.Timeout(self.remaining() + 1.0, connect=3.0))
+        except httpx.HTTPError as exc:
+            raise LegError(502, f"prefill worker {self.pair.prefill_url} unreachable: {type(exc).__name__} {exc}",
+                           leg="prefill", retryable=True) from None
+        if resp.status_code != 200:
+            try:
+                payload = resp.json()
+            except ValueError:
+                payload = None
+            msg, code = _error_message(payload, f"prefill answered HTTP {resp.status_code}")
+            st = resp.status_code
+            raise LegError(st if 400 <= st < 500 and st != 499 else 502, msg, leg="prefill",
+                           retryable=st >= 500 or st == 499, code=code)
+
+    # ---- decode leg ----------------------------------------------------------------------------
+    async def _open_decode(self) -> dict:
+        req = self.client.build_request("POST", self.pair.decode_url + "/generate", json=self.decode_body,
+                                        headers=self.headers, timeout=httpx.Timeout(self.remaining() + 1.0, connect=3.0))
+        try:
+            self.decode_resp = await self.client.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            raise LegError(502, f"decode worker {self.pair.decode_url} unreachable: {type(exc).__name__} {exc}",
+                           leg="decode", retryable=True) from None
+        if self.decode_resp.status_code != 200:
+            raw = await self.decode_resp.aread()
+            try:
+                payload = json.loads(raw)
+            except ValueError:
+                payload = None
+            st = self.decode_resp.status_code
+            msg, code = _error_message(payload, f"decode answered HTTP {st}")
+            raise LegError(st if 400 <= st < 500 and st != 499 else 502, msg, leg="decode",
+                           retryable=st >= 500 or st == 499, code=code)
+        self._lines = self.decode_resp.aiter_lines()
+        ev = await self._next_event()
+        if ev is None:
+            raise LegError(502, "decode stream ended before the first token", leg="decode", retryable=True)
+        return ev
+
+    async def _next_event(self) -> dict | None:
+        assert self._lines is not None
+        try:
+            async for line in self._lines:
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    return None
+                ev = json.loads(data)
+                if "error" in ev:
+                    msg, code = _error_message(ev, "decode failed")
+                    raise LegError(502, msg, leg="decode", retryable=False, code=code)
+                return ev
+        except httpx.HTTPError as exc:
+            raise LegError(502, f"decode stream broke: {type(exc).__name__} {exc}", leg="decode", retryable=False) from None
+        return None
+
+    async def first_event(self) -> dict:
+        """Start both legs; return decode's first token event. Raises LegError (legs aborted)."""
+        self.prefill_task = asyncio.create_task(self._prefill())
+        decode_task = asyncio.create_task(self._open_decode())
+        self.stage = "waiting_first_token"
+        try:
+            pending = {decode_task, self.prefill_task}
+            while True:
+                done, pending = await asyncio.wait(pending, timeout=self.remaining(), return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    raise LegError(504, f"deadline expired before the first token (pair {self.pair.index})",
+                                   leg="router", retryable=False, code="deadline_exceeded")
+                if decode_task in done:
+                    return decode_task.result()  # raises LegError
+                self.prefill_task.result()  # raises LegError; success means: keep waiting for decode
+        except BaseException:
+            decode_task.cancel()
+            await self.abort()
+            raise
+
+    async def events(self) -> AsyncIterator[dict]:
+        """Decode events after the first, each within the deadline. Raises LegError."""
+        while True:
+            try:
+                ev = await asyncio.wait_for(self._next_event(), self.remaining())
+            except asyncio.TimeoutError:
+                raise LegError(504, "deadline expired mid-generation", leg="router", retryable=False,
+                               code="deadline_exceeded") from None
+            if ev is None:
+                return
+            yield ev
+
+    # ---- teardown --------------------------------------------------------------------------------
+    async def _post_abort(self, url: str) -> None:
+        try:
+            await self.client.post(url + "/abort_request", json={"rid": self.rid}, timeout=ABORT_TIMEOUT_S)
+        except httpx.HTTPError:
+            pass
+
+    async def abort(self) -> None:
+        """Abort both legs: drop the decode stream, cancel the prefill call, and tell both workers."""
+        if self.prefill_task is not None and not self.prefill_task.done():
+            self.prefill_task.cancel()
+        await self.close()
+        await asyncio.gather(self._post_abort(self.pair.prefill_url), self._post_abort(self.pair.decode_url))
+
+    async def close(self) -> None:
+        if self.decode_resp is not None:
+            await self.decode_resp.aclose()
+
+    async def join_prefill(self) -> None:
+        """Reap the prefill leg after a successful decode (its outcome no longer matters)."""
+        if self.prefill_task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self.prefill_task), self.remaining() + 1.0)
+            except (LegError, asyncio.TimeoutError, asyncio.CancelledError):
+                pass

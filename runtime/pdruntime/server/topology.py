@@ -1,0 +1,185 @@
+"""Router topology: which PD pairs exist, where their workers listen, and which are ready.
+
+Source: CLI flags or a YAML file (written by the operator into the router ConfigMap, key
+``topology.yaml``) that the router hot-reloads. Format::
+
+    version: 1
+    revision: "abc123"
+    pairs:
+      - index: 0
+        ready: true
+        prefill: {url: "http://10.0.0.11:8000", bootstrap_host: "10.0.0.11", bootstrap_port: 8998}
+        decode:  {url: "http://10.0.0.12:8000"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+import yaml
+
+log = logging.getLogger("pdruntime.topology")
+
+
+class TopologyError(ValueError):
+    """The topology is malformed; the message names the field and what is accepted."""
+
+
+@dataclass(frozen=True)
+class Pair:
+    index: int
+    ready: bool
+    prefill_url: str
+    bootstrap_host: str
+    bootstrap_port: int
+    decode_url: str
+
+    @property
+    def key(self) -> str:
+        return str(self.index)
+
+
+@dataclass(frozen=True)
+class Topology:
+    version: int
+    revision: str
+    pairs: tuple[Pair, ...]
+
+    def ready_pairs(self) -> list[Pair]:
+        return [p for p in self.pairs if p.ready]
+
+    def as_dict(self) -> dict:
+        return {"version": self.version, "revision": self.revision, "pairs": [
+            {"index": p.index, "ready": p.ready,
+             "prefill": {"url": p.prefill_url, "bootstrap_host": p.bootstrap_host, "bootstrap_port": p.bootstrap_port},
+             "decode": {"url": p.decode_url}} for p in self.pairs]}
+
+
+def _url(value: Any, where: str) -> str:
+    if not isinstance(value, str) or urlparse(value).scheme not in ("http", "https") or not urlparse(value).hostname:
+        raise TopologyError(f"{where}: {value!r} is not accepted; accepted: an http(s) URL like http://10.0.0.11:8000")
+    return value.rstrip("/")
+
+
+def parse_topology(doc: Any) -> Topology:
+    if not isinstance(doc, dict):
+        raise TopologyError("topology: expected a mapping with version, revision and pairs")
+    version = doc.get("version", 1)
+    if version != 1:
+        raise TopologyError(f"topology.version: {version!r} is not accepted; accepted: 1")
+    revision = str(doc.get("revision", ""))
+    raw_pairs = doc.get("pairs")
+    if not isinstance(raw_pairs, list):
+        raise TopologyError("topology.pairs: expected a list of pairs")
+    pairs: list[Pair] = []
+    seen: set[int] = set()
+    for i, rp in enumerate(raw_pairs):
+        where = f"topology.pairs[{i}]"
+        if not isinstance(rp, dict):
+            raise TopologyError(f"{where}: expected a mapping with index, prefill and decode")
+        index = rp.get("index", i)
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0 or index in seen:
+            raise TopologyError(f"{where}.index: {index!r} is not accepted; accepted: a unique integer >= 0")
+        seen.add(index)
+        ready = rp.get("ready", True)
+        if not isinstance(ready, bool):
+            raise TopologyError(f"{where}.ready: {ready!r} is not accepted; accepted: true or false")
+        pre = rp.get("prefill")
+        dec = rp.get("decode")
+        if not isinstance(pre, dict) or not isinstance(dec, dict):
+            raise TopologyError(f"{where}: prefill and decode must be mappings")
+        purl = _url(pre.get("url"), f"{where}.prefill.url")
+        bhost = pre.get("bootstrap_host") or urlparse(purl).hostname
+        bport = pre.get("bootstrap_port", 8998)
+        if not isinstance(bport, int) or isinstance(bport, bool) or not 0 < bport < 65536:
+            raise TopologyError(f"{where}.prefill.bootstrap_port: {bport!r} is not accepted; accepted: a port 1..65535")
+        pairs.append(Pair(index, ready, purl, str(bhost), bport, _url(dec.get("url"), f"{where}.decode.url")))
+    return Topology(1, revision, tuple(pairs))
+
+
+def load_topology_text(text: str) -> Topology:
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise TopologyError(f"topology file is not valid YAML: {exc}") from None
+    return parse_topology(doc)
+
+
+def topology_from_flags(prefill: list[str], decode: list[str], bootstrap_ports: list[int]) -> Topology:
+    """Pairs from ``--prefill URL --decode URL [--bootstrap-port N]`` flags, matched by position."""
+    if len(prefill) != len(decode):
+        raise TopologyError(f"{len(prefill)} --prefill URLs and {len(decode)} --decode URLs; accepted: one of each per pair")
+    pairs = []
+    for i, (p, d) in enumerate(zip(prefill, decode)):
+        port = bootstrap_ports[i] if i < len(bootstrap_ports) else (bootstrap_ports[-1] if bootstrap_ports else 8998)
+        pairs.append({"index": i, "prefill": {"url": p, "bootstrap_port": port}, "decode": {"url": d}})
+    return parse_topology({"version": 1, "revision": "flags", "pairs": pairs})
+
+
+class TopologyWatcher:
+    """Polls a topology file and calls ``on_change(topology)`` when its content changes.
+
+    ConfigMap volumes update by swapping a symlink, so this compares content hashes, not mtimes.
+    A bad file keeps the last good topology and is logged and counted.
+    """
+
+    def __init__(self, path: str, on_change: Callable[[Topology], None], on_error: Callable[[str], None],
+                 interval_s: float = 1.0) -> None:
+        self.path = path
+        self.on_change = on_change
+        self.on_error = on_error
+        self.interval_s = interval_s
+        self.digest: str | None = None
+        self.last_error: str | None = None
+        self._task: asyncio.Task | None = None
+
+    def load_now(self) -> Topology | None:
+        try:
+            with open(self.path, "rb") as fh:
+                data = fh.read()
+        except OSError as exc:
+            self._error(f"cannot read topology file {self.path}: {exc}")
+            return None
+        digest = hashlib.sha256(data).hexdigest()
+        if digest == self.digest:
+            return None
+        try:
+            topo = load_topology_text(data.decode("utf-8", errors="replace"))
+        except TopologyError as exc:
+            self.digest = digest  # do not re-log the same bad content every interval
+            self._error(f"{self.path}: {exc}")
+            return None
+        self.digest = digest
+        self.last_error = None
+        self.on_change(topo)
+        return topo
+
+    def _error(self, msg: str) -> None:
+        if msg != self.last_error:
+            log.error("topology not reloaded: %s", msg)
+        self.last_error = msg
+        self.on_error(msg)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            self.load_now()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.run(), name="topology-watcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+
+def file_exists(path: str) -> bool:
+    return os.path.exists(path)

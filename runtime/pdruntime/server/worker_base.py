@@ -1,0 +1,185 @@
+"""What prefill and decode workers share: engine + runner thread, watchdog, metrics and the common
+endpoints (/health, /metrics, /config, /debug/requests, /get_model_info, /get_server_info, /abort_request)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from pdruntime.disagg.watchdog import Clock, OffsetClock, Watchdog
+from pdruntime.env import RuntimeEnv
+from pdruntime.server.common import TestHooks, install_error_handlers, metrics_response, PromptBuilder
+from pdruntime.server.engine_runner import EngineRunner
+from pdruntime.server.metrics import Metrics
+from pdruntime.server.schemas import ApiError, parse_body
+
+log = logging.getLogger("pdruntime.worker")
+
+
+class WorkerBase:
+    role = "worker"
+
+    def __init__(self, loaded: Any, engine: Any, env: RuntimeEnv, *, host: str = "127.0.0.1", port: int = 8000,
+                 clock: Clock | None = None) -> None:
+        self.loaded = loaded
+        self.engine = engine
+        self.env = env
+        self.host, self.port = host, port
+        self.clock = clock or (OffsetClock() if env.test_hooks else Clock())
+        self.metrics = Metrics(self.role)
+        self.watchdog = Watchdog(self.role, self.clock, env.watchdog_tick_s,
+                                 on_fired=lambda role, phase: self.metrics.watchdog_fired.labels(role, phase).inc())
+        self.hooks = TestHooks()
+        self.kv_token = env.resolve_kv_auth_token()
+        self.max_model_len = int(engine.config.max_model_len or loaded.info.max_position_embeddings)
+        self.prompts = PromptBuilder(loaded.tokenizer, self.max_model_len)
+        self.runner: EngineRunner | None = None
+        self.ready = False
+        self.started_at = time.time()
+        self.model_name = loaded.info.name
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.runner = EngineRunner(self.engine, asyncio.get_running_loop(), on_step=self._on_step)
+        self.runner.start()
+        self.metrics.update_pool(self.runner.last_stats)
+        self.watchdog.start()
+        await self.start_role()
+        self.ready = True
+        log.info("%s worker ready on %s:%d (model %s)", self.role, self.host, self.port, self.model_name)
+
+    async def stop(self) -> None:
+        self.ready = False
+        await self.stop_role()
+        await self.watchdog.stop()
+        if self.runner is not None:
+            await asyncio.to_thread(self.runner.stop)
+
+    async def start_role(self) -> None: ...
+
+    async def stop_role(self) -> None: ...
+
+    def _on_step(self, stats: dict, batch: int) -> None:
+        self.metrics.running_batch.labels(self.role).set(stats.get("num_running", 0))
+        if batch > 0:
+            self.metrics.batch_size.labels(self.role).observe(batch)
+        self.metrics.update_pool(stats)
+
+    # ---- views -----------------------------------------------------------------------------
+    def debug_rows(self) -> list[dict]:
+        raise NotImplementedError
+
+    def queue_counts(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def pool(self) -> dict:
+        stats = self.runner.last_stats if self.runner else {}
+        return {"free": stats.get("blocks_free"), "total": stats.get("blocks_total")}
+
+    def config(self) -> dict:
+        return {"role": self.role, "engine": _jsonable(self.engine.describe()), "env": self.env.as_config(),
+                "server": {"host": self.host, "port": self.port, "pid": os.getpid()},
+                "kv_auth": "enabled" if self.kv_token else "disabled", **self.role_config()}
+
+    def role_config(self) -> dict:
+        return {}
+
+    async def abort(self, rid: str, cause: str) -> bool:
+        raise NotImplementedError
+
+    # ---- app -------------------------------------------------------------------------------
+    def build_app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(_: FastAPI):
+            await self.start()
+            try:
+                yield
+            finally:
+                await self.stop()
+
+        app = FastAPI(title=f"pdrt {self.role} worker", lifespan=lifespan)
+        install_error_handlers(app)
+        info = self.loaded.info
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            ok = self.ready and self.runner is not None and self.runner._thread.is_alive()
+            return JSONResponse({"status": "ok" if ok else "starting", "role": self.role}, status_code=200 if ok else 503)
+
+        @app.get("/metrics")
+        async def metrics():
+            counts = self.queue_counts()
+            gauge = self.metrics.prefill_queue if self.role == "prefill" else self.metrics.decode_queue
+            for q, n in counts.items():
+                gauge.labels(q).set(n)
+            self.metrics.live.labels(self.role).set(sum(counts.values()))
+            return metrics_response(self.metrics.render())
+
+        @app.get("/config")
+        async def config():
+            return self.config()
+
+        @app.get("/debug/requests")
+        async def debug_requests():
+            rows = self.debug_rows()
+            return {"role": self.role, "url": f"http://{self.host}:{self.port}", "live": len(rows), "requests": rows,
+                    "queues": self.queue_counts(), "pool": self.pool(), "watchdog_ticks": self.watchdog.ticks,
+                    "armed": [{"key": d.key, "phase": d.phase, "age_s": round(self.clock.now() - d.started_at, 3),
+                               "timeout_s": d.timeout_s} for d in self.watchdog.armed()]}
+
+        @app.get("/get_model_info")
+        async def get_model_info():
+            return {"model_path": info.path, "model_name": info.name, "tokenizer_path": info.path,
+                    "is_generation": True, "sha256": info.sha256, "max_model_len": self.max_model_len}
+
+        @app.get("/get_server_info")
+        async def get_server_info():
+            return {"version": "pdrt-0.1", "disaggregation_mode": self.role, "model_path": info.path,
+                    "max_total_num_tokens": self.engine.pool.num_total * self.engine.config.block_size,
+                    "max_model_len": self.max_model_len, **self.config()}
+
+        @app.post("/abort_request")
+        async def abort_request(request: Request):
+            body = parse_body(await request.body())
+            rid = body.get("rid")
+            if not isinstance(rid, str):
+                raise ApiError(400, "rid: a request id string is required", param="rid")
+            return {"rid": rid, "aborted": await self.abort(rid, "abort_request")}
+
+        if self.env.test_hooks:
+            @app.post("/debug/test")
+            async def test_hooks(request: Request):
+                """Test-only (PDRT_TEST_HOOKS=1): advance the watchdog clock, slow steps, stall transfers."""
+                body = parse_body(await request.body())
+                if "advance_clock_s" in body:
+                    self.clock.advance(float(body["advance_clock_s"]))
+                if "step_delay_s" in body and self.runner is not None:
+                    self.runner.step_delay_s = float(body["step_delay_s"])
+                for name in ("stall_transfers", "stall_prefill"):
+                    if name in body:
+                        setattr(self.hooks, name, int(body[name]))
+                return {"clock": self.clock.now(), "step_delay_s": self.runner.step_delay_s if self.runner else 0,
+                        "stall_transfers": self.hooks.stall_transfers, "stall_prefill": self.hooks.stall_prefill}
+
+        self.add_routes(app)
+        return app
+
+    def add_routes(self, app: FastAPI) -> None:
+        raise NotImplementedError
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return str(obj)
