@@ -1,0 +1,158 @@
+"""Harness for operator tests: the API emulator, the simulated kubelet, and the real kopf operator.
+
+KUBECONFIG points at a per-session file before anything imports ``kubernetes`` (it reads the
+default path at import time); each test rewrites it with its own emulator's URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import pytest
+
+_KUBE_DIR = tempfile.mkdtemp(prefix="pdstack-operator-tests-")
+KUBECONFIG = os.path.join(_KUBE_DIR, "kubeconfig")
+os.environ["KUBECONFIG"] = KUBECONFIG
+os.environ["PDSTACK_OPERATOR_METRICS_PORT"] = "0"
+
+import kmock  # noqa: E402
+import kopf  # noqa: E402
+import yaml  # noqa: E402
+
+from k8s_emulator import PDEmulator, Kubelet, R  # noqa: E402
+
+PDDS = R("pdstack.io", "v1alpha1", "pddeployments")
+PODS = R("", "v1", "pods")
+EVENTS = R("", "v1", "events")
+NS = "default"
+
+
+def write_kubeconfig(url: str) -> None:
+    cfg = {"apiVersion": "v1", "kind": "Config", "current-context": "emu",
+           "clusters": [{"name": "emu", "cluster": {"server": url}}],
+           "users": [{"name": "emu", "user": {}}],
+           "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu", "namespace": NS}}]}
+    Path(KUBECONFIG).write_text(yaml.safe_dump(cfg))
+
+
+class Cluster:
+    def __init__(self, api: PDEmulator, kubelet: Kubelet, url: str):
+        self.api, self.kubelet, self.url = api, kubelet, url
+
+    def pdd(self, name: str) -> dict[str, Any] | None:
+        return self.api.read(PDDS, NS, name)
+
+    def pods(self, name: str) -> list[dict[str, Any]]:
+        return self.api.select(PODS, NS, f"pdstack.io/deployment={name},pdstack.io/component=worker")
+
+    def pair_pods(self, name: str, pair: int) -> dict[str, dict[str, Any]]:
+        return {p["metadata"]["labels"]["pdstack.io/role"]: p for p in self.pods(name)
+                if p["metadata"]["labels"]["pdstack.io/pair"] == str(pair)}
+
+    def events(self, name: str, reason: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.api.select(EVENTS, NS) if e["involvedObject"]["name"] == name
+                and (reason is None or e["reason"] == reason)]
+
+    def condition(self, name: str, ctype: str) -> dict[str, Any]:
+        for c in ((self.pdd(name) or {}).get("status") or {}).get("conditions", []):
+            if c["type"] == ctype:
+                return c
+        return {}
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        return self.api._create(PDDS, NS, manifest)
+
+    def patch_spec(self, name: str, spec_patch: dict[str, Any]) -> dict[str, Any]:
+        from kmock._internal import dicts
+        cur = self.pdd(name)
+        assert cur is not None
+        return self.api._store(PDDS, NS, name, dict(dicts.merge_patch_dict(cur, {"spec": spec_patch})))
+
+    def delete(self, res: Any, name: str) -> None:
+        self.api._delete(res, NS, name)
+
+
+async def eventually(check: Callable[[], Any], *, timeout: float = 15.0, interval: float = 0.05,
+                     what: str = "condition") -> Any:
+    """Poll ``check`` until it returns a truthy value; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Cluster]:
+    """Emulator on loopback + kubelet with two 8-GPU nodes."""
+    async with PDEmulator() as api, kmock.Server(api) as server:
+        write_kubeconfig(str(server.url).rstrip("/"))
+        kubelet = Kubelet(api)
+        kubelet.add_node("gpu-a", 8, {"pdstack.io/gpu": "h100"})
+        kubelet.add_node("gpu-b", 8, {"pdstack.io/gpu": "h100"})
+        async with kubelet:
+            yield Cluster(api, kubelet, str(server.url))
+
+
+_tuned = False
+
+
+def _register_test_tuning() -> None:
+    """Short kopf timeouts so each integration test takes seconds (registered once, after the operator's)."""
+    global _tuned
+    if _tuned:
+        return
+    _tuned = True
+
+    @kopf.on.startup(id="test-tuning")
+    def tune(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.watching.server_timeout = 30
+        settings.watching.client_timeout = 35
+        settings.watching.connect_timeout = 2
+        settings.watching.reconnect_backoff = 0.05
+        settings.queueing.idle_timeout = 1.0
+        settings.queueing.exit_timeout = 1.0
+        settings.posting.enabled = False
+        settings.networking.request_timeout = 10
+
+
+@pytest.fixture
+async def operator(cluster: Cluster) -> AsyncIterator[Cluster]:
+    """The real kopf operator (pdoperator.handlers) running in this loop against the emulator."""
+    import pdoperator.handlers  # noqa: F401  (registers the handlers)
+    _register_test_tuning()
+    logging.getLogger("kopf").setLevel(logging.DEBUG if os.environ.get("PDOP_DEBUG") else logging.WARNING)
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    task = asyncio.create_task(kopf.operator(clusterwide=True, standalone=True, stop_flag=stop, ready_flag=ready))
+    await asyncio.wait_for(ready.wait(), timeout=20)
+    try:
+        yield cluster
+    finally:
+        stop.set()
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(task, timeout=10)
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+def manifest(name: str, *, pairs: int = 2, gpus: int = 1, **spec: Any) -> dict[str, Any]:
+    body = {"image": "ghcr.io/pdstack/runtime:test", "pairs": pairs,
+            "prefill": {"resources": {"gpus": gpus}}, "decode": {"resources": {"gpus": gpus}},
+            "coRestart": {"policy": "Pair", "backoff": {"initialSeconds": 0.2, "maxSeconds": 2}}}
+    body.update(spec)
+    return {"apiVersion": "pdstack.io/v1alpha1", "kind": "PDDeployment", "metadata": {"name": name, "namespace": NS},
+            "spec": body}

@@ -1,0 +1,578 @@
+"""A Kubernetes API emulator for operator tests, built on kmock's KubernetesEmulator.
+
+kmock provides the HTTP server, API discovery, error rendering and the object store with
+history (``emulator.objects[res, ns, name].history``). This subclass serves the object endpoints
+itself, with the API semantics the operator relies on:
+
+* metadata: ``uid``, ``creationTimestamp``, ``resourceVersion`` (one global counter), ``generation``
+  (bumped on spec changes only), ``generateName``;
+* optimistic concurrency: a write carrying a stale ``metadata.resourceVersion`` gets 409 Conflict;
+* label selectors (``=``, ``==``, ``!=``, ``in``, ``notin``, exists, ``!``) on list/watch/deletecollection;
+* the ``status`` subresource: writes to the main resource ignore ``status``, writes to ``/status``
+  change only ``status``;
+* finalizers and ``deletionTimestamp``; ownerReference cascade deletion (background GC);
+* watch streams that resume from a ``resourceVersion`` and honour ``timeoutSeconds``;
+* merge-patch, JSON-patch and (approximated as merge) strategic-merge-patch.
+
+:class:`Kubelet` simulates the scheduler, kubelets with GPU nodes and the Deployment controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import itertools
+import json
+import re
+import secrets
+import uuid
+from typing import Any, Iterable
+
+import aiohttp.web
+import attrs
+import jsonpatch
+import kmock
+from kmock._internal import dicts as kmock_dicts
+from kmock._internal.k8s import KubernetesError
+
+GPU = "nvidia.com/gpu"
+VERBS = ["list", "watch", "get", "create", "patch", "update", "delete", "deletecollection"]
+
+# (group, version, plural, kind, namespaced, has status subresource)
+RESOURCES = [
+    ("", "v1", "namespaces", "Namespace", False, True),
+    ("", "v1", "nodes", "Node", False, True),
+    ("", "v1", "pods", "Pod", True, True),
+    ("", "v1", "services", "Service", True, True),
+    ("", "v1", "configmaps", "ConfigMap", True, False),
+    ("", "v1", "secrets", "Secret", True, False),
+    ("", "v1", "events", "Event", True, False),
+    ("apps", "v1", "deployments", "Deployment", True, True),
+    ("apps", "v1", "controllerrevisions", "ControllerRevision", True, False),
+    ("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True, False),
+    ("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", True, True),
+    ("pdstack.io", "v1alpha1", "pddeployments", "PDDeployment", True, True),
+]
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def R(group: str, version: str, plural: str) -> kmock.resource:  # noqa: N802 - reads like a type
+    return kmock.resource(group, version, plural)
+
+
+# ---------------------------------------------------------------- label selectors
+_REQ = re.compile(r"^\s*(!)?\s*([A-Za-z0-9_./-]+)\s*(?:(==|=|!=)\s*([A-Za-z0-9_.-]*)|\s+(in|notin)\s*\(([^)]*)\))?\s*$")
+
+
+def parse_selector(selector: str | None) -> list[tuple[str, str, set[str]]]:
+    """``'a=b,c!=d,e in (x,y),f,!g'`` -> [(key, op, values)]; raises ValueError on bad syntax."""
+    if not selector:
+        return []
+    parts, depth, cur = [], 0, ""
+    for ch in selector:  # split on commas outside parentheses
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    out = []
+    for part in parts:
+        m = _REQ.match(part)
+        if not m:
+            raise ValueError(f"unable to parse requirement: {part!r}")
+        neg, key, eqop, eqval, setop, setvals = m.groups()
+        if neg:
+            out.append((key, "!", set()))
+        elif eqop:
+            out.append((key, "!=" if eqop == "!=" else "=", {eqval}))
+        elif setop:
+            out.append((key, setop, {v.strip() for v in setvals.split(",") if v.strip()}))
+        else:
+            out.append((key, "exists", set()))
+    return out
+
+
+def selector_matches(reqs: Iterable[tuple[str, str, set[str]]], labels: dict[str, str] | None) -> bool:
+    labels = labels or {}
+    for key, op, values in reqs:
+        present, value = key in labels, labels.get(key)
+        ok = {"=": present and value in values, "in": present and value in values,
+              "!=": not present or value not in values, "notin": not present or value not in values,
+              "exists": present, "!": not present}[op]
+        if not ok:
+            return False
+    return True
+
+
+def _error(status: int, reason: str, message: str) -> KubernetesError:
+    return KubernetesError(status=status, reason=reason, message=message, details={})
+
+
+@attrs.define(kw_only=True)
+class PDEmulator(kmock.KubernetesEmulator):
+    """kmock's KubernetesEmulator with real API semantics for the resources in :data:`RESOURCES`."""
+
+    _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+    _last_rv: int = attrs.field(default=0, init=False)
+    _info: dict[Any, tuple[str, bool, bool]] = attrs.field(factory=dict, init=False)
+    _log: dict[Any, list[tuple[int, dict[str, Any]]]] = attrs.field(factory=dict, init=False)
+    _watchers: dict[Any, list[asyncio.Queue[Any]]] = attrs.field(factory=dict, init=False)
+    watch_requests: int = attrs.field(default=0, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        for group, version, plural, kind, namespaced, status in RESOURCES:
+            res = R(group, version, plural)
+            self.resources[res] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=set(VERBS),
+                                                     subresources={"status"} if status else set())
+            self._info[res] = (kind, namespaced, status)
+        self.seed(R("", "v1", "namespaces"), None, {"metadata": {"name": "default"}})
+
+    # ------------------------------------------------------------ direct (in-process) API
+    def read(self, res: Any, namespace: str | None, name: str) -> dict[str, Any] | None:
+        key = (res, namespace, name)
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        return copy.deepcopy(self.objects[key].raw)
+
+    def select(self, res: Any, namespace: str | None = None, selector: str | None = None) -> list[dict[str, Any]]:
+        reqs = parse_selector(selector)
+        out = []
+        for (r, ns, _), obj in self.objects.items():
+            if r == res and not obj.deleted and (namespace is None or ns == namespace):
+                raw = obj.raw
+                if selector_matches(reqs, raw.get("metadata", {}).get("labels")):
+                    out.append(copy.deepcopy(raw))
+        return out
+
+    def seed(self, res: Any, namespace: str | None, body: dict[str, Any]) -> dict[str, Any]:
+        """Create (as a client would, status included: fixtures such as Nodes)."""
+        return self._create(res, namespace, body, keep_status=True)
+
+    def history(self, res: Any, namespace: str | None, name: str) -> list[dict[str, Any] | None]:
+        key = (res, namespace, name)
+        if key not in self.objects:
+            return []
+        return [None if v is None else copy.deepcopy(v.raw) for v in self.objects[key].history]
+
+    # ------------------------------------------------------------ core mutations (synchronous)
+    def _next_rv(self) -> str:
+        self._last_rv = next(self._rv)
+        return str(self._last_rv)
+
+    def _emit(self, res: Any, etype: str, obj: dict[str, Any]) -> None:
+        rv = int(obj["metadata"]["resourceVersion"])
+        event = {"type": etype, "object": copy.deepcopy(obj)}
+        self._log.setdefault(res, []).append((rv, event))
+        for q in self._watchers.get(res, []):
+            q.put_nowait(event)
+
+    def _create(self, res: Any, namespace: str | None, body: dict[str, Any], *, keep_status: bool = False) -> dict:
+        kind, namespaced, has_status = self._info[res]
+        obj = copy.deepcopy(body)
+        meta = obj.setdefault("metadata", {})
+        if namespaced:
+            namespace = namespace or meta.get("namespace")
+            if not namespace:
+                raise _error(400, "BadRequest", "a namespace is required for a namespaced resource")
+            meta["namespace"] = namespace
+        else:
+            namespace = None
+            meta.pop("namespace", None)
+        if not meta.get("name"):
+            if not meta.get("generateName"):
+                raise _error(422, "Invalid", "metadata.name or metadata.generateName is required")
+            meta["name"] = meta["generateName"] + secrets.token_hex(3)[:5]
+        key = (res, namespace, meta["name"])
+        if key in self.objects and not self.objects[key].deleted:
+            raise _error(409, "AlreadyExists", f'{res.plural} "{meta["name"]}" already exists')
+        for ref in meta.get("ownerReferences", []) or []:
+            if not ref.get("uid"):
+                raise _error(422, "Invalid", "metadata.ownerReferences.uid: Required value")
+        if has_status and not keep_status:
+            obj.pop("status", None)
+        obj.setdefault("apiVersion", f"{res.group}/{res.version}" if res.group else res.version)
+        obj.setdefault("kind", kind)
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), resourceVersion=self._next_rv(), generation=1)
+        meta.pop("deletionTimestamp", None)
+        if key in self.objects:
+            self.objects[key].create(obj)
+        else:
+            self.objects[key] = obj
+        self._emit(res, "ADDED", obj)
+        return copy.deepcopy(obj)
+
+    def _store(self, res: Any, namespace: str | None, name: str, new: dict[str, Any],
+               *, subresource: str | None = None, expect_rv: str | None = None) -> dict[str, Any]:
+        """Write a full new version of an existing object with the API's field ownership rules."""
+        _, _, has_status = self._info[res]
+        key = (res, namespace, name)
+        if key not in self.objects or self.objects[key].deleted:
+            raise _error(404, "NotFound", f'{res.plural} "{name}" not found')
+        old = self.objects[key].raw
+        if expect_rv and expect_rv != old["metadata"]["resourceVersion"]:
+            raise _error(409, "Conflict", f'Operation cannot be fulfilled on {res.plural} "{name}": the object has '
+                                          "been modified; please apply your changes to the latest version and try again")
+        new = copy.deepcopy(new)
+        if subresource == "status":
+            merged = copy.deepcopy(old)
+            merged["status"] = new.get("status", {})
+            new = merged
+        else:
+            if has_status:
+                if "status" in old:
+                    new["status"] = copy.deepcopy(old["status"])
+                else:
+                    new.pop("status", None)
+            meta, old_meta = new.setdefault("metadata", {}), old["metadata"]
+            for field in ("uid", "creationTimestamp", "namespace", "name", "deletionTimestamp"):
+                if field in old_meta:
+                    meta[field] = old_meta[field]
+                else:
+                    meta.pop(field, None)
+            body_old = {k: v for k, v in old.items() if k not in ("metadata", "status")}
+            body_new = {k: v for k, v in new.items() if k not in ("metadata", "status")}
+            meta["generation"] = old_meta.get("generation", 1) + (1 if body_old != body_new else 0)
+        if new == old:
+            return copy.deepcopy(old)  # no-op writes do not bump resourceVersion (as the API server)
+        new["metadata"]["resourceVersion"] = self._next_rv()
+        self.objects[key].create(new)
+        if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
+            self._remove(res, namespace, name)
+        else:
+            self._emit(res, "MODIFIED", new)
+        return copy.deepcopy(new)
+
+    def _delete(self, res: Any, namespace: str | None, name: str) -> dict[str, Any]:
+        key = (res, namespace, name)
+        if key not in self.objects or self.objects[key].deleted:
+            raise _error(404, "NotFound", f'{res.plural} "{name}" not found')
+        obj = self.objects[key].raw
+        if obj["metadata"].get("finalizers"):
+            if not obj["metadata"].get("deletionTimestamp"):
+                new = copy.deepcopy(obj)
+                new["metadata"]["deletionTimestamp"] = _now()
+                new["metadata"]["resourceVersion"] = self._next_rv()
+                self.objects[key].create(new)
+                self._emit(res, "MODIFIED", new)
+                return copy.deepcopy(new)
+            return copy.deepcopy(obj)
+        return self._remove(res, namespace, name)
+
+    def _remove(self, res: Any, namespace: str | None, name: str) -> dict[str, Any]:
+        key = (res, namespace, name)
+        obj = copy.deepcopy(self.objects[key].raw)
+        obj["metadata"]["resourceVersion"] = self._next_rv()
+        self.objects[key].delete()
+        self._emit(res, "DELETED", obj)
+        self._collect_garbage(obj["metadata"]["uid"])
+        return obj
+
+    def _collect_garbage(self, owner_uid: str) -> None:
+        """Background cascade: delete every object that names ``owner_uid`` in its ownerReferences."""
+        victims = [(r, ns, n) for (r, ns, n), o in list(self.objects.items()) if not o.deleted
+                   and any(ref.get("uid") == owner_uid for ref in o.raw["metadata"].get("ownerReferences", []) or [])]
+        for r, ns, n in victims:
+            if (r, ns, n) in self.objects and not self.objects[(r, ns, n)].deleted:
+                self._delete(r, ns, n)
+
+    # ------------------------------------------------------------ HTTP
+    async def _handle(self, request: Any) -> aiohttp.web.StreamResponse:
+        res = request.resource
+        if res is None or res not in self._info or request.subresource not in (None, "status"):
+            return await super()._handle(request)  # discovery, unknown endpoints
+        method = request.method.upper()
+        ns, name, params = request.namespace, request.name, request.params
+        if method == "GET" and params.get("watch") in ("true", "1"):
+            return await self._serve_watch_stream(request)
+        if method == "GET" and name is None:
+            return self._json(self._list_body(res, ns, params))
+        if method == "GET":
+            obj = self.read(res, ns, name)
+            if obj is None:
+                raise _error(404, "NotFound", f'{res.plural} "{name}" not found')
+            return self._json(obj)
+        if method == "POST":
+            return self._json(self._create(res, ns, request.data or {}), status=201)
+        if method == "DELETE" and name is None:
+            reqs = parse_selector(params.get("labelSelector"))
+            gone = [self._delete(res, ns2, n2) for (r, ns2, n2), o in list(self.objects.items())
+                    if r == res and not o.deleted and (ns is None or ns2 == ns)
+                    and selector_matches(reqs, o.raw["metadata"].get("labels"))]
+            return self._json({"kind": "List", "apiVersion": "v1", "items": gone})
+        if method == "DELETE":
+            return self._json(self._delete(res, ns, name))
+        if method in ("PATCH", "PUT"):
+            current = self.read(res, ns, name)
+            if current is None:
+                raise _error(404, "NotFound", f'{res.plural} "{name}" not found')
+            body = request.data
+            ctype = request.headers.get("Content-Type", "application/json").split(";")[0].strip()
+            if method == "PUT":
+                new, expect = body, (body or {}).get("metadata", {}).get("resourceVersion")
+                if not expect:
+                    raise _error(422, "Invalid", "metadata.resourceVersion: Invalid value: 0x0: must be specified "
+                                                 "for an update")
+            elif ctype == "application/json-patch+json":
+                new = jsonpatch.apply_patch(current, body)
+                expect = None
+            elif ctype in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
+                new = kmock_dicts.merge_patch_dict(current, body or {})
+                expect = (body or {}).get("metadata", {}).get("resourceVersion")
+            else:
+                raise _error(415, "UnsupportedMediaType", f"the body of the request was in an unknown format: {ctype}")
+            return self._json(self._store(res, ns, name, dict(new), subresource=request.subresource,
+                                          expect_rv=expect))
+        raise _error(405, "MethodNotAllowed", f"{method} is not supported here")
+
+    def _json(self, data: Any, status: int = 200) -> aiohttp.web.Response:
+        return aiohttp.web.json_response(data, status=status)
+
+    def _list_body(self, res: Any, ns: str | None, params: dict[str, str]) -> dict[str, Any]:
+        try:
+            items = self.select(res, ns, params.get("labelSelector"))
+        except ValueError as e:
+            raise _error(400, "BadRequest", str(e)) from None
+        items = [o for o in items if self._field_ok(o, params.get("fieldSelector"))]
+        kind = self._info[res][0]
+        return {"apiVersion": f"{res.group}/{res.version}" if res.group else res.version, "kind": f"{kind}List",
+                "metadata": {"resourceVersion": str(self._last_rv)}, "items": items}
+
+    @staticmethod
+    def _field_ok(obj: dict[str, Any], selector: str | None) -> bool:
+        for req in (selector or "").split(","):
+            if "=" in req:
+                k, v = req.split("=", 1)
+                k, neg = (k[:-1], True) if k.endswith("!") else (k.rstrip("="), False)
+                actual = obj.get("metadata", {}).get(k.split(".", 1)[1]) if k.startswith("metadata.") else None
+                if (actual == v) == neg:
+                    return False
+        return True
+
+    async def _serve_watch_stream(self, request: Any) -> aiohttp.web.StreamResponse:
+        res, ns, params = request.resource, request.namespace, request.params
+        self.watch_requests += 1
+        reqs = parse_selector(params.get("labelSelector"))
+        since = params.get("resourceVersion")
+        timeout = float(params.get("timeoutSeconds") or 0) or None
+
+        def wanted(event: dict[str, Any]) -> bool:
+            meta = event["object"].get("metadata", {})
+            return ((ns is None or meta.get("namespace") == ns) and selector_matches(reqs, meta.get("labels"))
+                    and self._field_ok(event["object"], params.get("fieldSelector")))
+
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._watchers.setdefault(res, []).append(queue)
+        if since and since != "0":
+            backlog = [e for rv, e in self._log.get(res, []) if rv > int(since)]
+        else:
+            backlog = [{"type": "ADDED", "object": o} for o in self.select(res, ns)]
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request._raw_request)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout if timeout else None
+        try:
+            for event in backlog:
+                if wanted(event):
+                    await response.write(json.dumps(event).encode() + b"\n")
+            while True:
+                wait = None if deadline is None else max(0.0, deadline - loop.time())
+                if wait == 0.0:
+                    break
+                try:
+                    event = await asyncio.wait_for(queue.get(), timeout=wait)
+                except asyncio.TimeoutError:
+                    break
+                if wanted(event):
+                    await response.write(json.dumps(event).encode() + b"\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        finally:
+            self._watchers[res].remove(queue)
+        try:
+            await response.write_eof()
+        except (ConnectionResetError, RuntimeError):
+            pass
+        return response
+
+
+# ---------------------------------------------------------------- kubelet / scheduler / controllers
+PODS = R("", "v1", "pods")
+NODES = R("", "v1", "nodes")
+DEPLOYMENTS = R("apps", "v1", "deployments")
+
+
+def _pod_gpus(pod: dict[str, Any]) -> int:
+    return sum(int((c.get("resources", {}) or {}).get("requests", {}).get(GPU, 0) or 0)
+               for c in pod.get("spec", {}).get("containers", []) or [])
+
+
+class Kubelet:
+    """Simulated scheduler + kubelets on GPU nodes + Deployment controller, ticking in the loop.
+
+    ``auto_ready``: running pods become Ready on their own; tests switch it off to decide when.
+    """
+
+    def __init__(self, api: PDEmulator, *, tick: float = 0.02, auto_ready: bool = True):
+        self.api = api
+        self.tick = tick
+        self.auto_ready = auto_ready
+        self._ips = itertools.count(10)
+        self._task: asyncio.Task[None] | None = None
+        self.not_ready: set[str] = set()  # pod names held not ready (e.g. just restarted)
+
+    def add_node(self, name: str, gpus: int, labels: dict[str, str] | None = None) -> None:
+        cap = {"cpu": "64", "memory": "512Gi", "pods": "110", GPU: str(gpus)}
+        self.api.seed(NODES, None, {"metadata": {"name": name, "labels": {"kubernetes.io/hostname": name,
+                                                                         **(labels or {})}},
+                                   "status": {"capacity": cap, "allocatable": dict(cap),
+                                              "conditions": [{"type": "Ready", "status": "True"}]}})
+
+    async def __aenter__(self) -> "Kubelet":
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self) -> None:
+        while True:
+            self.step()
+            await asyncio.sleep(self.tick)
+
+    # -- one simulation step (synchronous: no other coroutine interleaves)
+    def step(self) -> None:
+        pods = self.api.select(PODS)
+        nodes = self.api.select(NODES)
+        used: dict[str, int] = {}
+        for p in pods:
+            node = p["spec"].get("nodeName")
+            if node and p.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
+                used[node] = used.get(node, 0) + _pod_gpus(p)
+        for p in pods:
+            if p["metadata"].get("deletionTimestamp"):
+                continue
+            if not p["spec"].get("nodeName"):
+                self._schedule(p, nodes, used)
+            elif p.get("status", {}).get("phase", "Pending") == "Pending":
+                self._start(p)
+            elif p["status"].get("phase") == "Running":
+                want = self.auto_ready and p["metadata"]["name"] not in self.not_ready
+                if self._is_ready(p) != want:
+                    self._set_ready(p, want)
+        for d in self.api.select(DEPLOYMENTS):
+            n = d.get("spec", {}).get("replicas", 1)
+            st = {"observedGeneration": d["metadata"]["generation"], "replicas": n, "readyReplicas": n,
+                  "availableReplicas": n, "updatedReplicas": n}
+            if d.get("status") != st:
+                self.api._store(DEPLOYMENTS, d["metadata"]["namespace"], d["metadata"]["name"], {"status": st},
+                                subresource="status")
+
+    def _schedule(self, pod: dict[str, Any], nodes: list[dict[str, Any]], used: dict[str, int]) -> None:
+        need = _pod_gpus(pod)
+        selector = pod["spec"].get("nodeSelector", {}) or {}
+        fits = []
+        for n in nodes:
+            labels = n["metadata"].get("labels", {})
+            if any(labels.get(k) != v for k, v in selector.items()):
+                continue
+            free = int(n["status"]["allocatable"].get(GPU, 0)) - used.get(n["metadata"]["name"], 0)
+            if free >= need:
+                fits.append(n["metadata"]["name"])
+        status = copy.deepcopy(pod.get("status", {}))
+        if fits:
+            node = fits[0]
+            used[node] = used.get(node, 0) + need
+            pod = copy.deepcopy(pod)
+            pod["spec"]["nodeName"] = node
+            meta = pod["metadata"]
+            self.api._store(PODS, meta["namespace"], meta["name"], pod)
+            status.update(phase="Pending", conditions=[{"type": "PodScheduled", "status": "True"}])
+            self.api._store(PODS, meta["namespace"], meta["name"], {"status": status}, subresource="status")
+            return
+        short = sum(1 for n in nodes if not any((n["metadata"].get("labels", {}) or {}).get(k) != v
+                                                for k, v in selector.items()))
+        msg = (f"0/{len(nodes)} nodes are available: {short} Insufficient {GPU}, "
+               f"{len(nodes) - short} node(s) didn't match Pod's node affinity/selector.")
+        cond = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": msg}
+        if status.get("conditions") != [cond]:
+            status.update(phase="Pending", conditions=[cond])
+            self.api._store(PODS, pod["metadata"]["namespace"], pod["metadata"]["name"], {"status": status},
+                            subresource="status")
+
+    def _start(self, pod: dict[str, Any]) -> None:
+        ready = self.auto_ready and pod["metadata"]["name"] not in self.not_ready
+        status = {
+            "phase": "Running", "podIP": self._next_ip(),
+            "startTime": _now(),
+            "conditions": [{"type": "PodScheduled", "status": "True"},
+                           {"type": "Ready", "status": "True" if ready else "False"}],
+            "containerStatuses": [{"name": c["name"], "restartCount": 0, "ready": ready,
+                                   "state": {"running": {"startedAt": _now()}}}
+                                  for c in pod["spec"].get("containers", [])],
+        }
+        self.api._store(PODS, pod["metadata"]["namespace"], pod["metadata"]["name"], {"status": status},
+                        subresource="status")
+
+    def _next_ip(self) -> str:
+        n = next(self._ips)
+        return f"10.0.{n // 250}.{n % 250 + 1}"
+
+    @staticmethod
+    def _is_ready(pod: dict[str, Any]) -> bool:
+        return any(c.get("type") == "Ready" and c.get("status") == "True"
+                   for c in pod.get("status", {}).get("conditions", []))
+
+    def _set_ready(self, pod: dict[str, Any], ready: bool) -> None:
+        status = copy.deepcopy(pod["status"])
+        status["conditions"] = [c for c in status.get("conditions", []) if c.get("type") != "Ready"] + [
+            {"type": "Ready", "status": "True" if ready else "False"}]
+        for cs in status.get("containerStatuses", []):
+            cs["ready"] = ready
+        self.api._store(PODS, pod["metadata"]["namespace"], pod["metadata"]["name"], {"status": status},
+                        subresource="status")
+
+    # -- test controls
+    def _pod(self, namespace: str, name: str) -> dict[str, Any]:
+        pod = self.api.read(PODS, namespace, name)
+        assert pod is not None, f"no pod {namespace}/{name}"
+        return pod
+
+    def set_ready(self, namespace: str, name: str, ready: bool = True) -> None:
+        (self.not_ready.discard if ready else self.not_ready.add)(name)
+        pod = self._pod(namespace, name)
+        if pod.get("status", {}).get("phase") == "Running":
+            self._set_ready(pod, ready and self.auto_ready)
+
+    def restart_container(self, namespace: str, name: str, *, oom: bool = False) -> None:
+        """The container died and the kubelet restarted it: restartCount rises, lastState says why."""
+        pod = self._pod(namespace, name)
+        status = copy.deepcopy(pod["status"])
+        for cs in status["containerStatuses"]:
+            cs["restartCount"] += 1
+            cs["lastState"] = {"terminated": {"reason": "OOMKilled" if oom else "Error",
+                                              "exitCode": 137 if oom else 1, "finishedAt": _now()}}
+            cs["state"] = {"running": {"startedAt": _now()}}
+        self.api._store(PODS, namespace, name, {"status": status}, subresource="status")
+
+    def evict(self, namespace: str, name: str) -> None:
+        pod = self._pod(namespace, name)
+        status = copy.deepcopy(pod["status"])
+        status.update(phase="Failed", reason="Evicted", message="The node was low on resource: memory.")
+        status["conditions"] = [c for c in status.get("conditions", []) if c.get("type") != "Ready"] + [
+            {"type": "Ready", "status": "False"}]
+        self.api._store(PODS, namespace, name, {"status": status}, subresource="status")
