@@ -1,0 +1,334 @@
+"""The serving engine: paged KV cache + continuous-batching scheduler + sampler around a LlamaModel.
+
+Not thread-safe: one thread owns an Engine and calls ``step()`` in a loop while ``has_work()``.
+PD hooks: ``add_request(prefill_only=True)`` / ``pages`` / ``release`` on the prefill side,
+``reserve`` / ``add_prefilled`` on the decode side, ``abort`` everywhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from ..model import LoadedModel
+from .block_pool import BlockPool
+from .config import EngineConfig, InvalidRequest, OutOfBlocks, SamplingParams, StepOutput
+from .kv_cache import KVCache
+from .sampler import sample_batch, sample_one
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+
+log = logging.getLogger("pdruntime.engine")
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.info = loaded.info
+        cfg = self.model.config
+        self.max_model_len = min(self.config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        bs = self.config.block_size
+        num_blocks = self.config.num_blocks
+        if num_blocks is None:
+            per_block = KVCache.bytes_per_block(cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim, self.model.dtype)
+            budget_blocks = (self.config.kv_cache_mib << 20) // per_block
+            useful = self.config.max_num_seqs * -(-self.max_model_len // bs)
+            num_blocks = max(1, min(budget_blocks, useful))
+        self.pool = BlockPool(num_blocks)
+        self.kv = KVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=self.model.dtype)
+        self.scheduler = Scheduler(self.config, self.pool)
+        self._seqs: dict[str, Sequence] = {}  # every live request (any status but FINISHED)
+        self._arrivals = itertools.count()
+        self._pending: list[StepOutput] = []  # outputs produced outside step() (abort, add_prefilled)
+        self._rng = torch.Generator().manual_seed(0)
+        self._stop_holdback = 0
+        self._eos = self.tokenizer.eos_token_ids
+        self.num_preemptions = 0
+        self.num_generated_tokens = 0
+
+    # -- requests --------------------------------------------------------------------------------
+    def _validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest(f"request_id={request_id!r} is invalid; accepted: a non-empty string")
+        if request_id in self._seqs:
+            raise InvalidRequest(f"request_id {request_id!r} is already live; accepted: a unique id")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
+        try:
+            ids = [int(t) for t in prompt_token_ids]
+        except (TypeError, ValueError):
+            raise InvalidRequest("prompt_token_ids must be a list of integer token ids") from None
+        if not ids:
+            raise InvalidRequest("prompt is empty; accepted: at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"prompt holds token ids outside the vocabulary: {bad[:5]}; accepted: 0..{vocab - 1}")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the context "
+                f"limit of {self.max_model_len} tokens; accepted: prompt + max_tokens <= {self.max_model_len}")
+        capacity = self.pool.num_total * self.config.block_size
+        if total > capacity:
+            raise InvalidRequest(
+                f"prompt + max_tokens = {total} tokens exceeds the KV cache capacity of {capacity} tokens "
+                f"({self.pool.num_total} blocks of {self.config.block_size}); accepted: at most {capacity}")
+        return ids
+
+    def _new_seq(self, request_id: str, ids: list[int], params: SamplingParams, prefill_only: bool) -> Sequence:
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        return Sequence(request_id=request_id, prompt_ids=ids, params=params, prefill_only=prefill_only,
+                        arrival=next(self._arrivals), generator=gen)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    prefill_only: bool = False) -> None:
+        """Queue a request; it joins the running batch at the next step(). Raises InvalidRequest."""
+        ids = self._validate(request_id, prompt_token_ids, params)
+        seq = self._new_seq(request_id, ids, params, prefill_only)
+        self._seqs[request_id] = seq
+        self.scheduler.waiting.append(seq)
+
+    def pages(self, request_id: str) -> tuple[list[int], int]:
+        """(page ids in order, number of tokens whose KV they hold)."""
+        seq = self._get(request_id)
+        return list(seq.blocks), seq.num_cached
+
+    def release(self, request_id: str) -> None:
+        """Free the pages of a prefill_done request. Idempotent; unknown ids are ignored."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return
+        if seq.status is not Status.PREFILL_HELD:
+            raise InvalidRequest(f"request {request_id!r} is {seq.status.value}, not prefill_done; use abort() instead")
+        self.scheduler.free_pages(seq)
+        seq.status = Status.FINISHED
+        del self._seqs[request_id]
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        """Decode side of PD: allocate pages for `num_tokens` tokens of incoming KV plus one decode slot."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest(f"request_id={request_id!r} is invalid; accepted: a non-empty string")
+        if request_id in self._seqs:
+            raise InvalidRequest(f"request_id {request_id!r} is already live; accepted: a unique id")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
+            raise InvalidRequest(f"num_tokens={num_tokens!r} is invalid; accepted: an integer >= 1")
+        if num_tokens + 1 > self.max_model_len:
+            raise InvalidRequest(f"{num_tokens} tokens leave no room to decode within the context limit of "
+                                 f"{self.max_model_len} tokens")
+        n = -(-(num_tokens + 1) // self.config.block_size)
+        blocks = self.pool.allocate(n)  # raises OutOfBlocks
+        seq = Sequence(request_id=request_id, prompt_ids=[], params=SamplingParams(max_tokens=1),
+                       arrival=next(self._arrivals), status=Status.RESERVED, blocks=blocks)
+        self._seqs[request_id] = seq
+        return list(blocks)
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+                      params: SamplingParams) -> None:
+        """Decode side of PD: the reserved pages hold KV for the prompt; decode continues from first_token_id."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status is not Status.RESERVED:
+            state = "unknown" if seq is None else seq.status.value
+            raise InvalidRequest(f"request {request_id!r} is {state}; add_prefilled needs a reserve()d request")
+        del self._seqs[request_id]
+        try:
+            ids = self._validate(request_id, prompt_token_ids, params)
+            if not 0 <= int(first_token_id) < self.model.config.vocab_size:
+                raise InvalidRequest(f"first_token_id={first_token_id} is outside the vocabulary")
+            if -(-len(ids) // self.config.block_size) > len(seq.blocks):
+                raise InvalidRequest(f"prompt of {len(ids)} tokens does not fit the {len(seq.blocks)} reserved pages")
+        except InvalidRequest:
+            self._seqs[request_id] = seq  # still reserved; caller may abort()
+            raise
+        new = self._new_seq(request_id, ids, params, False)
+        new.blocks, new.num_cached = seq.blocks, len(ids)
+        new.status = Status.RUNNING
+        self._seqs[request_id] = new
+        self._append_token(new, int(first_token_id))
+        if new.finish_reason is not None:
+            self._pending.append(self._finish(new))
+        else:
+            self.scheduler.active.append(new)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its pages. False if the id is unknown."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        if seq in self.scheduler.active:
+            self.scheduler.active.remove(seq)
+        if seq in self.scheduler.waiting:
+            self.scheduler.waiting.remove(seq)
+        self.scheduler.free_pages(seq)
+        was_reported = seq.status is Status.PREFILL_HELD
+        seq.status = Status.FINISHED
+        if not was_reported:
+            self._pending.append(StepOutput(request_id, [], "", True, "abort"))
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.active or self._pending)
+
+    # -- the loop --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """One scheduler iteration: decode every running sequence by one token, prefill within budget."""
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        self.num_preemptions += len(plan.preempted)
+        for seq in plan.preempted:
+            log.info("preempted %s (KV pages exhausted); it will be recomputed", seq.request_id)
+        if plan.decode:
+            outputs.extend(self._run_decode(plan.decode))
+        for seq, start, end in plan.prefill:
+            outputs.extend(self._run_prefill(seq, start, end))
+        return outputs
+
+    def _run_decode(self, seqs: list[Sequence]) -> list[StepOutput]:
+        n = len(seqs)
+        tokens = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.int64)
+        positions = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.int64)
+        width = max(len(s.blocks) for s in seqs)
+        table = torch.zeros((n, width), dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            table[i, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int32)
+        seq_lens = (positions + 1).to(torch.int32)
+        logits = self.model.decode(tokens, positions, self.kv.k, self.kv.v, table, seq_lens)
+        new = sample_batch(logits, [s.params for s in seqs], [s.generator or self._rng for s in seqs])
+        out = []
+        for s, tok in zip(seqs, new):
+            s.num_cached = s.num_tokens
+            out.append(self._emit(s, tok))
+        return out
+
+    def _run_prefill(self, seq: Sequence, start: int, end: int) -> list[StepOutput]:
+        ids = torch.tensor(seq.tokens[start:end], dtype=torch.int64)
+        blocks = torch.tensor(seq.blocks, dtype=torch.int64)
+        logits = self.model.prefill(ids, start, self.kv.k, self.kv.v, blocks)
+        seq.num_cached = end
+        if end < seq.num_tokens:
+            return []  # more chunks to go
+        tok = sample_one(logits, seq.params, seq.generator or self._rng)
+        if seq.prefill_only:
+            seq.output_ids.append(tok)
+            seq.num_emitted = 1
+            self.scheduler.active.remove(seq)
+            seq.status = Status.PREFILL_HELD
+            self.num_generated_tokens += 1
+            text = "" if tok in self._eos else self.tokenizer.decode([tok])
+            return [StepOutput(seq.request_id, [tok], text, True, "prefill_done")]
+        seq.status = Status.RUNNING
+        return [self._emit(seq, tok)]
+
+    # -- outputs ---------------------------------------------------------------------------------
+    def _append_token(self, seq: Sequence, tok: int) -> None:
+        """Record a sampled token and decide whether the request finished (EOS, stop string, length)."""
+        seq.output_ids.append(tok)
+        self.num_generated_tokens += 1
+        p = seq.params
+        if tok in self._eos and not p.ignore_eos:
+            seq.finish_reason = "stop"
+            body = seq.output_ids[:-1]
+        else:
+            body = seq.output_ids
+        text = self.tokenizer.decode(body)
+        if p.stop:
+            horizon = max(0, len(seq.text) - max(len(s) for s in p.stop))
+            hits = [i for i in (text.find(s, horizon) for s in p.stop) if i >= 0]
+            if hits:
+                text = text[: min(hits)]
+                seq.finish_reason = "stop"
+        seq.text = text
+        if seq.finish_reason is None and len(seq.output_ids) >= p.max_tokens:
+            seq.finish_reason = "length"
+
+    def _emit(self, seq: Sequence, tok: int) -> StepOutput:
+        self._append_token(seq, tok)
+        if seq.finish_reason is not None:
+            return self._finish(seq)
+        # hold back text that may be the start of a stop string or an incomplete UTF-8 character
+        visible = len(seq.text)
+        if seq.params.stop:
+            visible -= max(len(s) for s in seq.params.stop) - 1
+        while visible > seq.text_emitted and seq.text[visible - 1] == "\ufffd":
+            visible -= 1
+        return self._report(seq, visible, finished=False)
+
+    def _report(self, seq: Sequence, visible: int, *, finished: bool) -> StepOutput:
+        delta = seq.text[seq.text_emitted: visible] if visible > seq.text_emitted else ""
+        seq.text_emitted = max(seq.text_emitted, visible)
+        new_ids = seq.output_ids[seq.num_emitted:]
+        seq.num_emitted = len(seq.output_ids)
+        return StepOutput(seq.request_id, new_ids, delta, finished, seq.finish_reason if finished else None)
+
+    def _finish(self, seq: Sequence) -> StepOutput:
+        if seq in self.scheduler.active:
+            self.scheduler.active.remove(seq)
+        self.scheduler.free_pages(seq)
+        seq.status = Status.FINISHED
+        self._seqs.pop(seq.request_id, None)
+        return self._report(seq, len(seq.text), finished=True)
+
+    # -- introspection ---------------------------------------------------------------------------
+    def _get(self, request_id: str) -> Sequence:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise KeyError(f"unknown request id {request_id!r}")
+        return seq
+
+    def check_accounting(self) -> None:
+        """Pages held by live requests must equal the pool's used pages, with no page held twice."""
+        held = [b for s in self._seqs.values() for b in s.blocks]
+        if len(held) != len(set(held)):
+            raise AssertionError("a KV page is held by two requests")
+        self.pool.assert_no_leaks(held=len(held))
+
+    def stats(self) -> dict[str, Any]:
+        by = {st: 0 for st in Status}
+        for s in self._seqs.values():
+            by[s.status] += 1
+        return {
+            "num_running": by[Status.RUNNING], "num_prefilling": by[Status.PREFILLING],
+            "num_waiting": by[Status.WAITING], "num_prefill_held": by[Status.PREFILL_HELD],
+            "num_reserved": by[Status.RESERVED], "blocks_free": self.pool.num_free,
+            "blocks_used": self.pool.num_used, "blocks_total": self.pool.num_total,
+            "num_preemptions": self.num_preemptions, "num_generated_tokens": self.num_generated_tokens,
+        }
+
+    def describe(self) -> dict[str, Any]:
+        """Effective configuration for /config."""
+        return {
+            "model": asdict(self.info),
+            "engine": asdict(self.config),
+            "num_blocks": self.pool.num_total,
+            "max_model_len": self.max_model_len,
+            "kv_cache_bytes": self.kv.nbytes,
+            "dtype": str(self.model.dtype).replace("torch.", ""),
+            "weights": self.model.weight_format,
+            "attention_backend": self.model.attention_backend,
+            "torch_threads": torch.get_num_threads(),
+        }
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Blocking: run the prompts to completion, return each one's output token ids."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        base = f"gen-{next(self._arrivals)}-"
+        ids = [base + str(i) for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        done: set[str] = set()
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].extend(out.new_token_ids)
+                    if out.finished:
+                        done.add(out.request_id)
+        return [results[rid] for rid in ids]

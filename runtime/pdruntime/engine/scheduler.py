@@ -1,0 +1,93 @@
+"""Continuous-batching scheduler: which sequences decode, which prefill (in chunks), who is preempted.
+
+Pure bookkeeping over Sequence objects and the BlockPool; the Engine runs the model on the plan.
+Policy:
+* Every RUNNING sequence decodes each step; its next page is allocated on demand. When the pool is
+  empty the newest admitted sequence is preempted (pages freed, KV recomputed later), never the oldest.
+* Admission is FIFO: a WAITING sequence is admitted when a sequence slot is free and the pool holds
+  pages for its whole prompt (allocated at once, so chunked prefills can never deadlock on pages).
+* Prefill runs in chunks of at most ``max_prefill_tokens`` tokens per step, shared across sequences,
+  so new requests join while the running batch keeps decoding.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_pool import BlockPool
+from .config import EngineConfig
+from .sequence import Sequence, Status
+
+
+@dataclass
+class StepPlan:
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, start, end) token range
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[Sequence] = deque()
+        self.active: list[Sequence] = []  # PREFILLING or RUNNING, in admission order
+
+    def free_pages(self, seq: Sequence) -> None:
+        if seq.blocks:
+            self.pool.free(seq.blocks)
+            seq.blocks = []
+        seq.num_cached = 0
+
+    def _preempt(self, victim: Sequence, plan: StepPlan) -> None:
+        self.active.remove(victim)
+        self.free_pages(victim)
+        victim.status = Status.WAITING
+        self.waiting.appendleft(victim)
+        plan.preempted.append(victim)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        bs = self.config.block_size
+        # 1. decode: each running sequence needs a page for position num_tokens - 1
+        for seq in list(self.active):
+            if seq.status is not Status.RUNNING or seq not in self.active:
+                continue
+            need = seq.blocks_needed(seq.num_tokens, bs)
+            while need and not self.pool.can_allocate(need):
+                victim = max(self.active, key=lambda s: s.arrival)
+                self._preempt(victim, plan)
+                if victim is seq:
+                    break
+            if seq not in self.active:
+                continue
+            if need:
+                seq.blocks.extend(self.pool.allocate(need))
+            plan.decode.append(seq)
+        plan.decode = [s for s in plan.decode if s in self.active]
+        # 2. admit waiting sequences (FIFO) when slots and prompt pages are available
+        while self.waiting and len(self.active) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            need = seq.blocks_needed(seq.num_tokens, bs)
+            if not self.pool.can_allocate(need):
+                break
+            self.waiting.popleft()
+            seq.blocks.extend(self.pool.allocate(need))
+            seq.status = Status.PREFILLING
+            self.active.append(seq)
+        # 3. prefill chunks within the token budget, oldest first
+        budget = self.config.max_prefill_tokens
+        for seq in self.active:
+            if budget <= 0:
+                break
+            if seq.status is Status.PREFILLING:
+                start = seq.num_cached
+                end = min(seq.num_tokens, start + budget)
+                plan.prefill.append((seq, start, end))
+                budget -= end - start
+        return plan

@@ -1,0 +1,49 @@
+"""Per-request state: tokens, KV pages, detokenisation with stop strings."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, no pages
+    PREFILLING = "prefilling"  # pages for the prompt held, KV partly computed (chunked prefill)
+    RUNNING = "running"  # decoding: KV for all tokens but the last is cached
+    PREFILL_HELD = "prefill_held"  # prefill_only request done; pages kept until release()
+    RESERVED = "reserved"  # decode side of PD: pages allocated, KV arriving from a prefill engine
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prefill_only: bool = False
+    arrival: int = 0  # admission order, for FIFO and preemption (newest first)
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose KV is stored in `blocks`
+    num_emitted: int = 0  # output tokens already reported in a StepOutput
+    text: str = ""  # detokenised output (EOS excluded, cut at a stop string)
+    text_emitted: int = 0  # chars of `text` already reported
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def blocks_needed(self, num_tokens: int, block_size: int) -> int:
+        """Extra pages needed so that KV for `num_tokens` tokens fits."""
+        return max(0, -(-num_tokens // block_size) - len(self.blocks))

@@ -1,0 +1,169 @@
+"""GGUF checkpoints: metadata, dequantisation (F32, F16, BF16, Q8_0, Q4_0, Q4_1) and HF-layout conversion.
+
+GGUF stores a 2-D weight as rows of ``ne0`` elements (``ne0`` = input features), so a row-major
+``[ne1, ne0]`` array is already the torch ``[out, in]`` layout. Quantised rows are sequences of
+32-element blocks:
+
+* Q8_0: f16 d, int8 q[32]                    x = d * q
+* Q4_0: f16 d, u8 qs[16]                     x[j] = d * ((qs[j] & 15) - 8), x[j+16] = d * ((qs[j] >> 4) - 8)
+* Q4_1: f16 d, f16 m, u8 qs[16]              x[j] = d * (qs[j] & 15) + m,  x[j+16] = d * (qs[j] >> 4) + m
+
+llama.cpp's converter permutes Q and K rows of llama attention so that its interleaved RoPE works;
+:func:`unpermute_qk` restores the HF rotate-half order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import LlamaConfig, ModelLoadError
+
+QK = 32  # elements per quantisation block
+_BLOCK_BYTES = {"Q8_0": 2 + QK, "Q4_0": 2 + QK // 2, "Q4_1": 4 + QK // 2}
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """raw: [..., 2] uint8 -> [..., 1] float32."""
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+
+
+def dequantize(raw: np.ndarray, type_name: str, n_elements: int) -> np.ndarray:
+    """Dequantise a GGUF tensor's raw bytes to a flat float32 array of n_elements."""
+    if type_name == "F32":
+        out = np.asarray(raw).view(np.float32).reshape(-1)
+    elif type_name == "F16":
+        out = np.asarray(raw).view(np.float16).reshape(-1).astype(np.float32)
+    elif type_name == "BF16":
+        u16 = np.asarray(raw).view(np.uint16).reshape(-1).astype(np.uint32) << 16
+        out = u16.view(np.float32)
+    elif type_name in _BLOCK_BYTES:
+        nbytes = _BLOCK_BYTES[type_name]
+        blocks = np.asarray(raw, dtype=np.uint8).reshape(-1)
+        if blocks.size % nbytes:
+            raise ModelLoadError(f"{type_name} data of {blocks.size} bytes is not a whole number of {nbytes}-byte blocks")
+        blocks = blocks.reshape(-1, nbytes)
+        d = _f16(blocks[:, 0:2])  # [nb, 1]
+        if type_name == "Q8_0":
+            q = blocks[:, 2:].view(np.int8).astype(np.float32)
+            out = d * q
+        else:
+            qs = blocks[:, 4:] if type_name == "Q4_1" else blocks[:, 2:]
+            q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)  # [nb, 32]
+            out = d * q + _f16(blocks[:, 2:4]) if type_name == "Q4_1" else d * (q - 8.0)
+        out = out.reshape(-1)
+    else:
+        raise ModelLoadError(f"GGUF tensor type {type_name} is not supported; accepted: F32, F16, BF16, Q8_0, Q4_0, Q4_1")
+    if out.size != n_elements:
+        raise ModelLoadError(f"{type_name} tensor holds {out.size} values, expected {n_elements} (truncated file?)")
+    return out
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation. w: [n_head * D, in] -> HF rotate-half order."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _meta(reader) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    for key, fld in reader.fields.items():
+        try:
+            meta[key] = fld.contents()
+        except Exception:  # noqa: BLE001 - unreadable optional metadata is skipped
+            continue
+    return meta
+
+
+def _open(path: str):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as exc:  # noqa: BLE001 - any parse failure means a bad file
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
+                             "the file may be truncated or corrupt") from None
+
+
+def config_from_gguf(meta: dict[str, Any], path: str, has_output: bool) -> LlamaConfig:
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported; accepted: llama")
+
+    def get(key: str, default=None):
+        val = meta.get(f"llama.{key}", default)
+        if val is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks llama.{key}")
+        return val
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    vocab = meta.get("llama.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    scaling = None
+    if meta.get("llama.rope.scaling.type") == "linear":
+        scaling = (("rope_type", "linear"), ("factor", float(meta["llama.rope.scaling.factor"])))
+    return LlamaConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(meta.get("llama.attention.key_length") or meta.get("llama.rope.dimension_count") or hidden // heads),
+        max_position_embeddings=int(get("context_length", 2048)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        tie_word_embeddings=not has_output,
+    )
+
+
+_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _hf_name(name: str) -> str | None:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _NAMES:
+        return f"model.layers.{parts[1]}.{_NAMES[parts[2]]}.{parts[3]}"
+    return None  # e.g. rope_freqs: not used by this architecture's supported variants
+
+
+def read_gguf(path: str) -> tuple[dict[str, Any], LlamaConfig, dict[str, torch.Tensor]]:
+    """Parse a llama GGUF file -> (metadata, config, HF-layout fp32 tensors)."""
+    reader = _open(path)
+    meta = _meta(reader)
+    names = {t.name for t in reader.tensors}
+    cfg = config_from_gguf(meta, path, has_output="output.weight" in names)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        hf = _hf_name(t.name)
+        if hf is None:
+            continue
+        shape = [int(x) for x in reversed(list(t.shape))]  # GGUF lists ne0 first; torch wants [ne1, ne0]
+        n = int(np.prod(shape))
+        try:
+            flat = dequantize(t.data, t.tensor_type.name, n)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{path}: tensor {t.name}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - malformed data region
+            raise ModelLoadError(f"{path}: tensor {t.name} cannot be read ({exc}); the file may be truncated or corrupt") from None
+        w = torch.from_numpy(np.array(flat, dtype=np.float32, copy=True)).reshape(shape)
+        if t.name.endswith("attn_q.weight"):
+            w = unpermute_qk(w, cfg.num_heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = unpermute_qk(w, cfg.num_kv_heads)
+        tensors[hf] = w
+    return meta, cfg, tensors

