@@ -47,27 +47,20 @@ def _torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(bsz, hq, d)
 
 
-def resolve_decode_attention(backend: str = "auto") -> tuple[DecodeAttention, str]:
-    """Pick the decode-attention implementation: kernels' dispatcher when present, else the local reference.
+def resolve_decode_attention() -> tuple[DecodeAttention, str]:
+    """Pick the decode-attention implementation: ``pdruntime.kernels.decode_attention`` (which chooses
+    Triton or its torch path from PDRT_ATTENTION_BACKEND) when importable, else the local reference.
 
     Returns (callable, backend name for /config)."""
-    if backend in ("auto", "triton", "torch"):
-        try:
-            from pdruntime.kernels import decode_attention as _da  # type: ignore[attr-defined]
-        except ImportError:
-            return _torch_decode_attention, "torch-fallback(engine)"
-        fn = getattr(_da, "decode_attention", None)
-        if fn is None:
-            return _torch_decode_attention, "torch-fallback(engine)"
-        name = "kernels.decode_attention"
-        describe = getattr(_da, "backend_name", None) or getattr(_da, "describe_backend", None)
-        if callable(describe):
-            try:
-                name = f"kernels.decode_attention[{describe()}]"
-            except Exception:  # noqa: BLE001 - naming only
-                pass
-        return fn, name
-    raise ValueError(f"attention backend {backend!r} is not accepted; accepted: auto, triton, torch")
+    try:
+        from pdruntime.kernels.decode_attention import active_config, decode_attention
+    except ImportError:
+        return _torch_decode_attention, "torch-fallback(engine)"
+    try:
+        backend = active_config().backend
+    except Exception as exc:  # noqa: BLE001 - a bad PDRT_* knob must fail loudly, not fall back
+        raise RuntimeError(f"decode attention cannot be configured: {exc}") from exc
+    return decode_attention, f"kernels.decode_attention[{backend}]"
 
 
 def rope_cos_sin(cfg: LlamaConfig, max_pos: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,8 +78,7 @@ def _dtype(dtype) -> torch.dtype:
     raise ModelLoadError(f"dtype {dtype!r} is not accepted; accepted: float32, bfloat16, float16")
 
 
-def load_model(source: str | None = None, *, dtype=torch.float32, weights: str = "fp32",
-               attention_backend: str = "auto") -> LoadedModel:
+def load_model(source: str | None = None, *, dtype=torch.float32, weights: str = "fp32") -> LoadedModel:
     """Load a Llama checkpoint.
 
     source: GGUF file, or HF-layout directory (config.json + *.safetensors + tokenizer.json);
@@ -107,7 +106,7 @@ def load_model(source: str | None = None, *, dtype=torch.float32, weights: str =
     del tensors
     if weights == "int8":
         model.quantize_int8()
-    model.decode_attention, model.attention_backend = resolve_decode_attention(attention_backend)
+    model.decode_attention, model.attention_backend = resolve_decode_attention()
     model.eval()
     info = ModelInfo(
         name=name, path=path, sha256=_sha256(files), num_layers=cfg.num_layers, num_heads=cfg.num_heads,
