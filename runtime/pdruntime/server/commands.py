@@ -112,6 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
     app, _ = build_server(args)
     # keep-alive above the router's client idle expiry (30 s), so a worker never closes a connection
     # the router is about to reuse

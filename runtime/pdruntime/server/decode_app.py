@@ -38,16 +38,6 @@ class DecodeFailed(Exception):
         self.status = status
 
 
-class _First:
-    """The first token (sampled by prefill), delivered to the stream before the engine's outputs."""
-
-    def __init__(self, token_id: int, text: str) -> None:
-        self.new_token_ids = [token_id]
-        self.text_delta = text
-        self.finished = False
-        self.finish_reason = None
-
-
 class DecodeWorker(WorkerBase):
     role = "decode"
 
@@ -173,8 +163,8 @@ class DecodeWorker(WorkerBase):
             await self.runner.call(lambda e, r=req, f=header.first_token_id: e.add_prefilled(r.rid, r.prompt_ids, f, r.params))
             req.in_engine = True
             self.queues.move(req.rid, "running")
+            # the engine reports the first token (sampled by prefill) with its first decode step
             self.metrics.queue_time.labels(self.role).observe(self.clock.now() - req.created_at)
-            req.outputs.put_nowait(_First(header.first_token_id, self.loaded.tokenizer.decode([header.first_token_id])))
         except asyncio.CancelledError:
             raise
         except DecodeFailed as exc:

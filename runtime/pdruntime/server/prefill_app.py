@@ -29,6 +29,10 @@ from pdruntime.server.worker_base import WorkerBase
 
 log = logging.getLogger("pdruntime.prefill")
 
+# seconds an attach may wait for its room to be registered: routers send both legs at once, so decode
+# can attach a moment before the prefill request arrives; longer than that is a wrong room
+ATTACH_GRACE_S = 2.0
+
 
 class TransferFailed(Exception):
     def __init__(self, reason: str, status: int = 503) -> None:
@@ -171,7 +175,7 @@ class PrefillWorker(WorkerBase):
             log.warning("KV attach failed: %r", exc)
             writer.close()
             return
-        req = await self.queues.wait_room(att.room, self.env.bootstrap_timeout_s)
+        req = await self.queues.wait_room(att.room, min(self.env.bootstrap_timeout_s, ATTACH_GRACE_S))
         if req is None or req.rid != att.rid and att.rid:
             self._reject("unknown_room")
             await transfer.send_error(writer, "unknown_room", f"no live request for room {att.room} (rid {att.rid})")

@@ -176,6 +176,9 @@ class Router:
                 state.breaker.record_success()
                 self.metrics.circuit_open.labels(state.pair.key).set(0)
                 return legs, state, first
+            except asyncio.CancelledError:
+                self._release(state)
+                raise
             except LegError as exc:
                 self._release(state)
                 last = exc
@@ -193,6 +196,30 @@ class Router:
                            code="upstream_failed")
         raise ApiError(503, "no ready PD pair (topology has none ready, or every circuit breaker is open)",
                        type="server_error", code="no_ready_pair")
+
+    async def _dispatch_unless_gone(self, request: Request, live: LiveRequest, body: dict, headers: dict,
+                                    deadline: float) -> tuple[Legs, PairState, dict]:
+        """_dispatch, abandoned (legs aborted by their own cleanup) if the client disconnects first."""
+
+        async def gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        dispatch = asyncio.create_task(self._dispatch(live, body, headers, deadline))
+        watcher = asyncio.create_task(gone())
+        try:
+            await asyncio.wait({dispatch, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if not dispatch.done():
+            self.metrics.disconnects.inc()
+            dispatch.cancel()  # Legs.first_event aborts both legs on cancellation
+            try:
+                await dispatch
+            except (asyncio.CancelledError, ApiError):
+                pass
+            raise ApiError(499, "client disconnected before the first token", code="client_disconnected")
+        return dispatch.result()
 
     def _release(self, state: PairState) -> None:
         state.outstanding = max(0, state.outstanding - 1)
@@ -217,10 +244,10 @@ class Router:
         live = LiveRequest(rid, client, conversation, t0)
         self.live[rid] = live
         try:
-            legs, state, first = await self._dispatch(live, worker_body, headers, deadline)
-        except ApiError:
+            legs, state, first = await self._dispatch_unless_gone(request, live, worker_body, headers, deadline)
+        except ApiError as exc:
             del self.live[rid]
-            self.metrics.requests.labels("router", client_label, "failed").inc()
+            self.metrics.requests.labels("router", client_label, "client_error" if exc.status < 500 else "failed").inc()
             raise
         live.stage = "streaming"
         self.metrics.ttft.labels("router").observe(time.monotonic() - t0)
