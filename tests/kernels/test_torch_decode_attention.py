@@ -72,3 +72,20 @@ def test_layout_mistakes_are_rejected(paged_case):
         torch_decode_attention(q[:, :3], k, v, bt, seq_lens)
     with pytest.raises(AssertionError, match=">= 1 token"):
         torch_decode_attention(q, k, v, bt, torch.zeros_like(seq_lens))
+
+
+def test_garbage_past_the_length_never_leaks_but_nan_inside_does(paged_case, rel_err):
+    # paged_case fills every unowned slot with NaN: the masked path must ignore them.
+    lens = [5, 40, 17]
+    q, k, v, bt, seq_lens = paged_case(lens, num_kv_heads=1, group=3, head_dim=64, page=16, seed=12)
+    ref = reference_decode_attention(q, k, v, bt, seq_lens)
+    assert rel_err(torch_decode_attention(q, k, v, bt, seq_lens), ref) <= 1e-5
+    # Same pool with finite garbage instead of NaN: the fast path (no V masking) is exact too.
+    k2 = torch.nan_to_num(k, nan=1e4)
+    v2 = torch.nan_to_num(v, nan=-1e4)
+    assert rel_err(torch_decode_attention(q, k2, v2, bt, seq_lens), ref) <= 1e-5
+    # A NaN inside a sequence is real data: it must show in that sequence only.
+    page, slot = int(bt[1, 1]), 3  # token 19 of sequence 1
+    v2[page, slot, 0, 0] = float("nan")
+    out = torch_decode_attention(q, k2, v2, bt, seq_lens)
+    assert torch.isnan(out[1]).any() and not torch.isnan(out[[0, 2]]).any()

@@ -15,8 +15,10 @@ both K and V are masked, not just the scores.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
+import torch.nn.functional as F
 
 # Gathered K (or V) elements per chunk of the batch in the vectorised path: 16M fp32
 # elements = 64 MiB per tensor. Keeps the transient gather bounded for long contexts.
@@ -47,10 +49,11 @@ def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            sm_scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Vectorised paged decode attention (no per-sequence Python loop).
 
-    Gathers the pages of the whole batch up to the longest sequence, masks the tail of
-    each sequence, and does one batched GQA matmul + softmax. Large batches with long
-    contexts are processed in batch chunks of at most ``_GATHER_BUDGET`` elements.
-    Computes in fp32 (fp64 stays fp64) and returns q's dtype; writes ``out`` when given.
+    Gathers the pages of the whole batch up to the longest sequence into reused
+    buffers, masks each sequence's tail, and runs one GQA ``scaled_dot_product_attention``
+    over the batch (CPU flash kernel, fp32 accumulation for fp16/bf16). Large batches
+    with long contexts go in batch chunks of at most ``_GATHER_BUDGET`` elements.
+    Returns q's dtype; writes ``out`` when given.
     """
     batch, num_q_heads, num_kv_heads, head_dim, block_size = check_decode_inputs(
         q, k_cache, v_cache, block_table, seq_lens)
@@ -68,29 +71,70 @@ def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     for start in range(0, batch, rows):
         stop = min(batch, start + rows)
         out[start:stop] = _attend_rows(q[start:stop], k_cache, v_cache, block_table[start:stop],
-                                       seq_lens[start:stop], max(lens_cpu[start:stop]), block_size, scale)
+                                       seq_lens[start:stop], lens_cpu[start:stop], block_size, scale)
     return out
 
 
+class _Workspace(threading.local):
+    """Per-thread gather buffers, grown to the largest step seen and then reused.
+
+    Measured on the CPU serving path: gathering pages into a fresh 25 MB tensor costs
+    ~5x a gather into a reused buffer (the fresh allocation is mmap'd and page-faulted
+    on first touch every step). Bounded by ``_GATHER_BUDGET`` elements per buffer.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def take(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (name, dtype, device)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
+
+
+_workspace = _Workspace()
+
+
+def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, name: str) -> torch.Tensor:
+    """cache[pages] into a reused buffer: [B, P] page ids -> [B, P * BLOCK_SIZE, Hkv, D]."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    row = block_size * num_kv_heads * head_dim
+    flat = pages.reshape(-1)
+    out = _workspace.take(name, flat.numel() * row, cache.dtype, cache.device).view(flat.numel(), row)
+    torch.index_select(cache.reshape(num_blocks, row), 0, flat, out=out)
+    return out.view(pages.shape[0], pages.shape[1] * block_size, num_kv_heads, head_dim)
+
+
 def _attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, max_len: int, block_size: int, scale: float) -> torch.Tensor:
+                 seq_lens: torch.Tensor, lens: list[int], block_size: int, scale: float) -> torch.Tensor:
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    max_len = max(lens)
     num_pages = -(-max_len // block_size)
     pages = block_table[:, :num_pages].long().clamp_(0, k_cache.shape[0] - 1)  # [B, P]; garbage ids stay in range
-    length = num_pages * block_size
-    # k, v: [B, P, BLOCK, Hkv, D] -> [B, Hkv, L, D]
-    k = k_cache[pages].reshape(batch, length, num_kv_heads, head_dim).transpose(1, 2).to(compute)
-    v = v_cache[pages].reshape(batch, length, num_kv_heads, head_dim).transpose(1, 2).to(compute)
-    valid = torch.arange(length, device=q.device)[None, :] < seq_lens.to(q.device)[:, None]  # [B, L]
-    v = v.masked_fill(~valid[:, None, :, None], 0.0)  # unwritten slots may hold NaN
-    qg = q.to(compute).reshape(batch, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, Hkv, G, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # masked_fill also replaced NaN scores of unwritten K slots
-    return torch.matmul(probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)  # [B, Hq, D]
+    # k, v: [B, L, Hkv, D] gathered, viewed as [B, Hkv, max_len, D] (no copy)
+    k = _gather_pages(k_cache, pages, "k")[:, :max_len].transpose(1, 2)
+    v = _gather_pages(v_cache, pages, "v")[:, :max_len].transpose(1, 2)
+    mask = None
+    if min(lens) != max_len:  # equal lengths (e.g. B == 1) need no mask after the slice
+        mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens.to(q.device)[:, None]  # [B, L]
+    out = _sdpa_gqa(q, k, v, mask, scale)
+    if mask is not None and not bool(torch.isfinite(out).all()):
+        # Slots past a sequence's length may hold NaN/inf (pool pages are not cleared),
+        # and 0 * NaN poisons P @ V. Rare, so mask the gathered copies only then; a
+        # non-finite value inside a sequence stays non-finite, as it should.
+        k.masked_fill_(~mask[:, None, :, None], 0.0)
+        v.masked_fill_(~mask[:, None, :, None], 0.0)
+        out = _sdpa_gqa(q, k, v, mask, scale)
+    return out
+
+
+def _sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q: [B, Hq, D]; k, v: [B, Hkv, L, D]; mask: [B, L] bool (True = attend) -> [B, Hq, D]."""
+    attn_mask = mask[:, None, None, :] if mask is not None else None
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=attn_mask, scale=scale, enable_gqa=True)
+    return out[:, :, 0, :]
 
 
 def reference_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
