@@ -62,24 +62,32 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.posting.level = logging.WARNING
     memo.wakers = Wakers()
-    memo.kube = None
+    memo.shared = Shared()
     metrics.serve(int(os.environ.get("PDSTACK_OPERATOR_METRICS_PORT", "8080")))
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    if getattr(memo, "kube", None) is not None:
-        await memo.kube.close()
-        memo.kube = None
+    shared = getattr(memo, "shared", None)
+    if shared is not None and shared.kube is not None:
+        await shared.kube.close()
+        shared.kube = None
+
+
+class Shared:
+    """Operator-wide state. kopf gives each object a shallow copy of the memo: share via this object."""
+
+    kube: Kube | None = None
 
 
 def _kube(memo: kopf.Memo) -> Kube:
-    if memo.kube is None:
+    shared: Shared = memo.shared
+    if shared.kube is None:
         info = _credentials.get("current")  # the same credentials kopf logged in with
         if info is None:
             raise kopf.PermanentError("no Kubernetes credentials (service account or kubeconfig)")
-        memo.kube = Kube.from_connection_info(info)
-    return memo.kube
+        shared.kube = Kube.from_connection_info(info)
+    return shared.kube
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=2.0)
@@ -87,6 +95,11 @@ async def pair_reconciler(namespace: str, name: str, memo: kopf.Memo, stopped: A
     """The one writer of this PDDeployment's status: reconcile on every wake-up and on resync."""
     wake = memo.wakers.get(namespace, name)
     failures = 0
+
+    async def until_stopped() -> None:
+        await stopped.wait()
+
+    stop_task = asyncio.create_task(until_stopped())
     try:
         while not stopped:
             wake.clear()
@@ -99,11 +112,11 @@ async def pair_reconciler(namespace: str, name: str, memo: kopf.Memo, stopped: A
                 delay = min(ERROR_BACKOFF_S[0] * 2 ** (failures - 1), ERROR_BACKOFF_S[1])
                 log.exception("%s/%s reconcile failed (retry in %.1fs)", namespace, name, delay)
             timeout = RESYNC_S if delay is None else min(delay, RESYNC_S)
-            try:
-                await asyncio.wait_for(wake.wait(), timeout=timeout)
-            except asyncio.TimeoutError:
-                pass
+            wake_task = asyncio.create_task(wake.wait())
+            await asyncio.wait({wake_task, stop_task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            wake_task.cancel()
     finally:
+        stop_task.cancel()
         memo.wakers.drop(namespace, name)
         metrics.forget(namespace, name)
 

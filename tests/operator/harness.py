@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -129,24 +130,33 @@ def _register_test_tuning() -> None:
 
 @pytest.fixture
 async def operator(cluster: Cluster) -> AsyncIterator[Cluster]:
-    """The real kopf operator (pdoperator.handlers) running in this loop against the emulator."""
+    """The real kopf operator (pdoperator.handlers) in its own thread and loop, against the emulator.
+
+    A separate loop matters: on exit kopf waits for (then cancels) every task of its loop born after
+    its start, which in a shared loop would include the emulator's and pytest's own tasks.
+    """
     import pdoperator.handlers  # noqa: F401  (registers the handlers)
     _register_test_tuning()
     logging.getLogger("kopf").setLevel(logging.DEBUG if os.environ.get("PDOP_DEBUG") else logging.WARNING)
-    stop = asyncio.Event()
-    ready = asyncio.Event()
-    task = asyncio.create_task(kopf.operator(clusterwide=True, standalone=True, stop_flag=stop, ready_flag=ready))
-    await asyncio.wait_for(ready.wait(), timeout=20)
+    stop, ready = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(kopf.operator(clusterwide=True, standalone=True, stop_flag=stop, ready_flag=ready))
+        except BaseException as e:  # noqa: BLE001 - surfaced by the fixture
+            errors.append(e)
+
+    thread = threading.Thread(target=run, name="kopf-operator", daemon=True)
+    thread.start()
+    await eventually(lambda: ready.is_set() or errors, timeout=20, what="operator ready")
+    assert not errors, errors
     try:
         yield cluster
     finally:
         stop.set()
-        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(task, timeout=10)
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        await eventually(lambda: not thread.is_alive(), timeout=15, what="operator exit")
+        assert not errors, errors
 
 
 def manifest(name: str, *, pairs: int = 2, gpus: int = 1, **spec: Any) -> dict[str, Any]:

@@ -164,6 +164,12 @@ class PDEmulator(kmock.KubernetesEmulator):
             return []
         return [None if v is None else copy.deepcopy(v.raw) for v in self.objects[key].history]
 
+    def close_watches(self) -> None:
+        """End every open watch stream (as an API server restart would); clients re-list and re-watch."""
+        for queues in self._watchers.values():
+            for q in queues:
+                q.put_nowait(None)
+
     # ------------------------------------------------------------ core mutations (synchronous)
     def _next_rv(self) -> str:
         self._last_rv = next(self._rv)
@@ -391,6 +397,8 @@ class PDEmulator(kmock.KubernetesEmulator):
                 try:
                     event = await asyncio.wait_for(queue.get(), timeout=wait)
                 except asyncio.TimeoutError:
+                    break
+                if event is None:  # close_watches()
                     break
                 if wanted(event):
                     await response.write(json.dumps(event).encode() + b"\n")
