@@ -84,8 +84,10 @@ class DecodeWorker(WorkerBase):
             req.writer.close()
         if req.task is not None and req.task is not asyncio.current_task():
             req.task.cancel()
-        if (req.reserved or req.in_engine) and self.runner is not None:
-            self.runner.call(lambda e, rid=req.rid: e.abort(rid))  # frees reserved or running pages
+        if self.runner is not None:
+            # always: a reserve() may be queued on the engine thread but not yet answered; the engine runs
+            # commands in order, so this abort lands after it and frees those pages (unknown ids: no-op)
+            self.runner.call(lambda e, rid=req.rid: e.abort(rid))
             self.runner.drop_sink(req.rid)
         self.queues.remove(req.rid)
         self._pages_freed()
