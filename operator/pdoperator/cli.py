@@ -1,0 +1,86 @@
+"""``kubectl-pd``: offline tools for PDDeployment manifests.
+
+    kubectl-pd render FILE      print the children the operator would create, as YAML (for review and CI)
+    kubectl-pd validate FILE    check the spec; exit 1 with one line per problem
+
+Offline rendering cannot know the PDDeployment's uid, the generated KV token, or pod IPs:
+owner references carry a placeholder uid, the Secret a placeholder token, and the topology
+uses the stable per-pod DNS names with every pair not ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence, TextIO
+
+import yaml
+
+from .render import Owner, render
+from .revisions import revision_hash
+from .spec import KIND, SpecError, parse_spec
+
+PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
+PLACEHOLDER_TOKEN = "generated-once-by-the-operator"
+
+
+def _load(path: str) -> list[dict[str, Any]]:
+    with (sys.stdin if path == "-" else open(path, encoding="utf-8")) as fh:
+        docs = [d for d in yaml.safe_load_all(fh) if isinstance(d, dict) and d.get("kind") == KIND]
+    if not docs:
+        raise SystemExit(f"kubectl-pd: {path}: no {KIND} document found")
+    return docs
+
+
+def render_manifest(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    meta = doc.get("metadata", {}) or {}
+    name = meta.get("name", "")
+    spec = parse_spec(doc.get("spec"), name=name)
+    owner = Owner(name, meta.get("namespace") or "default", PLACEHOLDER_UID)
+    return render(spec, owner, revision_hash(spec), kv_token=PLACEHOLDER_TOKEN, suffix="0")
+
+
+def _render(path: str, out: TextIO) -> int:
+    for doc in _load(path):
+        try:
+            children = render_manifest(doc)
+        except SpecError as e:
+            return _report(doc, e)
+        out.write(yaml.safe_dump_all(children, sort_keys=False, explicit_start=True))
+    return 0
+
+
+def _report(doc: dict[str, Any], e: SpecError) -> int:
+    name = (doc.get("metadata") or {}).get("name", "?")
+    for problem in e.problems:
+        print(f"{KIND}/{name}: {problem}", file=sys.stderr)
+    return 1
+
+
+def _validate(path: str, out: TextIO) -> int:
+    rc = 0
+    for doc in _load(path):
+        try:
+            spec = parse_spec(doc.get("spec"), name=(doc.get("metadata") or {}).get("name"))
+            out.write(f"{KIND}/{doc['metadata']['name']}: valid, revision {revision_hash(spec)}\n")
+        except SpecError as e:
+            rc = _report(doc, e)
+    return rc
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kubectl-pd", description="pdstack PDDeployment tools")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("render", help="print the children the operator would create, as YAML")
+    p.add_argument("file", help="manifest file with PDDeployment documents ('-' = stdin)")
+    v = sub.add_parser("validate", help="validate PDDeployment specs")
+    v.add_argument("file")
+    args = parser.parse_args(argv)
+    out = out or sys.stdout
+    if args.cmd == "render":
+        return _render(args.file, out)
+    return _validate(args.file, out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""Golden tests of render(): the exact children for the examples and an SGLang deployment.
+
+Regenerate after an intended change with ``PDSTACK_UPDATE_GOLDEN=1`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdoperator import cli
+from pdoperator.render import Owner, TopologyPair, topology_yaml, worker_pod
+from pdoperator.revisions import revision_hash
+from pdoperator.spec import parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parent / "golden"
+UPDATE = os.environ.get("PDSTACK_UPDATE_GOLDEN") == "1"
+
+SGLANG = {"apiVersion": "pdstack.io/v1alpha1", "kind": "PDDeployment",
+          "metadata": {"name": "sg", "namespace": "serving"},
+          "spec": {"engine": "sglang", "image": "lmsysorg/sglang:v0.4", "pairs": 2,
+                   "model": {"source": "meta-llama/Llama-3.1-8B-Instruct", "servedName": "llama"},
+                   "prefill": {"resources": {"gpus": 2}}, "decode": {"resources": {"gpus": 2},
+                                                                    "args": ["--mem-fraction-static", "0.85"]}}}
+
+
+def _cases():
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        yield path.stem, yaml.safe_load(path.read_text())
+    yield "sglang", SGLANG
+
+
+@pytest.mark.parametrize("case,doc", list(_cases()), ids=[c for c, _ in _cases()])
+def test_render_matches_golden(case, doc):
+    out = io.StringIO()
+    rendered = yaml.safe_dump_all(cli.render_manifest(doc), sort_keys=False, explicit_start=True)
+    golden = GOLDEN / f"{case}.yaml"
+    if UPDATE:
+        GOLDEN.mkdir(exist_ok=True)
+        golden.write_text(rendered)
+    assert golden.exists(), f"missing {golden}; run with PDSTACK_UPDATE_GOLDEN=1 and review it"
+    assert rendered == golden.read_text(), f"render() changed for {case}; if intended, regenerate and review"
+    if case != "sglang":  # `kubectl-pd render FILE` prints exactly that
+        assert cli.main(["render", str(ROOT / "examples" / f"{case}.yaml")], out=out) == 0
+        assert out.getvalue() == rendered
+
+
+def test_cli_rejects_an_invalid_manifest_with_the_reasons(tmp_path, capsys):
+    bad = dict(SGLANG, spec=dict(SGLANG["spec"], model={}, pairs=-1))
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    assert cli.main(["render", str(path)], out=io.StringIO()) == 1
+    err = capsys.readouterr().err
+    assert "PDDeployment/sg: spec.pairs=-1 is invalid; accepted: an integer in [0, 256]" in err
+    assert "spec.model.source is required with engine 'sglang'" in err
+
+
+def test_sglang_command_lines_are_sglangs_own():
+    spec = parse_spec(SGLANG["spec"], name="sg")
+    owner = Owner("sg", "serving", "u")
+    prefill = worker_pod(spec, owner, "r", 0, "prefill", "x")["spec"]["containers"][0]["command"]
+    decode = worker_pod(spec, owner, "r", 1, "decode", "x")["spec"]["containers"][0]["command"]
+    assert prefill[:3] == ["python", "-m", "sglang.launch_server"]
+    assert prefill[prefill.index("--disaggregation-mode") + 1] == "prefill"
+    assert prefill[prefill.index("--disaggregation-bootstrap-port") + 1] == "8998"
+    assert prefill[prefill.index("--tp-size") + 1] == "2"
+    assert decode[decode.index("--disaggregation-mode") + 1] == "decode"
+    assert decode[-2:] == ["--mem-fraction-static", "0.85"]
+    docs = cli.render_manifest(SGLANG)
+    router = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert router[:4] == ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    i = router.index("--prefill")
+    assert router[i + 1:i + 3] == ["http://sg-0-prefill.sg-workers.serving.svc:8000", "8998"]
+    assert "http://sg-1-decode.sg-workers.serving.svc:8000" in router
+
+
+def test_pdrt_command_lines_follow_the_runtime_convention():
+    doc = yaml.safe_load((ROOT / "examples" / "gpu-8x-pairs.yaml").read_text())
+    spec = parse_spec(doc["spec"], name="llm")
+    owner = Owner("llm", "inference", "u")
+    pod = worker_pod(spec, owner, revision_hash(spec), 1, "prefill", "abc")
+    c = pod["spec"]["containers"][0]
+    assert c["command"] == ["pdrt", "serve", "--role", "prefill", "--host", "0.0.0.0", "--port", "8000",
+                            "--bootstrap-port", "8998", "--model", "/models/llama-3.1-8b-instruct"]
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == "4" and c["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["PDRT_KV_AUTH_TOKEN_FILE"] == "/etc/pdstack/kv-auth/token"
+    assert env["PDRT_MAX_KV_SPLITS"] == "32" and env["PDRT_ATTENTION_BACKEND"] == "triton"
+    labels = pod["metadata"]["labels"]
+    assert labels["pdstack.io/pair"] == "1" and labels["pdstack.io/role"] == "prefill"
+    assert labels["pdstack.io/deployment"] == "llm" and labels["pdstack.io/revision"] == revision_hash(spec)
+    assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.count": "8"}
+    assert pod["spec"]["priorityClassName"] == "inference-critical"
+    assert pod["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+def test_topology_file_format():
+    text = topology_yaml("abc123", [TopologyPair(0, True, "10.0.0.11", "10.0.0.12"),
+                                    TopologyPair(1, True, "10.0.0.13", None)])
+    assert yaml.safe_load(text) == {
+        "version": 1, "revision": "abc123",
+        "pairs": [{"index": 0, "ready": True,
+                   "prefill": {"url": "http://10.0.0.11:8000", "bootstrap_host": "10.0.0.11", "bootstrap_port": 8998},
+                   "decode": {"url": "http://10.0.0.12:8000"}},
+                  {"index": 1, "ready": False,  # a pair without a decode address is never ready
+                   "prefill": {"url": "http://10.0.0.13:8000", "bootstrap_host": "10.0.0.13", "bootstrap_port": 8998},
+                   "decode": {"url": None}}]}
