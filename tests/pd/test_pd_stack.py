@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -360,3 +361,54 @@ def test_unauthenticated_and_wrong_room_pulls_are_rejected_and_counted(stack):
     assert asyncio.run(pull("pd-test-token")) == "unknown_room"
     assert stack.metric(stack.prefill, "pdrt_kv_transfer_rejected_total", {"reason": "auth"}) == auth_before + 2
     assert stack.metric(stack.prefill, "pdrt_kv_transfer_rejected_total", {"reason": "unknown_room"}) == room_before + 1
+
+
+def test_router_hot_reloads_topology_and_retries_on_another_pair_before_the_first_token(stack, model_id, tmp_path):
+    """A second router in front of the shared pair, fed by a topology file it hot-reloads."""
+    import yaml
+    from conftest import base_env, free_port, spawn, wait_healthy
+
+    pre, dec = stack.prefill.url, stack.decode.url
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    good = {"index": 1, "ready": False, "prefill": {"url": pre, "bootstrap_port": stack.bootstrap_port}, "decode": {"url": dec}}
+    path = tmp_path / "topology.yaml"
+    path.write_text(yaml.safe_dump({"version": 1, "revision": "r1", "pairs": [good]}))
+    port = free_port()
+    router = spawn("router2", ["--role", "router", "--port", str(port), "--topology-file", str(path)], base_env(),
+                   str(tmp_path), port)
+    try:
+        wait_for_status = lambda code: _wait(lambda: httpx.get(router.url + "/health", timeout=2).status_code == code, 30)
+        wait_for_status(503)  # the only pair is not ready (operator: co-restart in progress)
+        r = httpx.post(router.url + "/v1/chat/completions", json=chat_body(model_id, max_tokens=2), timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_ready_pair"
+        # the operator rewrites the file (atomic replace, like a ConfigMap update): a dead pair 0 and ready pair 1
+        tmp = tmp_path / "t.yaml"
+        tmp.write_text(yaml.safe_dump({"version": 1, "revision": "r2", "pairs": [
+            {"index": 0, "ready": True, "prefill": {"url": dead, "bootstrap_port": 1}, "decode": {"url": dead}},
+            {**good, "ready": True}]}))
+        os.replace(tmp, path)
+        _wait(lambda: httpx.get(router.url + "/config", timeout=2).json()["topology"]["revision"] == "r2", 30)
+        wait_for_status(200)
+        for i in range(4):
+            r = httpx.post(router.url + "/v1/chat/completions", json=chat_body(model_id, f"retry {i}", max_tokens=3,
+                                                                             ignore_eos=True), timeout=60)
+            assert r.status_code == 200, r.text
+        assert stack.metric(router, "pdrt_router_retries_total") >= 1
+        assert stack.metric(router, "pdrt_router_leg_failures_total", {"pair": "0"}) >= 1
+        assert stack.metric(router, "pdrt_router_circuit_open", {"pair": "0"}) == 1
+        assert stack.metric(router, "pdrt_router_topology_reloads_total", {"outcome": "ok"}) == 2
+    finally:
+        router.stop()
+    assert_idle(stack)
+
+
+def _wait(pred, timeout):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if pred():
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
