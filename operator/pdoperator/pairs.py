@@ -180,6 +180,10 @@ def _trigger(live: Sequence[PodView]) -> tuple[str, str] | None:
     return None
 
 
+def _role_order(p: PodView) -> tuple[int, str]:
+    return ROLES.index(p.role), p.name
+
+
 def _min(a: float | None, b: float | None) -> float | None:
     if a is None:
         return b
@@ -214,7 +218,7 @@ def plan_pairs(
 
     for k in range(pairs):
         mem = memory.get(k, PairMemory())
-        all_pods = sorted(by_pair.get(k, []), key=lambda p: (p.role, p.name))
+        all_pods = sorted(by_pair.get(k, []), key=_role_order)
         live = [p for p in all_pods if not p.terminating]
         # duplicates of one role (e.g. a create retried after a timeout): keep the newest-named one
         seen: dict[str, PodView] = {}
@@ -284,7 +288,7 @@ def plan_pairs(
         if s.revision is None or s.revision == desired_revision or s.phase not in ("Ready", "Starting",
                                                                                     "Unschedulable"):
             continue
-        names = tuple(p.name for p in by_pair.get(k, []) if not p.terminating)
+        names = tuple(p.name for p in sorted(by_pair.get(k, []), key=_role_order) if not p.terminating)
         if not s.ready:  # already unavailable: replacing it costs no availability
             actions.append(RolloutPair(k, s.revision, desired_revision, names))
             states[k] = replace(s, phase="RollingOut")

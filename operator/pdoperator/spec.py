@@ -200,7 +200,13 @@ class _Reader:
 
 def _role(r: _Reader, raw: Any, path: str, *, gpu_role: bool) -> RoleSpec:
     d = r.obj(raw, path)
-    replicas = r.int_(d, "replicas", path, 1, 1 if gpu_role else 0, 1 if gpu_role else 64)
+    if gpu_role:
+        replicas = d.get("replicas", 1)
+        if replicas != 1 or isinstance(replicas, bool):
+            r.fail(f"{path}.replicas", replicas, "1 (a pair is one prefill + one decode pod; scale with spec.pairs)")
+            replicas = 1
+    else:
+        replicas = r.int_(d, "replicas", path, 1, 0, 64)
     res = r.obj(d.get("resources"), f"{path}.resources")
     gpus = r.int_(res, "gpus", f"{path}.resources", 0, 0, 64 if gpu_role else 0)
     env: list[tuple[str, str]] = []

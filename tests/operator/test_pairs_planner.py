@@ -1,0 +1,180 @@
+"""Table tests of the co-restart / rollout planner: each observation yields exactly the expected actions."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pdoperator.pairs import (CoRestart, CreatePods, DeletePods, PairMemory, PodView, RolloutPair, plan_pairs,
+                              pod_view, unschedulable_message)
+from pdoperator.spec import CoRestartSpec
+
+NOW = 1000.0
+PAIR = CoRestartSpec("Pair", 1.0, 300.0)
+NEVER = CoRestartSpec("Never", 1.0, 300.0)
+BOTH = ("prefill", "decode")
+
+
+def pod(pair: int, role: str, rev: str = "r1", **kw) -> PodView:
+    base = dict(name=f"d-{pair}-{role}-{rev}", pair=pair, role=role, revision=rev, phase="Running", ready=True,
+                ip=f"10.0.{pair}.{1 if role == 'prefill' else 2}")
+    base.update(kw)
+    return PodView(**base)
+
+
+def healthy(pairs=2, rev="r1"):
+    return [pod(k, r, rev) for k in range(pairs) for r in BOTH]
+
+
+def swap(pods, pair, role, **kw):
+    return [replace(p, **kw) if (p.pair, p.role) == (pair, role) else p for p in pods]
+
+
+def drop(pods, pair, role):
+    return [p for p in pods if (p.pair, p.role) != (pair, role)]
+
+
+def plan(pods, memory=None, *, pairs=2, policy=PAIR, max_unavailable=1, desired="r1"):
+    return plan_pairs(desired_revision=desired, pairs=pairs, policy=policy, max_unavailable=max_unavailable,
+                      pods=pods, memory=memory or {}, now=NOW)
+
+
+def kinds(p):
+    """Actions without free-text details, for exact comparison."""
+    out = []
+    for a in p.actions:
+        out.append((type(a).__name__, a.pair, a.reason, a.pods) if isinstance(a, CoRestart) else a)
+    return out
+
+
+H = healthy()
+NAMES1 = ("d-1-prefill-r1", "d-1-decode-r1")
+NAMES0 = ("d-0-prefill-r1", "d-0-decode-r1")
+
+CASES = [
+    # (id, pods, memory, kwargs, expected actions)
+    ("fresh: create every pair", [], {}, {}, [CreatePods(0, "r1", BOTH), CreatePods(1, "r1", BOTH)]),
+    ("all healthy: nothing", H, {}, {}, []),
+    ("decode restart in pair 1: co-restart pair 1 only", swap(H, 1, "decode", restarts=1), {}, {},
+     [("CoRestart", 1, "ContainerRestart", NAMES1)]),
+    ("prefill restart in pair 0", swap(H, 0, "prefill", restarts=2), {}, {},
+     [("CoRestart", 0, "ContainerRestart", NAMES0)]),
+    ("prefill deleted in pair 1: the survivor goes too", drop(H, 1, "prefill"), {}, {},
+     [("CoRestart", 1, "PodDeleted", ("d-1-decode-r1",))]),
+    ("prefill terminating (someone else deleted it) while decode lives", swap(H, 1, "prefill", terminating=True),
+     {}, {}, [("CoRestart", 1, "PodDeleted", ("d-1-decode-r1",))]),
+    ("decode OOM-killed", swap(H, 0, "decode", restarts=1, oom_killed=True), {}, {},
+     [("CoRestart", 0, "OOMKilled", NAMES0)]),
+    ("prefill evicted", swap(H, 1, "prefill", phase="Failed", evicted=True, ready=False), {}, {},
+     [("CoRestart", 1, "Evicted", NAMES1)]),
+    ("decode failed", swap(H, 1, "decode", phase="Failed", ready=False), {}, {},
+     [("CoRestart", 1, "Failed", NAMES1)]),
+    ("mixed revisions inside a pair", swap(H, 1, "decode", revision="r0"), {}, {},
+     [("CoRestart", 1, "MixedRevision", ("d-1-prefill-r1", "d-1-decode-r1"))]),
+    ("co-restart draining: wait", [p for p in H if p.pair == 0] + [replace(p, terminating=True) for p in H
+                                                                  if p.pair == 1],
+     {1: PairMemory(restarts=1, streak=1, last_co_restart_at=NOW - 0.1)}, {}, []),
+    ("pair gone, backoff not elapsed: wait", healthy(1), {1: PairMemory(restarts=1, streak=1,
+                                                                        last_co_restart_at=NOW - 0.5)}, {}, []),
+    ("pair gone, backoff elapsed: recreate both", healthy(1),
+     {1: PairMemory(restarts=1, streak=1, last_co_restart_at=NOW - 1.5)}, {}, [CreatePods(1, "r1", BOTH)]),
+    ("not ready yet is not a fault", swap(H, 0, "decode", ready=False), {}, {}, []),
+    ("scale down removes whole pairs", H + healthy(3)[4:], {}, {},
+     [DeletePods(2, ("d-2-decode-r1", "d-2-prefill-r1"), "ScaleDown")]),
+    ("duplicate pod of one role", H + [replace(pod(0, "prefill"), name="d-0-prefill-zz")], {}, {},
+     [DeletePods(0, ("d-0-prefill-r1",), "Duplicate")]),
+    ("rollout: one pair at a time (maxUnavailablePairs=1)", healthy(rev="r0"), {}, {},
+     [RolloutPair(0, "r0", "r1", ("d-0-prefill-r0", "d-0-decode-r0"))]),
+    ("rollout: two at a time (maxUnavailablePairs=2)", healthy(rev="r0"), {}, {"max_unavailable": 2},
+     [RolloutPair(0, "r0", "r1", ("d-0-prefill-r0", "d-0-decode-r0")),
+      RolloutPair(1, "r0", "r1", ("d-1-prefill-r0", "d-1-decode-r0"))]),
+    ("rollout waits while the replaced pair is not ready yet",
+     [pod(0, r, "r1", ready=False) for r in BOTH] + [pod(1, r, "r0") for r in BOTH], {}, {}, []),
+    ("rollout continues once the replaced pair is ready",
+     [pod(0, r, "r1") for r in BOTH] + [pod(1, r, "r0") for r in BOTH], {}, {},
+     [RolloutPair(1, "r0", "r1", ("d-1-prefill-r0", "d-1-decode-r0"))]),
+    ("an old pair that is not ready is replaced without spending the budget",
+     [pod(0, r, "r0", ready=False) for r in BOTH] + [pod(1, r, "r0") for r in BOTH], {}, {},
+     [RolloutPair(0, "r0", "r1", ("d-0-prefill-r0", "d-0-decode-r0"))]),
+    ("co-restart wins over rollout", swap(healthy(rev="r0"), 1, "decode", restarts=1), {}, {},
+     [("CoRestart", 1, "ContainerRestart", ("d-1-prefill-r0", "d-1-decode-r0"))]),
+    ("policy Never: a restart is left alone", swap(H, 1, "decode", restarts=3), {}, {"policy": NEVER}, []),
+    ("policy Never: only the deleted side is recreated", drop(H, 1, "prefill"), {}, {"policy": NEVER},
+     [CreatePods(1, "r1", ("prefill",))]),
+]
+
+
+@pytest.mark.parametrize("pods,memory,kwargs,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_planner_actions(pods, memory, kwargs, expected):
+    assert kinds(plan(pods, memory, **kwargs)) == expected
+
+
+def test_co_restart_records_memory_and_requeues_after_backoff():
+    p = plan(swap(H, 1, "decode", restarts=1), {1: PairMemory(restarts=2, streak=2, ready_since=NOW - 5)})
+    s = p.pairs[1]
+    assert (s.phase, s.ready) == ("CoRestarting", False)
+    assert s.memory == PairMemory(restarts=3, streak=3, last_co_restart_at=NOW, last_co_restart_reason="ContainerRestart",
+                                  ready_since=None, recovering=True)
+    assert p.requeue_after == 4.0  # 1 s * 2^(3-1)
+    assert p.pairs[0].phase == "Ready" and p.pairs[0].memory.restarts == 0
+    assert "decode pod d-1-decode-r1 restarted 1x" in p.actions[0].detail
+
+
+def test_streak_resets_after_a_stable_ready_period_and_backoff_is_capped():
+    stable = plan(swap(H, 0, "decode", restarts=1), {0: PairMemory(restarts=9, streak=9, ready_since=NOW - 301)})
+    assert stable.pairs[0].memory.streak == 1 and stable.requeue_after == 1.0
+    flapping = plan(swap(H, 0, "decode", restarts=1), {0: PairMemory(restarts=9, streak=9, ready_since=NOW - 10)})
+    assert flapping.pairs[0].memory.streak == 10 and flapping.requeue_after == 300.0
+
+
+def test_backoff_wait_requeues_for_the_remaining_time():
+    p = plan(healthy(1), {1: PairMemory(restarts=1, streak=2, last_co_restart_at=NOW - 0.5)})
+    assert p.pairs[1].phase == "BackingOff" and p.requeue_after == pytest.approx(1.5)
+
+
+def test_recovery_time_is_reported_once_when_the_pair_is_ready_again():
+    mem = {1: PairMemory(restarts=1, streak=1, last_co_restart_at=NOW - 7.5, recovering=True)}
+    p = plan(H, mem)
+    assert p.pairs[1].recovered_after_s == pytest.approx(7.5)
+    assert p.pairs[1].memory.recovering is False and p.pairs[1].memory.ready_since == NOW
+    assert p.pairs[0].recovered_after_s is None
+
+
+def test_pairs_report_revision_readiness_and_hosts():
+    p = plan(swap(H, 1, "decode", ready=False))
+    assert [(s.index, s.revision, s.ready, s.phase) for s in p.pairs] == [(0, "r1", True, "Ready"),
+                                                                        (1, "r1", False, "Starting")]
+    assert p.pairs[0].hosts == ("10.0.0.1", "10.0.0.2")
+
+
+def test_pod_view_reads_the_api_fields_that_matter():
+    raw = {"metadata": {"name": "d-0-decode-x", "labels": {"pdstack.io/pair": "0", "pdstack.io/role": "decode",
+                                                         "pdstack.io/revision": "r1"}},
+           "spec": {"containers": [{"resources": {"requests": {"nvidia.com/gpu": "4"}}}]},
+           "status": {"phase": "Running", "podIP": "10.1.2.3",
+                      "conditions": [{"type": "Ready", "status": "False"}],
+                      "containerStatuses": [{"restartCount": 1, "lastState": {"terminated": {"reason": "OOMKilled"}}}]}}
+    v = pod_view(raw)
+    assert (v.pair, v.role, v.revision, v.restarts, v.oom_killed, v.ready, v.gpus, v.ip) == \
+        (0, "decode", "r1", 1, True, False, 4, "10.1.2.3")
+    evicted = pod_view({**raw, "status": {"phase": "Failed", "reason": "Evicted"}})
+    assert evicted.evicted and evicted.phase == "Failed" and not evicted.oom_killed
+    pending = pod_view({**raw, "status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/2 nodes"}]}})
+    assert pending.unschedulable == "0/2 nodes"
+    assert pod_view({"metadata": {"name": "x", "labels": {}}}) is None
+
+
+def test_unschedulable_message_has_requested_and_allocatable_gpus():
+    nodes = [{"metadata": {"labels": {"gpu": "h100"}}, "status": {"allocatable": {"nvidia.com/gpu": "8"}}},
+             {"metadata": {"labels": {"gpu": "h100"}}, "status": {"allocatable": {"nvidia.com/gpu": "8"}}},
+             {"metadata": {"labels": {"gpu": "a10"}}, "status": {"allocatable": {"nvidia.com/gpu": "4"}}}]
+    pending = [pod(1, r, unschedulable="0/3 nodes are available: 3 Insufficient nvidia.com/gpu.", gpus=8,
+                   phase="Pending", ready=False) for r in BOTH]
+    msg = unschedulable_message(requested_gpus=32, pods=pending, nodes=nodes, node_selector={"gpu": "h100"})
+    assert msg.startswith("2 worker pod(s) cannot be scheduled (d-1-decode-r1, d-1-prefill-r1; 16 nvidia.com/gpu pending)")
+    assert "the deployment requests 32 nvidia.com/gpu in total, 16 allocatable on 2 node(s) matching nodeSelector" in msg
+    assert msg.endswith("Scheduler: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")
+    p = plan(pending + healthy(1))
+    assert p.pairs[1].phase == "Unschedulable" and {v.name for v in p.unschedulable} == {v.name for v in pending}
