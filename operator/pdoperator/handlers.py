@@ -134,3 +134,10 @@ def pod_event(namespace: str, labels: Any, memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
 def router_event(namespace: str, labels: Any, memo: kopf.Memo, **_: Any) -> None:
     memo.wakers.poke(namespace, labels.get(LABEL_DEPLOYMENT))
+
+
+@kopf.on.event("v1", "services", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
+@kopf.on.event("v1", "configmaps", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
+def child_event(namespace: str, labels: Any, memo: kopf.Memo, **_: Any) -> None:
+    """Hand edits of children (drift) are noticed at once, not at the next resync."""
+    memo.wakers.poke(namespace, labels.get(LABEL_DEPLOYMENT))

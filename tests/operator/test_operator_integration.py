@@ -272,3 +272,32 @@ async def test_deleting_the_pddeployment_deletes_every_child(operator):
     c.delete(PDDS, name)
     await eventually(lambda: c.pdd(name) is None, what="PDDeployment gone (finalizer released)")
     await eventually(lambda: children(c, name) == [], what="every child gone")
+
+
+async def test_hand_edits_of_children_are_reported_as_drift_then_reverted(operator):
+    c = operator
+    name = "drifty"
+    await _ready_pairs(c, name, pairs=1)
+    svc = c.api.read(SERVICES, NS, f"{name}-router")
+    svc["spec"]["ports"][0]["port"] = 9999
+    c.api._store(SERVICES, NS, f"{name}-router", svc)
+
+    def drifted():
+        cond = c.condition(name, "ConfigDrift")
+        return cond.get("status") == "True" and cond
+    cond = await eventually(drifted, what="ConfigDrift=True")
+    assert cond["reason"] == "Drifted" and f"Service/{name}-router: spec.ports[0].port" in cond["message"]
+    assert c.api.read(SERVICES, NS, f"{name}-router")["spec"]["ports"][0]["port"] == 9999  # Report leaves it
+
+    # the topology is operator-owned live state: a hand edit is reverted even under Report
+    cm = c.api.read(CONFIGMAPS, NS, f"{name}-topology")
+    cm["data"]["topology.yaml"] = "version: 1\npairs: []\n"
+    c.api._store(CONFIGMAPS, NS, f"{name}-topology", cm)
+    await eventually(lambda: (t := topology(c, name)) and len(t["pairs"]) == 1, what="topology restored")
+    assert c.api.read(SERVICES, NS, f"{name}-router")["spec"]["ports"][0]["port"] == 9999
+
+    c.patch_spec(name, {"drift": {"policy": "Revert"}})
+    await eventually(lambda: c.condition(name, "ConfigDrift").get("status") == "False", what="drift reverted")
+    assert c.api.read(SERVICES, NS, f"{name}-router")["spec"]["ports"][0]["port"] == 8000
+    # a drift-policy change is not a new revision: no pod was replaced
+    assert c.events(name, "RollingOut") == []
