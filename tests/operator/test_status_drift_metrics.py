@@ -1,0 +1,109 @@
+"""Status conditions, drift decisions and the operator's /metrics endpoint (pure or local)."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+
+from pdoperator import drift, metrics
+from pdoperator.pairs import PairMemory, PairState, Plan
+from pdoperator.status import Facts, build_status, invalid_status, iso, memory_from_status, same_status
+
+NOW = 1_700_000_000.0
+
+
+def state(k, rev="r1", ready=True, phase="Ready", **mem):
+    return PairState(k, rev, ready, phase, PairMemory(**mem))
+
+
+def conds(status):
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def test_all_ready():
+    st = build_status({}, Plan((), (state(0), state(1))), Facts(3, "r1", router_ready=True), NOW)
+    assert st["phase"] == "Ready" and st["observedGeneration"] == 3 and st["readyPairs"] == 2
+    assert st["currentRevision"] == st["updateRevision"] == "r1"
+    assert conds(st) == {"Ready": ("True", "AllPairsReady"), "Progressing": ("True", "RolloutComplete"),
+                         "Degraded": ("False", "AsExpected"), "CoRestarting": ("False", "Idle"),
+                         "ConfigDrift": ("False", "NoDrift"), "Stalled": ("False", "AsExpected")}
+
+
+def test_co_restarting_pair_is_degraded_and_recorded():
+    down = state(1, None, False, "BackingOff", restarts=1, streak=1, last_co_restart_at=NOW - 1,
+                 last_co_restart_reason="OOMKilled", recovering=True)
+    st = build_status({}, Plan((), (state(0), down)), Facts(1, "r1", router_ready=True), NOW)
+    c = conds(st)
+    assert st["phase"] == "Degraded" and c["Ready"] == ("False", "PairsNotReady")
+    assert c["Degraded"] == ("True", "PairsDown") and c["CoRestarting"] == ("True", "PairCoRestart")
+    assert st["pairs"][1]["lastCoRestart"] == {"time": iso(NOW - 1), "reason": "OOMKilled"}
+    assert st["pairs"][1]["restarts"] == 1 and st["pairs"][1]["revision"] is None
+    # and the memory round-trips through status
+    assert memory_from_status(st)[1] == down.memory
+
+
+def test_rollout_unschedulable_drift():
+    rolling = build_status({}, Plan((), (state(0, "r2"), state(1, "r1"))), Facts(2, "r2", router_ready=True), NOW)
+    assert conds(rolling)["Progressing"] == ("True", "RollingOut") and rolling["currentRevision"] is None
+    uns = build_status({}, Plan((), (state(0, "r1", False, "Unschedulable"),)),
+                       Facts(1, "r1", unschedulable_message="requests 32, 16 allocatable"), NOW)
+    assert conds(uns)["Progressing"] == ("False", "Unschedulable") and uns["phase"] == "Pending"
+    dr = build_status({}, Plan((), (state(0),)), Facts(1, "r1", router_ready=True, drift=["Service/x: spec"]), NOW)
+    assert conds(dr)["ConfigDrift"] == ("True", "Drifted")
+
+
+def test_invalid_spec_status_keeps_pair_records_and_stalls():
+    old = build_status({}, Plan((), (state(0),)), Facts(1, "r1", router_ready=True), NOW)
+    st = invalid_status(old, Facts(2, None, spec_error="spec.pairs=-1 is invalid"), NOW + 5)
+    assert st["phase"] == "Invalid" and st["pairs"] == old["pairs"] and st["observedGeneration"] == 2
+    assert conds(st)["Stalled"] == ("True", "InvalidSpec") and "spec.pairs=-1" in st["conditions"][-1]["message"]
+
+
+def test_transition_times_are_kept_while_a_condition_holds_and_rewrites_are_skipped():
+    first = build_status({}, Plan((), (state(0),)), Facts(1, "r1", router_ready=True), NOW)
+    again = build_status(first, Plan((), (state(0),)), Facts(1, "r1", router_ready=True), NOW + 60)
+    assert again == first and same_status(first, again)  # nothing to write
+    flipped = build_status(first, Plan((), (state(0, ready=False, phase="Starting"),)),
+                           Facts(1, "r1", router_ready=True), NOW + 60)
+    times = {c["type"]: c["lastTransitionTime"] for c in flipped["conditions"]}
+    assert times["Ready"] == iso(NOW + 60) and times["Stalled"] == iso(NOW)
+
+
+@pytest.mark.parametrize("live_patch,policy,enforce,action", [
+    (None, "Report", False, "create"),
+    ({}, "Report", False, "none"),
+    ({"spec": {"ports": [{"port": 1}]}}, "Report", False, "report"),
+    ({"spec": {"ports": [{"port": 1}]}}, "Revert", False, "revert"),
+    ({"spec": {"ports": [{"port": 1}]}}, "Report", True, "revert"),
+    ({"spec": {"clusterIP": "10.0.0.1", "ports": [{"port": 80, "protocol": "TCP"}]}}, "Report", False, "none"),
+])
+def test_drift_decisions(live_patch, policy, enforce, action):
+    desired = {"kind": "Service", "metadata": {"name": "s", "labels": {"a": "b"}}, "spec": {"ports": [{"port": 80}]}}
+    live = None
+    if live_patch is not None:
+        live = drift.with_hash(desired)
+        live["spec"] = {**live["spec"], **live_patch.get("spec", {})}
+    assert drift.decide(desired, live, policy, enforce=enforce).action == action
+
+
+def test_desired_change_is_applied_not_reported():
+    old = {"kind": "Service", "metadata": {"name": "s", "labels": {}}, "spec": {"ports": [{"port": 80}]}}
+    new = {"kind": "Service", "metadata": {"name": "s", "labels": {}}, "spec": {"ports": [{"port": 81}]}}
+    assert drift.decide(new, drift.with_hash(old), "Report").action == "apply"
+
+
+def test_metrics_endpoint_serves_operator_metrics():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    registry = CollectorRegistry()
+    Counter("pdstack_operator_probe", "probe", registry=registry).inc()
+    metrics.serve(port, registry=registry)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert "pdstack_operator_probe_total 1.0" in body
+    names = {m.describe()[0].name for m in (metrics.RECONCILE_DURATION, metrics.RECONCILE_ERRORS, metrics.CO_RESTARTS,
+                                            metrics.PAIR_RECOVERY, metrics.PAIRS_READY)}
+    assert all(n.startswith("pdstack_operator_") for n in names)
