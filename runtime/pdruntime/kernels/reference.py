@@ -60,14 +60,16 @@ def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     lens_cpu = seq_lens.tolist()  # one small host read; decode already syncs each step
     assert batch == 0 or min(lens_cpu) >= 1, "every sequence needs >= 1 token of context"
-    if out is None:
-        out = torch.empty_like(q)
-    assert out.shape == q.shape and out.dtype == q.dtype, "out must be like q"
+    assert out is None or (out.shape == q.shape and out.dtype == q.dtype), "out must be like q"
     if batch == 0:
-        return out
+        return out if out is not None else torch.empty_like(q)
     # Sort-free chunking: consecutive rows, each chunk gathers up to its own longest row.
     row_cost = max(lens_cpu) * num_kv_heads * head_dim
     rows = max(1, _GATHER_BUDGET // max(1, row_cost))
+    if rows >= batch and out is None:  # common case: one chunk, no copy into out
+        return _attend_rows(q, k_cache, v_cache, block_table, seq_lens, lens_cpu, block_size, scale)
+    if out is None:
+        out = torch.empty_like(q)
     for start in range(0, batch, rows):
         stop = min(batch, start + rows)
         out[start:stop] = _attend_rows(q[start:stop], k_cache, v_cache, block_table[start:stop],
@@ -112,12 +114,15 @@ def _attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     batch, num_q_heads, head_dim = q.shape
     max_len = max(lens)
     num_pages = -(-max_len // block_size)
-    pages = block_table[:, :num_pages].long().clamp_(0, k_cache.shape[0] - 1)  # [B, P]; garbage ids stay in range
+    pages = block_table[:, :num_pages]  # [B, P] int32
+    ragged = min(lens) != max_len
+    if ragged:  # shorter rows' entries past their pages may be garbage ids: keep them in range
+        pages = pages.clamp(0, k_cache.shape[0] - 1)
     # k, v: [B, L, Hkv, D] gathered, viewed as [B, Hkv, max_len, D] (no copy)
     k = _gather_pages(k_cache, pages, "k")[:, :max_len].transpose(1, 2)
     v = _gather_pages(v_cache, pages, "v")[:, :max_len].transpose(1, 2)
     mask = None
-    if min(lens) != max_len:  # equal lengths (e.g. B == 1) need no mask after the slice
+    if ragged:  # equal lengths (e.g. B == 1) need no mask after the slice
         mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens.to(q.device)[:, None]  # [B, L]
     out = _sdpa_gqa(q, k, v, mask, scale)
     if mask is not None and not bool(torch.isfinite(out).all()):

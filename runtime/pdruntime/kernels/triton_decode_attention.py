@@ -84,7 +84,8 @@ def _decode_split_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         # Page of each token from the block table; masked tokens read page 0, never used.
-        pages = tl.load(Block_table + seq * stride_btb + offs_n // PAGE, mask=mask_n, other=0)
+        # int64: page * stride_kp passes 2^31 elements in a large pool (e.g. 64 x 128k tokens).
+        pages = tl.load(Block_table + seq * stride_btb + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
         slots = offs_n % PAGE
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k_ptrs = K_cache + pages[:, None] * stride_kp + slots[:, None] * stride_kt + kv_head * stride_kh \
@@ -114,8 +115,8 @@ def _decode_split_kernel(
         out_ptrs = Out + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=out_mask)
     else:
-        # An empty split (not produced by split_heuristic, but possible for a caller's
-        # explicit num_splits) stores lse = -inf and zeros: it then weighs 0 in the merge.
+        # The wrapper never launches an empty split (normalise_splits); should one run
+        # anyway it stores zeros and lse = -inf rather than 0/0.
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o_ptrs = Out_partial + pid_w * stride_opw + heads[:, None] * stride_oph + offs_d[None, :]
         tl.store(o_ptrs, acc / l_safe[:, None], mask=out_mask)
@@ -138,10 +139,11 @@ def _decode_merge_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
 
-    m = float("-inf")
-    denom = 0.0
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for s in range(0, n_splits):
+    # Start from split 0 (every sequence has >= 1), then fold in the rest online.
+    m = tl.load(Lse_partial + first * stride_lpw + head)  # log2-sum-exp, running max
+    acc = tl.load(Out_partial + first * stride_opw + head * stride_oph + offs_d, mask=mask_d, other=0.0)
+    denom = tl.exp2(m - m)  # 1.0, as a tensor
+    for s in range(1, n_splits):
         w = first + s
         lse = tl.load(Lse_partial + w * stride_lpw + head)
         o = tl.load(Out_partial + w * stride_opw + head * stride_oph + offs_d, mask=mask_d, other=0.0)
@@ -230,13 +232,14 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     # Work list: item w is (sequence, split); Split_offset[b] = first item of sequence b.
     device = q.device
+    # Built on the host, shipped in one copy: [work_seq (W) | work_split (W) | split_offset (B) | num_splits (B)].
     counts = torch.tensor(splits, dtype=torch.int32)
-    split_offset = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+    split_offset = torch.cumsum(counts, 0, dtype=torch.int32) - counts
     work_seq = torch.repeat_interleave(torch.arange(batch, dtype=torch.int32), counts)
     num_work = len(work_seq)
-    work_split = (torch.arange(num_work, dtype=torch.int32) - split_offset[work_seq.long()]).to(torch.int32)
-    work_seq, work_split = work_seq.to(device), work_split.to(device)
-    split_offset, num_splits = split_offset.to(device), torch.tensor(splits, dtype=torch.int32, device=device)
+    work_split = torch.arange(num_work, dtype=torch.int32) - split_offset[work_seq.long()]
+    meta = torch.cat([work_seq, work_split, split_offset, counts]).to(device, non_blocking=True)
+    work_seq, work_split, split_offset, num_splits = meta.split([num_work, num_work, batch, batch])
     if direct:
         out_partial = torch.empty((1, 1, 1), dtype=torch.float32, device=device)  # unused
         lse_partial = torch.empty((1, 1), dtype=torch.float32, device=device)
