@@ -110,12 +110,17 @@ async def _execute(kube: Kube, body: Mapping[str, Any], owner: Owner, spec: Any,
             await post_event(kube, body, "Normal", "RollingOut", msg)
         elif isinstance(a, CreatePods):
             suffix = _suffix()
-            for role in a.roles:
-                try:
-                    await kube.create(worker_pod(spec, owner, a.revision, a.pair, role, suffix))
-                except ApiError as e:
-                    if e.status != 409:
-                        raise
+            created: list[str] = []
+            try:
+                for role in a.roles:
+                    pod = worker_pod(spec, owner, a.revision, a.pair, role, suffix)
+                    await kube.create(pod)
+                    created.append(pod["metadata"]["name"])
+            except Exception:
+                # never leave half a pair behind: it would read as a deleted pod next time
+                for pod_name in created:
+                    await kube.delete(path("v1", "Pod", ns, pod_name))
+                raise
         elif isinstance(a, DeletePods):
             for pod in a.pods:
                 await kube.delete(path("v1", "Pod", ns, pod))

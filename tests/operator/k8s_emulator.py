@@ -127,6 +127,7 @@ class PDEmulator(kmock.KubernetesEmulator):
     _log: dict[Any, list[tuple[int, dict[str, Any]]]] = attrs.field(factory=dict, init=False)
     _watchers: dict[Any, list[asyncio.Queue[Any]]] = attrs.field(factory=dict, init=False)
     watch_requests: int = attrs.field(default=0, init=False)
+    _faults: list[list[Any]] = attrs.field(factory=list, init=False)  # [method, plural, skip, remaining, status]
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -163,6 +164,10 @@ class PDEmulator(kmock.KubernetesEmulator):
         if key not in self.objects:
             return []
         return [None if v is None else copy.deepcopy(v.raw) for v in self.objects[key].history]
+
+    def inject_fault(self, method: str, plural: str, *, times: int = 1, skip: int = 0, status: int = 500) -> None:
+        """Let ``skip`` ``method`` requests on ``plural`` pass, then fail ``times`` of them with HTTP ``status``."""
+        self._faults.append([method.upper(), plural, skip, times, status])
 
     def close_watches(self) -> None:
         """End every open watch stream (as an API server restart would); clients re-list and re-watch."""
@@ -298,6 +303,12 @@ class PDEmulator(kmock.KubernetesEmulator):
             return await super()._handle(request)  # discovery, unknown endpoints
         method = request.method.upper()
         ns, name, params = request.namespace, request.name, request.params
+        for fault in self._faults:
+            if fault[0] == method and fault[1] == res.plural and fault[2] > 0:
+                fault[2] -= 1
+            elif fault[0] == method and fault[1] == res.plural and fault[3] > 0:
+                fault[3] -= 1
+                raise _error(fault[4], "InternalError", f"injected fault: {method} {res.plural}")
         if method == "GET" and params.get("watch") in ("true", "1"):
             return await self._serve_watch_stream(request)
         if method == "GET" and name is None:

@@ -301,3 +301,21 @@ async def test_hand_edits_of_children_are_reported_as_drift_then_reverted(operat
     assert c.api.read(SERVICES, NS, f"{name}-router")["spec"]["ports"][0]["port"] == 8000
     # a drift-policy change is not a new revision: no pod was replaced
     assert c.events(name, "RollingOut") == []
+
+
+async def test_api_errors_are_counted_and_retried_until_ready(operator):
+    c = operator
+    name = "flaky"
+    c.api.inject_fault("POST", "pods", times=1)  # the first prefill create fails
+    c.api.inject_fault("POST", "pods", skip=1, times=1)  # the next prefill goes through, its decode fails
+    c.apply(manifest(name, pairs=1))
+    await eventually(lambda: is_ready(c, name), what="Ready despite failing pod creation")
+    errors = metric("pdstack_operator_reconcile_errors_total", namespace=NS, deployment=name, error="ApiError")
+    assert errors == 2
+    assert metric("pdstack_operator_reconcile_duration_seconds_count", namespace=NS, deployment=name) >= 1
+    # a failed create leaves no half pair behind (rolled back), so no co-restart was ever needed
+    assert sorted(c.pair_pods(name, 0)) == ["decode", "prefill"] and len(c.pods(name)) == 2
+    assert c.events(name, "CoRestart") == []
+    created = [ev["object"]["metadata"]["name"] for _, ev in c.api._log[PODS] if ev["type"] == "ADDED"]
+    deleted = [ev["object"]["metadata"]["name"] for _, ev in c.api._log[PODS] if ev["type"] == "DELETED"]
+    assert len(created) == 3 and len(deleted) == 1 and deleted[0] in created[:1]  # the orphan prefill
