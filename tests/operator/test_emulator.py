@@ -9,7 +9,7 @@ import aiohttp
 import kmock
 import pytest
 
-from k8s_emulator import Kubelet, PDEmulator, R, parse_selector, selector_matches
+from pdop_k8s_emulator import Kubelet, PDEmulator, R, parse_selector, selector_matches
 
 PODS = R("", "v1", "pods")
 CMS = R("", "v1", "configmaps")

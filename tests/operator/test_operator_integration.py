@@ -8,7 +8,7 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY, generate_latest
 
-from harness import NS, PODS, PDDS, R, eventually, manifest
+from pdop_harness import NS, PODS, PDDS, R, eventually, manifest
 
 SERVICES = R("", "v1", "services")
 CONFIGMAPS = R("", "v1", "configmaps")

@@ -28,7 +28,7 @@ import kmock  # noqa: E402
 import kopf  # noqa: E402
 import yaml  # noqa: E402
 
-from k8s_emulator import PDEmulator, Kubelet, R  # noqa: E402
+from pdop_k8s_emulator import PDEmulator, Kubelet, R  # noqa: E402
 
 PDDS = R("pdstack.io", "v1alpha1", "pddeployments")
 PODS = R("", "v1", "pods")
