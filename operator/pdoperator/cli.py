@@ -2,6 +2,7 @@
 
     kubectl-pd render FILE      print the children the operator would create, as YAML (for review and CI)
     kubectl-pd validate FILE    check the spec; exit 1 with one line per problem
+    kubectl-pd diff OLD NEW     field-level diff of the effective worker config of two manifests
 
 Offline rendering cannot know the PDDeployment's uid, the generated KV token, or pod IPs:
 owner references carry a placeholder uid, the Secret a placeholder token, and the topology
@@ -17,7 +18,7 @@ from typing import Any, Sequence, TextIO
 import yaml
 
 from .render import Owner, render
-from .revisions import revision_hash
+from .revisions import diff_configs, effective_config, revision_hash
 from .spec import KIND, SpecError, parse_spec
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
@@ -68,6 +69,22 @@ def _validate(path: str, out: TextIO) -> int:
     return rc
 
 
+def _diff(old_path: str, new_path: str, out: TextIO) -> int:
+    """Exit 0 when both manifests give the same revision, 1 when they differ (like diff(1))."""
+    old_doc, new_doc = _load(old_path)[0], _load(new_path)[0]
+    try:
+        old = parse_spec(old_doc.get("spec"), name=(old_doc.get("metadata") or {}).get("name"))
+        new = parse_spec(new_doc.get("spec"), name=(new_doc.get("metadata") or {}).get("name"))
+    except SpecError as e:
+        print(f"kubectl-pd: {e}", file=sys.stderr)
+        return 2
+    out.write(f"revision {revision_hash(old)} -> {revision_hash(new)}\n")
+    changes = diff_configs(effective_config(old), effective_config(new))
+    for path, a, b in changes:
+        out.write(f"  {path}: {a!r} -> {b!r}\n")
+    return 1 if changes else 0
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kubectl-pd", description="pdstack PDDeployment tools")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -75,10 +92,15 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     p.add_argument("file", help="manifest file with PDDeployment documents ('-' = stdin)")
     v = sub.add_parser("validate", help="validate PDDeployment specs")
     v.add_argument("file")
+    d = sub.add_parser("diff", help="field-level diff of the effective worker config of two manifests")
+    d.add_argument("old")
+    d.add_argument("new")
     args = parser.parse_args(argv)
     out = out or sys.stdout
     if args.cmd == "render":
         return _render(args.file, out)
+    if args.cmd == "diff":
+        return _diff(args.old, args.new, out)
     return _validate(args.file, out)
 
 

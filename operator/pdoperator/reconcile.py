@@ -37,7 +37,7 @@ async def post_event(kube: Kube, body: Mapping[str, Any], etype: str, reason: st
         "involvedObject": {"apiVersion": API, "kind": KIND, "name": meta["name"], "namespace": meta["namespace"],
                            "uid": meta.get("uid")},
         "type": etype, "reason": reason, "message": message[:1024],
-        "source": {"component": "pdstack-operator"}, "reportingComponent": "pdstack-operator",
+        "source": {"component": "pdstack-operator"},
         "firstTimestamp": now, "lastTimestamp": now, "count": 1,
     }
     try:

@@ -73,6 +73,11 @@ async def test_two_pairs_all_children_exist_and_ready_within_5s_of_pods_ready(op
                                            "bootstrap_port": 8998}
     assert topo["pairs"][1]["decode"] == {"url": f"http://{ips['1decode']}:8000"}
     print(f"Ready {elapsed:.3f}s after the simulated pods became ready")
+    # one writer: every status version in the object's history has exactly the operator's own fields
+    # (kopf stores no handler progress or results there)
+    ours = {"phase", "observedGeneration", "currentRevision", "updateRevision", "readyPairs", "pairs", "conditions"}
+    statuses = [v["status"] for v in c.api.history(PDDS, NS, "alpha") if v and "status" in v]
+    assert statuses and all(set(st) == ours for st in statuses)
     assert metric("pdstack_operator_pairs_ready", namespace=NS, deployment="alpha") == 2
 
 

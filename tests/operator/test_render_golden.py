@@ -110,3 +110,22 @@ def test_topology_file_format():
                   {"index": 1, "ready": False,  # a pair without a decode address is never ready
                    "prefill": {"url": "http://10.0.0.13:8000", "bootstrap_host": "10.0.0.13", "bootstrap_port": 8998},
                    "decode": {"url": None}}]}
+
+
+def test_cli_diff_names_the_changed_knob(tmp_path):
+    doc = yaml.safe_load((ROOT / "examples" / "gpu-8x-pairs.yaml").read_text())
+    changed = yaml.safe_load((ROOT / "examples" / "gpu-8x-pairs.yaml").read_text())
+    changed["spec"]["kernel"]["decodeTargetCTAs"] = 512
+    changed["spec"]["decode"]["env"] = [{"name": "SGLANG_SM120_MMA_TARGET_CTAS", "value": "512"}]
+    changed["spec"]["pairs"] = 4  # scaling is not a config change
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text(yaml.safe_dump(doc))
+    b.write_text(yaml.safe_dump(changed))
+    out = io.StringIO()
+    assert cli.main(["diff", str(a), str(b)], out=out) == 1
+    lines = out.getvalue().splitlines()
+    assert lines[1:] == ["  decode.env.SGLANG_SM120_MMA_TARGET_CTAS: None -> '512'",
+                         "  kernel.decodeTargetCTAs: 0 -> 512"]
+    assert cli.main(["diff", str(a), str(a)], out=io.StringIO()) == 0
+    valid = io.StringIO()
+    assert cli.main(["validate", str(a)], out=valid) == 0 and "PDDeployment/llm: valid, revision" in valid.getvalue()
