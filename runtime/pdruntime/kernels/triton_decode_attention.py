@@ -156,6 +156,60 @@ def _decode_merge_kernel(
     tl.store(Out + seq * stride_ob + head * stride_oh + offs_d, (acc / denom).to(Out.dtype.element_ty), mask=mask_d)
 
 
+# Stage 1 streams K/V: 4 warps and 2 pipeline stages keep loads in flight per SM.
+# Stage 2 reads <= max_splits x D floats per head: one warp is plenty.
+STAGE1_LAUNCH = {"num_warps": 4, "num_stages": 2}
+STAGE2_LAUNCH = {"num_warps": 1}
+
+
+def stage1_constexprs(group: int, head_dim: int, page: int, block_n: int, direct: bool,
+                      dtype: torch.dtype) -> dict[str, object]:
+    return dict(GROUP=group, HEAD_DIM=head_dim, PAGE=page,
+                BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
+                BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, DIRECT=direct,
+                IEEE_DOT=dtype == torch.float32)
+
+
+_TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def compile_for_target(dtype: torch.dtype, *, group: int, head_dim: int, page: int = 16, block_n: int = BLOCK_N,
+                       direct: bool = False, arch: int = 90) -> dict[str, int]:
+    """Ahead-of-time compile of both kernels to a cubin for ``sm_<arch>``, without a GPU.
+
+    Catches what the CPU interpreter cannot (typing, layouts, shared memory, ptxas) on
+    GPU-less CI. Needs a process where Triton was imported without TRITON_INTERPRET.
+    Returns the shared memory (bytes) each kernel needs.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    elem = _TRITON_TYPES[dtype]
+    target = GPUTarget("cuda", arch, 32)
+    pointers = {"Q": elem, "K_cache": elem, "V_cache": elem, "Out": elem, "Out_partial": "fp32",
+                "Lse_partial": "fp32", "sm_scale_log2": "fp32"}
+
+    def build(kernel, constexprs, options):
+        signature = {}
+        for name in kernel.arg_names:
+            if name in constexprs:
+                signature[name] = "constexpr"
+            elif name == "sm_scale_log2":
+                signature[name] = "fp32"
+            elif name[0].isupper():  # pointer arguments are Capitalised
+                signature[name] = "*" + pointers.get(name, "i32")
+            else:
+                signature[name] = "i32"
+        return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target,
+                              options=options)
+
+    meta1 = stage1_constexprs(group, head_dim, page, block_n, direct, dtype)
+    stage1 = build(_decode_split_kernel, meta1, STAGE1_LAUNCH)
+    stage2 = build(_decode_merge_kernel, {"HEAD_DIM": head_dim, "BLOCK_D": meta1["BLOCK_D"]}, STAGE2_LAUNCH)
+    assert "cubin" in stage1.asm and "cubin" in stage2.asm
+    return {"stage1_shared": stage1.metadata.shared, "stage2_shared": stage2.metadata.shared}
+
+
 _interpreted: dict[object, object] = {}
 
 
@@ -251,8 +305,7 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             lse_partial.fill_(float("nan"))
 
     # Grids: stage 1 one CTA per (work item, KV head); stage 2 one per (sequence, query head).
-    block_d = triton.next_power_of_2(head_dim)
-    block_g = max(16, triton.next_power_of_2(group))
+    meta1 = stage1_constexprs(group, head_dim, page, block_n, direct, k_cache.dtype)
     cuda = device.type == "cuda"
     with _interpreter_knob(device):
         _launchable(_decode_split_kernel, device)[(num_work, num_kv_heads)](
@@ -266,9 +319,7 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             out_partial.stride(0), out_partial.stride(1),
             lse_partial.stride(0),
             out.stride(0), out.stride(1),
-            GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-            DIRECT=direct, IEEE_DOT=k_cache.dtype == torch.float32,
-            **({"num_warps": 4, "num_stages": 2} if cuda else {}),
+            **meta1, **(STAGE1_LAUNCH if cuda else {}),
         )
         if not direct:
             _launchable(_decode_merge_kernel, device)[(batch, num_q_heads)](
@@ -276,7 +327,7 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 out_partial.stride(0), out_partial.stride(1),
                 lse_partial.stride(0),
                 out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, BLOCK_D=block_d,
-                **({"num_warps": 1} if cuda else {}),
+                HEAD_DIM=head_dim, BLOCK_D=meta1["BLOCK_D"],
+                **(STAGE2_LAUNCH if cuda else {}),
             )
     return out
