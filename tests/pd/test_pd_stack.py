@@ -177,7 +177,9 @@ def test_client_disconnect_mid_stream_aborts_both_legs(stack, model_id):
 def test_client_disconnect_during_transfer_frees_both_legs(stack, model_id):
     """Before the first token both legs hold pages (prefill: inflight KV; decode: reserved pages)."""
     p_failed = stack.metric(stack.prefill, "pdrt_kv_transfers_total", {"outcome": "failed"})
-    d_aborted = stack.metric(stack.decode, "pdrt_aborted_requests_total")
+    d_aborted = stack.metric(stack.decode, "pdrt_aborted_requests_total", {"cause": "abort_request"}) + \
+        stack.metric(stack.decode, "pdrt_aborted_requests_total", {"cause": "client_disconnect"})
+    fired = stack.metric(stack.prefill, "pdrt_watchdog_fired_total") + stack.metric(stack.decode, "pdrt_watchdog_fired_total")
     stack.hooks(stack.decode, stall_transfers=1)
     result = {}
 
@@ -191,15 +193,16 @@ def test_client_disconnect_during_transfer_frees_both_legs(stack, model_id):
     t.start()
     t.join()
     assert "exc" in result
-    t_gone = time.monotonic()
     p, d = stack.wait_idle(timeout=10)
-    # freed by the router's aborts, well before any watchdog (transfer 3 s / decode 6 s) would have fired
-    assert time.monotonic() - t_gone < 2.5
     assert p["live"] == 0 and p["pool"]["free"] == p["pool"]["total"]
     assert d["live"] == 0 and d["pool"]["free"] == d["pool"]["total"]
     # both legs were failed (prefill's held KV dropped, decode's reserved pages freed), not completed
     assert stack.metric(stack.prefill, "pdrt_kv_transfers_total", {"outcome": "failed"}) == p_failed + 1
-    assert stack.metric(stack.decode, "pdrt_aborted_requests_total") == d_aborted + 1
+    assert stack.metric(stack.decode, "pdrt_aborted_requests_total", {"cause": "abort_request"}) + \
+        stack.metric(stack.decode, "pdrt_aborted_requests_total", {"cause": "client_disconnect"}) == d_aborted + 1
+    # freed by the router's aborts, not by a watchdog (transfer 3 s / decode 6 s)
+    assert stack.metric(stack.prefill, "pdrt_watchdog_fired_total") + \
+        stack.metric(stack.decode, "pdrt_watchdog_fired_total") == fired
 
 
 def test_lone_stuck_transfer_is_failed_by_the_watchdog_with_no_other_traffic(stack, model_id):
@@ -412,3 +415,36 @@ def _wait(pred, timeout):
             pass
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def test_pdrt_chat_talks_to_the_router(stack):
+    import subprocess
+    import sys
+
+    from conftest import base_env
+
+    before = stack.metric(stack.router, "pdrt_requests_total", {"outcome": "ok"})
+    r = subprocess.run([sys.executable, "-m", "pdruntime.server", "chat", "--url", stack.router.url, "--max-tokens", "4",
+                        "hello from pdrt chat"], env=base_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert stack.metric(stack.router, "pdrt_requests_total", {"outcome": "ok"}) == before + 1
+    r = subprocess.run([sys.executable, "-m", "pdruntime.server", "chat", "--url", "http://127.0.0.1:9", "hi"],
+                       env=base_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "pdrt up" in r.stderr  # says what to do when no router is there
+
+
+def test_bootstrap_watchdog_fails_a_request_whose_decode_never_attaches(stack):
+    before = stack.metric(stack.prefill, "pdrt_watchdog_fired_total", {"phase": "bootstrap"})
+    body = {"text": "nobody will attach", "sampling_params": {"max_new_tokens": 4}, "rid": "orphan-1",
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": stack.bootstrap_port, "bootstrap_room": 4242}
+    t0 = time.monotonic()
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=httpx.post(stack.prefill.url + "/generate", json=body, timeout=30)))
+    t.start()
+    _wait(lambda: any(r["id"] == "orphan-1" and r["stage"] == "bootstrap" for r in stack.debug(stack.prefill)["requests"]), 10)
+    stack.hooks(stack.prefill, advance_clock_s=60)  # far past PDRT_BOOTSTRAP_TIMEOUT_S on the watchdog's clock
+    t.join(timeout=20)
+    assert result["r"].status_code == 504 and "bootstrap timeout" in result["r"].json()["error"]["message"]
+    assert time.monotonic() - t0 < 4.0  # the clock jump, not the real 4 s timeout, fired it
+    assert stack.metric(stack.prefill, "pdrt_watchdog_fired_total", {"phase": "bootstrap"}) == before + 1
+    assert_idle(stack)

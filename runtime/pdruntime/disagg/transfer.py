@@ -17,6 +17,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
 from pdruntime.disagg import wire
@@ -42,24 +43,47 @@ def _flat(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(-1, cache.shape[-2], cache.shape[-1])
 
 
-def gather_chunks(kv, slots: torch.Tensor, chunk_tokens: int) -> Iterator[tuple[int, int, int, int, bytes]]:
+def _flat_bytes(cache: torch.Tensor) -> np.ndarray:
+    """CPU cache as a numpy view of byte rows: [num_blocks * block_size, Hkv * D * elsize] uint8.
+
+    Copies go through numpy on purpose: torch parallelises big copies with OpenMP, which on a busy
+    host (prefill or decode steps running in the engine thread) is ~50x slower than one thread."""
+    flat = _flat(cache)
+    return flat.view(flat.shape[0], -1).view(torch.uint8).numpy()
+
+
+def gather_chunks(kv, slots: torch.Tensor, chunk_tokens: int) -> Iterator[tuple[int, int, int, int, memoryview]]:
     """Yield (layer, kind, tok_start, tok_count, raw) per chunk of one layer's K or V."""
     n = slots.numel()
+    on_cpu = kv.k[0].device.type == "cpu"
+    idx_np = slots.numpy() if on_cpu else None
     for layer in range(len(kv.k)):
         for kind, cache in ((0, kv.k[layer]), (1, kv.v[layer])):
-            flat = _flat(cache)
-            for start in range(0, n, chunk_tokens):
-                idx = slots[start:start + chunk_tokens]
-                data = flat.index_select(0, idx).contiguous()
-                yield layer, kind, start, idx.numel(), data.view(torch.uint8).numpy().tobytes()
+            if on_cpu:
+                rows = _flat_bytes(cache)
+                for start in range(0, n, chunk_tokens):
+                    part = np.take(rows, idx_np[start:start + chunk_tokens], axis=0)  # [count, row bytes]
+                    yield layer, kind, start, part.shape[0], memoryview(part).cast("B")
+            else:
+                flat = _flat(cache)
+                for start in range(0, n, chunk_tokens):
+                    idx = slots[start:start + chunk_tokens].to(flat.device)
+                    data = flat.index_select(0, idx).contiguous().cpu()
+                    yield layer, kind, start, idx.numel(), memoryview(data.view(torch.uint8).numpy()).cast("B")
 
 
 def scatter_chunk(kv, slots: torch.Tensor, layer: int, kind: int, start: int, count: int, raw: memoryview,
                   dtype: torch.dtype) -> None:
+    """Write ``count`` tokens of one layer's K or V (raw bytes in the cache's own dtype) into their slots."""
     cache = kv.k[layer] if kind == 0 else kv.v[layer]
+    assert cache.dtype == dtype, f"KV dtype {dtype} != cache dtype {cache.dtype}"
+    if cache.device.type == "cpu":
+        rows = _flat_bytes(cache)
+        rows[slots.numpy()[start:start + count]] = np.frombuffer(raw, dtype=np.uint8).reshape(count, rows.shape[1])
+        return
     flat = _flat(cache)
     src = torch.frombuffer(bytearray(raw), dtype=dtype).view(count, flat.shape[1], flat.shape[2])
-    flat.index_copy_(0, slots[start:start + count], src.to(flat.dtype))
+    flat.index_copy_(0, slots[start:start + count].to(flat.device), src.to(flat.device))
 
 
 def layout_of(kv) -> tuple[int, int, int, str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
@@ -32,6 +33,18 @@ log = logging.getLogger("pdruntime.router")
 
 MAX_ATTEMPTS = 3  # pairs tried per request (retries happen only before the first token)
 DEBUG_FETCH_TIMEOUT_S = 2.0
+
+
+def client_identity(request: Request) -> str:
+    """Who sent a request: the X-Client-Id header, else a name derived from the API key (a hash prefix,
+    never the key), else "anonymous". Metric labels built from it have bounded cardinality."""
+    explicit = request.headers.get("x-client-id")
+    if explicit:
+        return explicit[:64]
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer ") and auth[7:].strip():
+        return "key-" + hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:12]
+    return "anonymous"
 
 
 @dataclass
@@ -231,7 +244,7 @@ class Router:
         oreq = validate(ChatCompletionRequest if chat else CompletionRequest, body)
         model = await self._check_model(oreq.model)
         deadline = self._deadline(request)
-        client = request.headers.get("x-client-id") or "anonymous"
+        client = client_identity(request)
         client_label = self.metrics.clients.label(client)
         conversation = oreq.user or request.headers.get("x-session-id")
         rid = uuid.uuid4().hex
@@ -275,7 +288,7 @@ class Router:
         async def finish(completed: bool) -> None:
             self._release(state)
             self.live.pop(rid, None)
-            if completed:
+            if completed and outcome["v"] == "aborted":  # finished normally (not failed mid-stream)
                 outcome["v"] = "ok"
                 await legs.close()
                 asyncio.get_running_loop().create_task(legs.join_prefill())
