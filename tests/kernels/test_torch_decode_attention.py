@@ -89,3 +89,11 @@ def test_garbage_past_the_length_never_leaks_but_nan_inside_does(paged_case, rel
     v2[page, slot, 0, 0] = float("nan")
     out = torch_decode_attention(q, k2, v2, bt, seq_lens)
     assert torch.isnan(out[1]).any() and not torch.isnan(out[[0, 2]]).any()
+
+
+def test_query_dtype_may_differ_from_the_cache(paged_case, rel_err):
+    q, k, v, bt, seq_lens = paged_case([30, 100], num_kv_heads=1, group=3, head_dim=64, page=16,
+                                       dtype=torch.bfloat16, seed=13)
+    out = torch_decode_attention(q.float(), k, v, bt, seq_lens)
+    assert out.dtype == torch.float32
+    assert rel_err(out, reference_decode_attention(q, k, v, bt, seq_lens)) <= 1e-2

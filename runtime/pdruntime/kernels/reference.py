@@ -124,15 +124,16 @@ def _attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     mask = None
     if ragged:  # equal lengths (e.g. B == 1) need no mask after the slice
         mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens.to(q.device)[:, None]  # [B, L]
-    out = _sdpa_gqa(q, k, v, mask, scale)
+    qc = q.to(k.dtype)  # SDPA wants one dtype; the cache's wins (e.g. fp32 q over a bf16 cache)
+    out = _sdpa_gqa(qc, k, v, mask, scale)
     if mask is not None and not bool(torch.isfinite(out).all()):
         # Slots past a sequence's length may hold NaN/inf (pool pages are not cleared),
         # and 0 * NaN poisons P @ V. Rare, so mask the gathered copies only then; a
         # non-finite value inside a sequence stays non-finite, as it should.
         k.masked_fill_(~mask[:, None, :, None], 0.0)
         v.masked_fill_(~mask[:, None, :, None], 0.0)
-        out = _sdpa_gqa(q, k, v, mask, scale)
-    return out
+        out = _sdpa_gqa(qc, k, v, mask, scale)
+    return out.to(q.dtype)
 
 
 def _sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
