@@ -116,7 +116,7 @@ async def _execute(kube: Kube, body: Mapping[str, Any], owner: Owner, spec: Any,
                     pod = worker_pod(spec, owner, a.revision, a.pair, role, suffix)
                     await kube.create(pod)
                     created.append(pod["metadata"]["name"])
-            except Exception:
+            except BaseException:  # cancellation included
                 # never leave half a pair behind: it would read as a deleted pod next time
                 for pod_name in created:
                     await kube.delete(path("v1", "Pod", ns, pod_name))

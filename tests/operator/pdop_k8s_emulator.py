@@ -26,6 +26,7 @@ import itertools
 import json
 import re
 import secrets
+import time
 import uuid
 from typing import Any, Iterable
 
@@ -127,6 +128,7 @@ class PDEmulator(kmock.KubernetesEmulator):
     _log: dict[Any, list[tuple[int, dict[str, Any]]]] = attrs.field(factory=dict, init=False)
     _watchers: dict[Any, list[asyncio.Queue[Any]]] = attrs.field(factory=dict, init=False)
     watch_requests: int = attrs.field(default=0, init=False)
+    event_times: dict[int, float] = attrs.field(factory=dict, init=False)  # resourceVersion -> loop time
     _faults: list[list[Any]] = attrs.field(factory=list, init=False)  # [method, plural, skip, remaining, status]
 
     def __attrs_post_init__(self) -> None:
@@ -184,6 +186,7 @@ class PDEmulator(kmock.KubernetesEmulator):
         rv = int(obj["metadata"]["resourceVersion"])
         event = {"type": etype, "object": copy.deepcopy(obj)}
         self._log.setdefault(res, []).append((rv, event))
+        self.event_times[rv] = time.monotonic()
         for q in self._watchers.get(res, []):
             q.put_nowait(event)
 

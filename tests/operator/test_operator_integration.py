@@ -324,3 +324,32 @@ async def test_api_errors_are_counted_and_retried_until_ready(operator):
     created = [ev["object"]["metadata"]["name"] for _, ev in c.api._log[PODS] if ev["type"] == "ADDED"]
     deleted = [ev["object"]["metadata"]["name"] for _, ev in c.api._log[PODS] if ev["type"] == "DELETED"]
     assert len(created) == 3 and len(deleted) == 1 and deleted[0] in created[:1]  # the orphan prefill
+
+
+async def test_repeated_faults_back_off_exponentially(operator):
+    c = operator
+    name = "loop"
+    await _ready_pairs(c, name, pairs=1)  # backoff 0.2 s doubling, cap 2 s; streak resets after 2 s ready
+    for n in (1, 2, 3):
+        victim = c.pair_pods(name, 0)["decode"]["metadata"]["name"]
+        c.kubelet.restart_container(NS, victim)
+        await eventually(lambda: c.api.read(PODS, NS, victim) is None, what=f"co-restart #{n}")
+        await eventually(lambda: is_ready(c, name) and c.pdd(name)["status"]["pairs"][0]["restarts"] == n
+                         and c.pdd(name)["status"]["pairs"][0]["ready"], what=f"ready after co-restart #{n}")
+    st = c.pdd(name)["status"]["pairs"][0]
+    assert st["restarts"] == 3 and st["backoffStreak"] == 3
+    messages = [m for _, m in sorted((e["metadata"]["creationTimestamp"], e["message"])
+                                     for e in c.events(name, "CoRestart"))]
+    assert [m.split("after ")[1].split(" backoff")[0] for m in messages] == ["0.2s", "0.4s", "0.8s"]
+    # each new incarnation was created no sooner than its backoff after the old pods were deleted
+    log = c.api._log[PODS]
+    gaps = []
+    for rv, ev in log:
+        if ev["type"] == "ADDED":
+            earlier_deletes = [r for r, e in log if e["type"] == "DELETED" and r < rv]
+            if earlier_deletes:
+                gaps.append(c.api.event_times[rv] - c.api.event_times[earlier_deletes[-1]])
+    assert len(gaps) == 6  # 3 incarnations x 2 pods
+    for gap, backoff in zip(gaps[::2], (0.2, 0.4, 0.8)):
+        assert gap >= backoff * 0.9, (gaps, backoff)
+    assert metric("pdstack_operator_co_restarts_total", namespace=NS, deployment=name, reason="ContainerRestart") == 3
