@@ -21,3 +21,16 @@ def hf_reference(path: str, **kw):
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens from a transformers causal LM with its KV cache, never stopping at EOS and never
+    masking it (``generate(min_new_tokens=...)`` would suppress EOS and change the argmax)."""
+    out: list[int] = []
+    with torch.inference_mode():
+        res = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(n):
+            nxt = int(res.logits[0, -1].argmax())
+            out.append(nxt)
+            res = model(torch.tensor([[nxt]]), past_key_values=res.past_key_values, use_cache=True)
+    return out

@@ -9,7 +9,7 @@ import torch
 from pdruntime.engine import Engine, EngineConfig, SamplingParams
 from pdruntime.engine.kv_cache import KVCache
 
-from .helpers import hf_reference, rel_err
+from .helpers import hf_greedy, hf_reference, rel_err
 
 TOL = 1e-4
 
@@ -96,7 +96,5 @@ def test_engine_greedy_equals_hf_generate(tiny, tiny_dir):
     prompts = [tiny.tokenizer.encode(t) for t in ("Paged attention", "The quick brown fox jumps over", "0")]
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        assert out == ref[0, len(prompt):].tolist()
+        assert out == hf_greedy(hf, prompt, 24)
     engine.pool.assert_no_leaks()
