@@ -142,13 +142,39 @@ def test_public_entry_point_dispatches_to_triton(triton_device, paged_case, rel_
                                    device=triton_device)
     out = torch.full_like(q, float("nan"))
     got = decode_attention(q, k, v, bt, lens, config=_triton_config(triton_device, num_sms=8), out=out)
-    assert got is out and calls == [num_kv_splits([129, 2000], 8, 0, 32)]
+    assert got is out and len(calls) == 1 and calls[0].splits == tuple(num_kv_splits([129, 2000], 8, 0, 32))
     ref = reference_decode_attention(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), lens.cpu())
     assert rel_err(out, ref) <= 1e-3
     # num_splits as an int and as a per-sequence list.
     assert rel_err(decode_attention(q, k, v, bt, lens, num_splits=4, config=_triton_config(triton_device)), ref) <= 1e-3
     assert rel_err(decode_attention(q, k, v, bt, lens, num_splits=[1, 5], sm_scale=None,
                                     config=_triton_config(triton_device)), ref) <= 1e-3
+
+
+def test_split_plan_is_built_once_per_step_and_follows_seq_lens(triton_device, paged_case, rel_err, monkeypatch):
+    # Layers of one step share seq_lens: the heuristic (and its host read) runs once.
+    # Writing seq_lens in place, or passing a new tensor, must give a fresh plan.
+    from pdruntime.kernels import decode_attention as da
+
+    runs = []
+    real = da.num_kv_splits
+    monkeypatch.setattr(da, "num_kv_splits", lambda lens, *a, **kw: runs.append(list(lens)) or real(lens, *a, **kw))
+    monkeypatch.setattr(da, "_plan_cache", da._PlanCache())
+    cfg = _triton_config(triton_device, num_sms=4)
+    q, k, v, bt, lens = paged_case([200, 700], num_kv_heads=1, group=3, head_dim=64, page=16, seed=21,
+                                   device=triton_device)
+    for _ in range(3):  # three "layers"
+        out = decode_attention(q, k, v, bt, lens, config=cfg)
+    assert runs == [[200, 700]]
+    assert rel_err(out, reference_decode_attention(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), lens.cpu())) <= 1e-3
+    lens -= 1  # in place: the next step is one token shorter (pages stay valid)
+    out = decode_attention(q, k, v, bt, lens, config=cfg)
+    assert runs[-1] == [199, 699]
+    assert rel_err(out, reference_decode_attention(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), lens.cpu())) <= 1e-3
+    fresh = torch.tensor([5, 64], dtype=torch.int32, device=triton_device)
+    out = decode_attention(q, k, v, bt, fresh, config=cfg)
+    assert runs[-1] == [5, 64] and len(runs) == 3
+    assert rel_err(out, reference_decode_attention(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), fresh.cpu())) <= 1e-3
 
 
 def test_custom_sm_scale(triton_device, paged_case, rel_err):

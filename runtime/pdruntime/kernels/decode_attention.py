@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -167,18 +169,50 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if not q.is_cuda and not cfg.triton_interpreter:
         raise RuntimeError(f"decode attention is configured for Triton on {cfg.device} but got {q.device} tensors; "
                            "configure(device=...) with the engine's device")
-    from pdruntime.kernels.triton_decode_attention import triton_decode_attention
+    from pdruntime.kernels.triton_decode_attention import make_split_plan, triton_decode_attention
 
-    lens = seq_lens.tolist()  # host copy for the split plan; one small sync per step
     if num_splits is None:
-        splits = num_kv_splits(lens, cfg.num_sms, cfg.target_ctas, cfg.max_splits,
-                               num_kv_heads=k_cache.shape[2], block_n=cfg.block_n)
-    elif isinstance(num_splits, int):
-        splits = [num_splits] * len(lens)
+        plan = _step_plan(seq_lens, cfg, k_cache.shape[2])
     else:
-        splits = list(num_splits)
-    return triton_decode_attention(q, k_cache, v_cache, block_table, seq_lens, splits, sm_scale=sm_scale,
-                                   block_n=cfg.block_n, seq_lens_host=lens, out=out)
+        lens = seq_lens.tolist()
+        splits = [num_splits] * len(lens) if isinstance(num_splits, int) else list(num_splits)
+        plan = make_split_plan(lens, splits, cfg.block_n, q.device)
+    return triton_decode_attention(q, k_cache, v_cache, block_table, seq_lens, plan, sm_scale=sm_scale,
+                                   block_n=cfg.block_n, out=out)
+
+
+class _PlanCache(threading.local):
+    """The last step's split plan, per thread (one entry: the engine runs one step at a time)."""
+
+    ref: weakref.ref | None = None
+    key: tuple | None = None
+    plan: Any = None
+
+
+_plan_cache = _PlanCache()
+
+
+def _step_plan(seq_lens: torch.Tensor, cfg: KernelConfig, num_kv_heads: int):
+    """Split plan for this step, built on the first layer's call and reused by the others.
+
+    Every layer of a decode step passes the same ``seq_lens`` tensor, so reading it to
+    the host, running the heuristic and copying the work list to the device happen
+    once per step, not once per layer. The entry is keyed on the tensor object (a weak
+    reference: a new tensor never matches a dead one) and its version counter, which
+    every in-place torch write bumps, so a changed ``seq_lens`` gets a new plan.
+    """
+    from pdruntime.kernels.triton_decode_attention import make_split_plan
+
+    cache = _plan_cache
+    key = (seq_lens._version, cfg, num_kv_heads)
+    if cache.ref is not None and cache.ref() is seq_lens and cache.key == key:
+        return cache.plan
+    lens = seq_lens.tolist()  # the one host read of the step
+    splits = num_kv_splits(lens, cfg.num_sms, cfg.target_ctas, cfg.max_splits, num_kv_heads=num_kv_heads,
+                           block_n=cfg.block_n)
+    plan = make_split_plan(lens, splits, cfg.block_n, seq_lens.device)
+    cache.ref, cache.key, cache.plan = weakref.ref(seq_lens), key, plan
+    return plan
 
 
 __all__ = ["KernelConfig", "TORCH", "TRITON", "active_config", "configure", "decode_attention", "kernel_config",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -247,15 +248,59 @@ def _launchable(kernel, device: torch.device):
     return _interpreted[kernel]
 
 
+@dataclass(frozen=True)
+class SplitPlan:
+    """One decode step's work list, built once on the host and shared by every layer.
+
+    Work item ``w`` is (``work_seq[w]``, ``work_split[w]``); ``split_offset[b]`` is the
+    first item of sequence ``b``. The four index tensors live on the device, in one buffer.
+    """
+
+    lens: tuple[int, ...]  # tokens per sequence (host copy of seq_lens)
+    splits: tuple[int, ...]  # KV splits per sequence, each in [1, blocks of work], none empty
+    block_n: int
+    work_seq: torch.Tensor  # [W] int32
+    work_split: torch.Tensor  # [W] int32
+    split_offset: torch.Tensor  # [B] int32
+    num_splits: torch.Tensor  # [B] int32
+
+    @property
+    def num_work(self) -> int:
+        return len(self.work_seq)
+
+    @property
+    def direct(self) -> bool:
+        """Every sequence has one split: stage 1 writes the output, no merge."""
+        return all(s == 1 for s in self.splits)
+
+
+def make_split_plan(lens: Sequence[int], splits: Sequence[int], block_n: int, device: torch.device) -> SplitPlan:
+    """Clamp ``splits`` to [1, blocks of work], drop empty trailing splits, build the work list."""
+    assert len(splits) == len(lens), f"{len(splits)} split counts for a batch of {len(lens)}"
+    assert all(n >= 1 for n in lens), "every sequence needs >= 1 token of context"
+    assert block_n & (block_n - 1) == 0 and block_n >= 16, f"block_n={block_n} must be a power of two >= 16"
+    splits = [normalise_splits(cdiv(n, block_n), int(s)) for s, n in zip(splits, lens)]
+    batch = len(lens)
+    counts = torch.tensor(splits, dtype=torch.int32)
+    split_offset = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    work_seq = torch.repeat_interleave(torch.arange(batch, dtype=torch.int32), counts)
+    num_work = len(work_seq)
+    work_split = torch.arange(num_work, dtype=torch.int32) - split_offset[work_seq.long()]
+    # One host-to-device copy: [work_seq (W) | work_split (W) | split_offset (B) | num_splits (B)].
+    meta = torch.cat([work_seq, work_split, split_offset, counts]).to(device)
+    work_seq, work_split, split_offset, num_splits = meta.split([num_work, num_work, batch, batch])
+    return SplitPlan(tuple(int(n) for n in lens), tuple(splits), block_n, work_seq, work_split, split_offset,
+                     num_splits)
+
+
 def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_table: torch.Tensor, seq_lens: torch.Tensor, splits: Sequence[int], *,
-                            sm_scale: float | None = None, block_n: int = BLOCK_N,
-                            seq_lens_host: Sequence[int] | None = None, out: torch.Tensor | None = None,
-                            poison_workspace: bool = False) -> torch.Tensor:
+                            block_table: torch.Tensor, seq_lens: torch.Tensor, splits: Sequence[int] | SplitPlan,
+                            *, sm_scale: float | None = None, block_n: int = BLOCK_N,
+                            out: torch.Tensor | None = None, poison_workspace: bool = False) -> torch.Tensor:
     """Launch stage 1 (and stage 2 when any sequence is split); returns out: [B, Hq, D].
 
-    splits: KV splits per sequence (from ``num_kv_splits`` or the caller); each is
-    clamped to [1, blocks of work]. seq_lens_host: ``seq_lens`` already on the host.
+    splits: KV splits per sequence (from ``num_kv_splits`` or the caller), or a
+    ``SplitPlan`` already built for this ``seq_lens`` (no host sync, no copy).
     out: written in place when given (tests pass it pre-filled with NaN).
     poison_workspace: fill the partial-output/LSE buffers with NaN first (tests), so a
     partial that stage 2 reads but stage 1 never wrote shows up as NaN.
@@ -267,33 +312,19 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         "the head dim of q/k/v and the block axis of block_table must be contiguous"
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"q dtype {q.dtype} not supported"
     assert k_cache.dtype == q.dtype, f"cache dtype {k_cache.dtype} != q dtype {q.dtype}"
-    assert block_n & (block_n - 1) == 0 and block_n >= 16, f"block_n={block_n} must be a power of two >= 16"
-    assert len(splits) == batch, f"{len(splits)} split counts for a batch of {batch}"
-    lens = list(seq_lens_host) if seq_lens_host is not None else seq_lens.tolist()
-    assert all(n >= 1 for n in lens), "every sequence needs >= 1 token of context"
-    assert all(cdiv(n, page) <= block_table.shape[1] for n in lens), "block_table has fewer pages than seq_lens need"
-
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1, "out must be like q"
     if batch == 0:
         return out
+    device = q.device
+    plan = splits if isinstance(splits, SplitPlan) else make_split_plan(seq_lens.tolist(), splits, block_n, device)
+    assert len(plan.lens) == batch and plan.block_n == block_n and plan.work_seq.device == device, "plan is for another batch"
+    assert cdiv(max(plan.lens), page) <= block_table.shape[1], "block_table has fewer pages than seq_lens need"
     group = num_q_heads // num_kv_heads
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-    # Clamp to [1, blocks of work] and drop empty trailing splits (see normalise_splits).
-    splits = [normalise_splits(cdiv(n, block_n), int(s)) for s, n in zip(splits, lens)]
-    direct = all(s == 1 for s in splits)
-
-    # Work list: item w is (sequence, split); Split_offset[b] = first item of sequence b.
-    device = q.device
-    # Built on the host, shipped in one copy: [work_seq (W) | work_split (W) | split_offset (B) | num_splits (B)].
-    counts = torch.tensor(splits, dtype=torch.int32)
-    split_offset = torch.cumsum(counts, 0, dtype=torch.int32) - counts
-    work_seq = torch.repeat_interleave(torch.arange(batch, dtype=torch.int32), counts)
-    num_work = len(work_seq)
-    work_split = torch.arange(num_work, dtype=torch.int32) - split_offset[work_seq.long()]
-    meta = torch.cat([work_seq, work_split, split_offset, counts]).to(device, non_blocking=True)
-    work_seq, work_split, split_offset, num_splits = meta.split([num_work, num_work, batch, batch])
+    num_work, direct = plan.num_work, plan.direct
+    work_seq, work_split, split_offset, num_splits = plan.work_seq, plan.work_split, plan.split_offset, plan.num_splits
     if direct:
         out_partial = torch.empty((1, 1, 1), dtype=torch.float32, device=device)  # unused
         lse_partial = torch.empty((1, 1), dtype=torch.float32, device=device)
