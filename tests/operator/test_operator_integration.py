@@ -355,3 +355,20 @@ async def test_repeated_faults_back_off_exponentially(operator):
     for gap, backoff in zip(gaps, (0.2, 0.4, 0.8)):
         assert gap >= backoff - 0.05, (gaps, backoff)
     assert metric("pdstack_operator_co_restarts_total", namespace=NS, deployment=name, reason="ContainerRestart") == 3
+
+
+async def test_scaling_adds_and_removes_whole_pairs_without_a_rollout(operator):
+    c = operator
+    name = "scale"
+    before = await _ready_pairs(c, name, pairs=2)
+    rev = c.pdd(name)["status"]["currentRevision"]
+    c.patch_spec(name, {"pairs": 3})
+    await eventually(lambda: is_ready(c, name) and c.pdd(name)["status"]["readyPairs"] == 3, what="3 pairs")
+    c.patch_spec(name, {"pairs": 1})
+    await eventually(lambda: len(c.pods(name)) == 2 and is_ready(c, name)
+                     and len(c.pdd(name)["status"]["pairs"]) == 1, what="1 pair")
+    st = c.pdd(name)["status"]
+    assert st["currentRevision"] == st["updateRevision"] == rev  # scaling is not a new revision
+    assert {p["metadata"]["name"] for p in c.pods(name)} == {p["metadata"]["name"] for p in before[0].values()}
+    assert [p["index"] for p in topology(c, name)["pairs"]] == [0]
+    assert c.events(name, "RollingOut") == [] and c.events(name, "CoRestart") == []
