@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     from . import handlers  # noqa: F401  (registers the handlers)
 
     kopf.run(clusterwide=not args.namespace, namespaces=args.namespace, standalone=args.standalone,
-             liveness_endpoint=args.liveness)
+             liveness_endpoint=args.liveness or None)
 
 
 if __name__ == "__main__":

@@ -372,3 +372,25 @@ async def test_scaling_adds_and_removes_whole_pairs_without_a_rollout(operator):
     assert {p["metadata"]["name"] for p in c.pods(name)} == {p["metadata"]["name"] for p in before[0].values()}
     assert [p["index"] for p in topology(c, name)["pairs"]] == [0]
     assert c.events(name, "RollingOut") == [] and c.events(name, "CoRestart") == []
+
+
+async def test_python_m_pdoperator_process_reconciles_against_the_emulator(cluster):
+    """The shipped entry point, as a real process: apply, reach Ready, exit cleanly on SIGTERM."""
+    import asyncio
+    import os
+    import signal
+    import sys
+
+    from pdop_harness import KUBECONFIG
+
+    env = dict(os.environ, KUBECONFIG=KUBECONFIG, PDSTACK_OPERATOR_METRICS_PORT="0")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "pdoperator", "--standalone", "--liveness", "",
+                                                env=env, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.STDOUT)
+    try:
+        cluster.apply(manifest("proc", pairs=1))
+        await eventually(lambda: is_ready(cluster, "proc"), timeout=60, what="Ready via python -m pdoperator")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=30)
+    assert proc.returncode == 0, out.decode()[-2000:]
