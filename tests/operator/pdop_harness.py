@@ -7,10 +7,8 @@ default path at import time); each test rewrites it with its own emulator's URL.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import sys
 import tempfile
 import threading
 import time
