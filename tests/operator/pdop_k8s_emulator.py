@@ -114,6 +114,9 @@ def selector_matches(reqs: Iterable[tuple[str, str, set[str]]], labels: dict[str
     return True
 
 
+PODS = R("", "v1", "pods")
+
+
 def _error(status: int, reason: str, message: str) -> KubernetesError:
     return KubernetesError(status=status, reason=reason, message=message, details={})
 
@@ -128,6 +131,7 @@ class PDEmulator(kmock.KubernetesEmulator):
     _log: dict[Any, list[tuple[int, dict[str, Any]]]] = attrs.field(factory=dict, init=False)
     _watchers: dict[Any, list[asyncio.Queue[Any]]] = attrs.field(factory=dict, init=False)
     watch_requests: int = attrs.field(default=0, init=False)
+    pod_grace_s: float = 0.0  # > 0: pods on a node terminate gracefully (deletionTimestamp, then gone)
     event_times: dict[int, float] = attrs.field(factory=dict, init=False)  # resourceVersion -> loop time
     _faults: list[list[Any]] = attrs.field(factory=list, init=False)  # [method, plural, skip, remaining, status]
 
@@ -271,7 +275,8 @@ class PDEmulator(kmock.KubernetesEmulator):
         if key not in self.objects or self.objects[key].deleted:
             raise _error(404, "NotFound", f'{res.plural} "{name}" not found')
         obj = self.objects[key].raw
-        if obj["metadata"].get("finalizers"):
+        graceful = res == PODS and self.pod_grace_s > 0 and obj.get("spec", {}).get("nodeName")
+        if obj["metadata"].get("finalizers") or graceful:
             if not obj["metadata"].get("deletionTimestamp"):
                 new = copy.deepcopy(obj)
                 new["metadata"]["deletionTimestamp"] = _now()
@@ -428,7 +433,6 @@ class PDEmulator(kmock.KubernetesEmulator):
 
 
 # ---------------------------------------------------------------- kubelet / scheduler / controllers
-PODS = R("", "v1", "pods")
 NODES = R("", "v1", "nodes")
 DEPLOYMENTS = R("apps", "v1", "deployments")
 
@@ -487,6 +491,7 @@ class Kubelet:
                 used[node] = used.get(node, 0) + _pod_gpus(p)
         for p in pods:
             if p["metadata"].get("deletionTimestamp"):
+                self._finish_termination(p)
                 continue
             if not p["spec"].get("nodeName"):
                 self._schedule(p, nodes, used)
@@ -503,6 +508,14 @@ class Kubelet:
             if d.get("status") != st:
                 self.api._store(DEPLOYMENTS, d["metadata"]["namespace"], d["metadata"]["name"], {"status": st},
                                 subresource="status")
+
+    def _finish_termination(self, pod: dict[str, Any]) -> None:
+        """Graceful deletion: after the grace period the kubelet confirms and the pod is gone."""
+        meta = pod["metadata"]
+        started = datetime.datetime.fromisoformat(meta["deletionTimestamp"].replace("Z", "+00:00"))
+        age = (datetime.datetime.now(tz=datetime.timezone.utc) - started).total_seconds()
+        if age >= self.api.pod_grace_s and not meta.get("finalizers"):
+            self.api._remove(PODS, meta["namespace"], meta["name"])
 
     def _schedule(self, pod: dict[str, Any], nodes: list[dict[str, Any]], used: dict[str, int]) -> None:
         need = _pod_gpus(pod)

@@ -394,3 +394,28 @@ async def test_python_m_pdoperator_process_reconciles_against_the_emulator(clust
         proc.send_signal(signal.SIGTERM)
         out, _ = await asyncio.wait_for(proc.communicate(), timeout=30)
     assert proc.returncode == 0, out.decode()[-2000:]
+
+
+async def test_graceful_pod_termination_pair_is_recreated_only_after_both_old_pods_are_gone(operator):
+    """As on a real cluster, deleted pods linger (terminating) for a grace period."""
+    c = operator
+    c.api.pod_grace_s = 0.3
+    name = "grace"
+    before = await _ready_pairs(c, name)
+    old1 = {p["metadata"]["name"] for p in before[1].values()}
+    since = c.api._last_rv
+    c.kubelet.restart_container(NS, before[1]["prefill"]["metadata"]["name"])
+    await eventually(lambda: (names := {p["metadata"]["name"] for p in c.pair_pods(name, 1).values()})
+                     and not names & old1 and len(names) == 2, what="pair 1 recreated")
+    await eventually(lambda: is_ready(c, name), what="Ready again")
+    # at no moment did an old pod of pair 1 coexist with a new one
+    live: set[str] = set()
+    for rv, ev in c.api._log[PODS]:
+        meta = ev["object"]["metadata"]
+        if meta["labels"].get("pdstack.io/pair") != "1" or meta["labels"].get("pdstack.io/deployment") != name:
+            continue
+        (live.discard if ev["type"] == "DELETED" else live.add)(meta["name"])
+        if rv > since:
+            assert not (live & old1 and live - old1), f"old and new pods of pair 1 overlap: {live}"
+    assert c.pdd(name)["status"]["pairs"][1]["lastCoRestart"]["reason"] == "ContainerRestart"
+    assert len(c.events(name, "CoRestart")) == 1  # the terminating survivor did not count as a second fault
