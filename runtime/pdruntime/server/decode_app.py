@@ -259,7 +259,9 @@ class DecodeWorker(WorkerBase):
                     async for ev in events():
                         yield sse(ev)
                 except DecodeFailed as exc:
-                    yield sse(error_body(exc.status, exc.reason, type="server_error", code="decode_failed"))
+                    err = error_body(exc.status, exc.reason, type="server_error", code="decode_failed")
+                    err["error"]["status"] = exc.status  # the HTTP status this would have had (200 was already sent)
+                    yield sse(err)
                     return
                 yield SSE_DONE
             return GuardedStream(body(), on_close)

@@ -30,6 +30,9 @@ class EngineRunner:
         self.step_delay_s = 0.0  # test hook: sleep after each step (slows decode so tests can observe it)
         self.steps = 0
         self.last_stats: dict = {}
+        # prefill: pages of each request whose KV just became ready, read on the engine thread in the same
+        # step (saves a command round trip, which would wait behind the next prefill step)
+        self.ready_pages: dict[str, tuple[list[int], int]] = {}
         self._thread = threading.Thread(target=self._run, name="engine-runner", daemon=True)
 
     def start(self) -> None:
@@ -52,6 +55,7 @@ class EngineRunner:
 
     def drop_sink(self, rid: str) -> None:
         self._sinks.pop(rid, None)
+        self.ready_pages.pop(rid, None)
 
     # ---- engine thread -------------------------------------------------------------------
     def _resolve(self, fut: asyncio.Future, ok: bool, value: Any) -> None:
@@ -106,6 +110,9 @@ class EngineRunner:
                 log.exception("engine.step() failed")
                 outputs = []
             self.steps += 1
+            for out in outputs:
+                if out.finish_reason == "prefill_done" and out.request_id in self._sinks:
+                    self.ready_pages[out.request_id] = engine.pages(out.request_id)
             stats = engine.stats()
             self.loop.call_soon_threadsafe(self._dispatch, outputs, stats, int(stats.get("num_running", 0)))
             if self.step_delay_s > 0:

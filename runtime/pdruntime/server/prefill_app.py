@@ -207,7 +207,8 @@ class PrefillWorker(WorkerBase):
             req.in_engine = True
             await self.runner.call(lambda e, r=req: e.add_request(r.rid, r.prompt_ids, r.params, prefill_only=True))
             first = await req.kv_ready
-            blocks, ntok = await self.runner.call(lambda e, rid=req.rid: e.pages(rid))
+            pages = self.runner.ready_pages.pop(req.rid, None)
+            blocks, ntok = pages if pages is not None else await self.runner.call(lambda e, rid=req.rid: e.pages(rid))
             if req.status.state.terminal:
                 return
             req.first_token_id = first

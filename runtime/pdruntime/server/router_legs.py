@@ -112,7 +112,12 @@ class Legs:
                 ev = json.loads(data)
                 if "error" in ev:
                     msg, code = _error_message(ev, "decode failed")
-                    raise LegError(502, msg, leg="decode", retryable=False, code=code)
+                    st = ev["error"].get("status") if isinstance(ev["error"], dict) else None
+                    st = st if isinstance(st, int) else 502
+                    # before the first token a pair failure may be retried elsewhere (Legs.first_event's caller
+                    # decides); a request error (4xx) would fail on every pair
+                    raise LegError(st if 400 <= st < 500 and st != 499 else 502, msg, leg="decode",
+                                   retryable=st >= 500 or st == 499, code=code)
                 return ev
         except httpx.HTTPError as exc:
             raise LegError(502, f"decode stream broke: {type(exc).__name__} {exc}", leg="decode", retryable=False) from None
