@@ -93,16 +93,23 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rot * sin
 
 
+class _Linear(nn.Linear):
+    """nn.Linear without the random init: weights are always loaded from a checkpoint."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class LlamaLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig, dtype: torch.dtype) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
         self.post_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
-        self.qkv = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=False, dtype=dtype)
-        self.o = nn.Linear(cfg.q_size, h, bias=False, dtype=dtype)
-        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
-        self.down = nn.Linear(cfg.intermediate_size, h, bias=False, dtype=dtype)
+        self.qkv = _Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=False, dtype=dtype)
+        self.o = _Linear(cfg.q_size, h, bias=False, dtype=dtype)
+        self.gate_up = _Linear(h, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
+        self.down = _Linear(cfg.intermediate_size, h, bias=False, dtype=dtype)
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -117,7 +124,7 @@ class LlamaModel(nn.Module):
         self.embed = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(LlamaLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = _Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         self.lm_head.weight.requires_grad_(False)
         cos, sin = rope_cos_sin(cfg, cfg.max_position_embeddings)
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)  # [max_pos, D]
