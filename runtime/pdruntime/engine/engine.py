@@ -25,6 +25,14 @@ from .sequence import Sequence, Status
 log = logging.getLogger("pdruntime.engine")
 
 
+def _kernel_config() -> dict[str, Any] | None:
+    try:
+        from pdruntime.kernels.decode_attention import kernel_config
+    except ImportError:
+        return None
+    return kernel_config()
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
@@ -313,6 +321,7 @@ class Engine:
             "dtype": str(self.model.dtype).replace("torch.", ""),
             "weights": self.model.weight_format,
             "attention_backend": self.model.attention_backend,
+            "attention_kernel": _kernel_config(),
             "torch_threads": torch.get_num_threads(),
         }
 
