@@ -97,3 +97,17 @@ def test_query_dtype_may_differ_from_the_cache(paged_case, rel_err):
     out = torch_decode_attention(q.float(), k, v, bt, seq_lens)
     assert out.dtype == torch.float32
     assert rel_err(out, reference_decode_attention(q, k, v, bt, seq_lens)) <= 1e-2
+
+
+def test_inference_mode_and_normal_calls_share_the_workspace(paged_case, rel_err):
+    # The engine's decode step runs under torch.inference_mode(); tests and tools do not.
+    # Gather buffers first allocated in one mode must stay writable in the other.
+    q, k, v, bt, seq_lens = paged_case([100, 37], num_kv_heads=1, group=3, head_dim=64, page=16, seed=14)
+    ref = reference_decode_attention(q, k, v, bt, seq_lens)
+    big = paged_case([3000, 20], num_kv_heads=1, group=3, head_dim=64, page=16, seed=15)
+    with torch.inference_mode():
+        torch_decode_attention(*big)  # grows the buffers inside inference mode
+        assert rel_err(torch_decode_attention(q, k, v, bt, seq_lens), ref) <= 1e-5
+    assert rel_err(torch_decode_attention(q, k, v, bt, seq_lens), ref) <= 1e-5
+    with torch.inference_mode():
+        assert rel_err(torch_decode_attention(q, k, v, bt, seq_lens), ref) <= 1e-5

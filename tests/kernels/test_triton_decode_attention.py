@@ -177,6 +177,27 @@ def test_split_plan_is_built_once_per_step_and_follows_seq_lens(triton_device, p
     assert rel_err(out, reference_decode_attention(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), fresh.cpu())) <= 1e-3
 
 
+def test_split_plan_under_inference_mode_follows_in_place_writes(triton_device, paged_case, rel_err, monkeypatch):
+    # The engine's step runs under torch.inference_mode(): seq_lens is then an inference
+    # tensor without a version counter, and an in-place write must still give a new plan.
+    from pdruntime.kernels import decode_attention as da
+
+    monkeypatch.setattr(da, "_plan_cache", da._PlanCache())
+    cfg = _triton_config(triton_device, num_sms=4)
+    q, k, v, bt, lens = paged_case([300, 70], num_kv_heads=1, group=3, head_dim=64, page=16, seed=22,
+                                   device=triton_device)
+    with torch.inference_mode():
+        step_lens = lens.clone()
+        assert step_lens.is_inference()
+        for _ in range(2):
+            out = decode_attention(q, k, v, bt, step_lens, config=cfg)
+        assert rel_err(out, reference_decode_attention(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), lens.cpu())) <= 1e-3
+        step_lens -= 64  # in place, no version counter to bump
+        out = decode_attention(q, k, v, bt, step_lens, config=cfg)
+    expected = reference_decode_attention(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), (lens - 64).cpu())
+    assert rel_err(out, expected) <= 1e-3
+
+
 def test_custom_sm_scale(triton_device, paged_case, rel_err):
     q, k, v, bt, lens = paged_case([90], num_kv_heads=1, group=1, head_dim=64, page=16, seed=9, device=triton_device)
     ref = reference_decode_attention(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), lens.cpu(), sm_scale=0.3)

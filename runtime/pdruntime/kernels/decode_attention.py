@@ -200,14 +200,24 @@ def _step_plan(seq_lens: torch.Tensor, cfg: KernelConfig, num_kv_heads: int):
     once per step, not once per layer. The entry is keyed on the tensor object (a weak
     reference: a new tensor never matches a dead one) and its version counter, which
     every in-place torch write bumps, so a changed ``seq_lens`` gets a new plan.
+    Inference tensors (the engine's step runs under ``torch.inference_mode()``) have no
+    version counter: for them the cached lengths are compared with a host read instead,
+    which still saves the heuristic and the copy but not the read (one small sync on CUDA).
     """
     from pdruntime.kernels.triton_decode_attention import make_split_plan
 
     cache = _plan_cache
-    key = (seq_lens._version, cfg, num_kv_heads)
+    version = None if seq_lens.is_inference() else seq_lens._version
+    key = (version, cfg, num_kv_heads)
+    lens = None
     if cache.ref is not None and cache.ref() is seq_lens and cache.key == key:
-        return cache.plan
-    lens = seq_lens.tolist()  # the one host read of the step
+        if version is not None:
+            return cache.plan
+        lens = seq_lens.tolist()
+        if tuple(lens) == cache.plan.lens:
+            return cache.plan
+    if lens is None:
+        lens = seq_lens.tolist()  # the one host read of the step
     splits = num_kv_splits(lens, cfg.num_sms, cfg.target_ctas, cfg.max_splits, num_kv_heads=num_kv_heads,
                            block_n=cfg.block_n)
     plan = make_split_plan(lens, splits, cfg.block_n, seq_lens.device)

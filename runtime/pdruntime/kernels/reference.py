@@ -92,7 +92,10 @@ class _Workspace(threading.local):
         key = (name, dtype, device)
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
-            buf = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+            # A normal tensor even when first needed under torch.inference_mode() (the
+            # engine's decode step): an inference tensor could not be written outside it.
+            with torch.inference_mode(False):
+                buf = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
         return buf[:numel]
 
 
