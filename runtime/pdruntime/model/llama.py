@@ -187,10 +187,14 @@ class LlamaModel(nn.Module):
             qlin.set_weight_bias(w, None)
             return qlin
 
-        for layer in self.layers:
-            layer.qkv, layer.o = q(layer.qkv), q(layer.o)
-            layer.gate_up, layer.down = q(layer.gate_up), q(layer.down)
-        self.lm_head = q(self.lm_head)
+        import warnings
+
+        with warnings.catch_warnings():  # torch marks quantised tensor creation deprecated; fbgemm still serves it
+            warnings.simplefilter("ignore", UserWarning)
+            for layer in self.layers:
+                layer.qkv, layer.o = q(layer.qkv), q(layer.o)
+                layer.gate_up, layer.down = q(layer.gate_up), q(layer.down)
+            self.lm_head = q(self.lm_head)
         self.weight_format = "int8-dynamic"
 
     # -- forward -------------------------------------------------------------------------------
