@@ -98,3 +98,29 @@ def test_engine_greedy_equals_hf_generate(tiny, tiny_dir):
     for prompt, out in zip(prompts, outs):
         assert out == hf_greedy(hf, prompt, 24)
     engine.pool.assert_no_leaks()
+
+
+def test_rope_scaling_variants_match_hf(tmp_path):
+    """Llama-3 and linear RoPE frequency scaling from config.json agree with transformers."""
+    import json
+
+    from pdruntime.model import load_model
+    from pdruntime.model.testing import write_tiny_checkpoint
+
+    for scaling in ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 64}, {"rope_type": "linear", "factor": 4.0}):
+        d = write_tiny_checkpoint(str(tmp_path / scaling["rope_type"]), seed=5, num_heads=2, num_kv_heads=1,
+                                  hidden_size=64, rope_theta=500000.0)
+        cfg_path = tmp_path / scaling["rope_type"] / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["rope_scaling"] = scaling
+        cfg_path.write_text(json.dumps(cfg))
+        ours = load_model(d)
+        assert dict(ours.model.config.rope_scaling)["rope_type"] == scaling["rope_type"]
+        hf = hf_reference(d)
+        ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(0))
+        kv = _kv(ours.model)
+        with torch.inference_mode():
+            got = ours.model.prefill(ids, 0, kv.k, kv.v, torch.arange(64), all_logits=True)
+            want = hf(ids[None]).logits[0].float()
+        assert rel_err(got, want) <= TOL, (scaling["rope_type"], rel_err(got, want))
