@@ -204,13 +204,25 @@ def main() -> int:
         # warm-up both paths once
         asyncio.run(run_level(router, decode, model_id, 1, 1, 20, 4, "pd"))
         asyncio.run(run_level(router, decode, model_id, 1, 1, 20, 4, "mono"))
+        def transfer_totals() -> tuple[float, float, float]:
+            m = httpx.get(prefill + "/metrics", timeout=10).text
+            return (metric_sum(m, "pdrt_kv_transfer_seconds_count"), metric_sum(m, "pdrt_kv_transfer_seconds_sum"),
+                    metric_sum(m, "pdrt_kv_transfer_bytes_sum"))
+
         for conc in args.concurrency:
             for mode in ("pd", "mono"):
+                before = transfer_totals()
                 r = asyncio.run(run_level(router, decode, model_id, conc, max(args.requests, conc), args.prompt_words,
                                           args.max_tokens, mode))
+                if mode == "pd":
+                    n, secs, nb = (a - b for a, b in zip(transfer_totals(), before))
+                    r["transfer_ms_mean"] = secs / n * 1000 if n else None
+                    r["transfer_mb_mean"] = nb / n / 1e6 if n else None
                 results["levels"].append(r)
+                xfer = f"  KV transfer {r['transfer_ms_mean']:.0f} ms for {r['transfer_mb_mean']:.1f} MB" \
+                    if r.get("transfer_ms_mean") else ""
                 print(f"  {mode:4s} c={conc}: TTFT p50 {r['ttft_p50_s'] * 1000:8.1f} ms  max {r['ttft_max_s'] * 1000:8.1f} ms"
-                      f"  {r['tokens_per_s']:7.1f} tok/s", flush=True)
+                      f"  {r['tokens_per_s']:7.1f} tok/s{xfer}", flush=True)
         m = httpx.get(prefill + "/metrics", timeout=10).text
         secs, nbytes = metric_sum(m, "pdrt_kv_transfer_seconds_sum"), metric_sum(m, "pdrt_kv_transfer_bytes_sum")
         count = metric_sum(m, "pdrt_kv_transfer_seconds_count")
@@ -225,12 +237,13 @@ def main() -> int:
     results["loopback_transfer"] = asyncio.run(loopback_transfer(mi["layers"], mi["kv_heads"], mi["head_dim"],
                                                                  args.transfer_tokens, 5))
 
-    print("\n| mode | concurrency | requests | TTFT p50 (ms) | TTFT max (ms) | output tok/s |")
-    print("|---|---|---|---|---|---|")
+    print("\n| mode | concurrency | requests | TTFT p50 (ms) | TTFT max (ms) | output tok/s | KV transfer per request |")
+    print("|---|---|---|---|---|---|---|")
     for r in results["levels"]:
         name = "PD via router" if r["mode"] == "pd" else "monolithic"
+        xfer = f"{r['transfer_ms_mean']:.0f} ms, {r['transfer_mb_mean']:.1f} MB" if r.get("transfer_ms_mean") else "-"
         print(f"| {name} | {r['concurrency']} | {r['requests']} | {r['ttft_p50_s'] * 1000:.1f} | "
-              f"{r['ttft_max_s'] * 1000:.1f} | {r['tokens_per_s']:.1f} |")
+              f"{r['ttft_max_s'] * 1000:.1f} | {r['tokens_per_s']:.1f} | {xfer} |")
     lt = results["loopback_transfer"]
     print(f"\nKV transfer on loopback (wire protocol, {mi['layers']} layers x {mi['kv_heads']} KV heads x {mi['head_dim']}"
           f" fp32, {lt['tokens']} tokens = {lt['bytes'] / 1e6:.1f} MB): best {lt['gb_per_s']:.2f} GB/s, "

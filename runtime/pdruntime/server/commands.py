@@ -19,6 +19,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-prefill-tokens", type=int, default=512, help="chunked-prefill chunk, tokens")
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker (shared CPUs: 1)")
 
 
 def register(subparsers: Any) -> None:
@@ -70,7 +71,7 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
     out = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
            "--max-prefill-tokens", str(args.max_prefill_tokens)]
     for flag, v in (("--num-blocks", args.num_blocks), ("--kv-cache-mib", args.kv_cache_mib),
-                    ("--max-model-len", args.max_model_len)):
+                    ("--max-model-len", args.max_model_len), ("--threads", args.threads)):
         if v is not None:
             out += [flag, str(v)]
     return out
@@ -94,6 +95,10 @@ def build_server(args: argparse.Namespace, env=None):
     from pdruntime.engine import Engine
     from pdruntime.model import load_model
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     loaded = load_model(args.model or env.model)
     engine = Engine(loaded, _engine_config(args))
     if args.role == "prefill":
@@ -113,7 +118,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
-    app, _ = build_server(args)
+    try:
+        app, _ = build_server(args)
+    except Exception as exc:  # the router must not import torch just to name ModelLoadError
+        if not isinstance(exc, ValueError) and type(exc).__name__ != "ModelLoadError":
+            raise
+        print(f"pdrt serve --role {args.role}: error: {exc}", file=sys.stderr)
+        return 2
     # keep-alive above the router's client idle expiry (30 s), so a worker never closes a connection
     # the router is about to reuse
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_keep_alive=75)
