@@ -302,17 +302,32 @@ def plan_pairs(
     return Plan(tuple(actions), tuple(states[k] for k in range(pairs)), requeue, unsched)
 
 
+def _pod_gpu_requests(pod: Mapping[str, Any]) -> int:
+    return sum(int((c.get("resources", {}) or {}).get("requests", {}).get(GPU_RESOURCE, 0) or 0)
+               for c in pod.get("spec", {}).get("containers", []) or [])
+
+
 def unschedulable_message(*, requested_gpus: int, pods: Sequence[PodView], nodes: Sequence[Mapping[str, Any]],
-                          node_selector: Mapping[str, str]) -> str:
-    """``Progressing/Unschedulable`` message: GPUs requested vs allocatable on matching nodes."""
+                          node_selector: Mapping[str, str], deployment: str | None = None,
+                          all_pods: Sequence[Mapping[str, Any]] = ()) -> str:
+    """``Progressing/Unschedulable`` message: GPUs requested vs allocatable on matching nodes.
+
+    ``all_pods`` (every pod in the cluster, optional) adds how many of those GPUs other workloads hold.
+    """
     matching = [n for n in nodes
                 if all((n.get("metadata", {}).get("labels", {}) or {}).get(k) == v for k, v in node_selector.items())]
     allocatable = sum(int((n.get("status", {}).get("allocatable", {}) or {}).get(GPU_RESOURCE, 0) or 0)
                       for n in matching)
+    names_on = {n.get("metadata", {}).get("name") for n in matching}
+    others = sum(_pod_gpu_requests(p) for p in all_pods
+                 if p.get("spec", {}).get("nodeName") in names_on
+                 and (p.get("status", {}) or {}).get("phase") not in ("Succeeded", "Failed")
+                 and (p.get("metadata", {}).get("labels", {}) or {}).get("pdstack.io/deployment") != deployment)
     pending_gpus = sum(p.gpus for p in pods)
     names = ", ".join(sorted(p.name for p in pods)[:4]) + (" ..." if len(pods) > 4 else "")
     sched = pods[0].unschedulable if pods else ""
     where = f"on {len(matching)} node(s)" + (f" matching nodeSelector {dict(node_selector)}" if node_selector else "")
+    held = f" ({others} held by other workloads)" if others else ""
     return (f"{len(pods)} worker pod(s) cannot be scheduled ({names}; {pending_gpus} {GPU_RESOURCE} pending): "
             f"the deployment requests {requested_gpus} {GPU_RESOURCE} in total, {allocatable} allocatable "
-            f"{where}. Scheduler: {sched}")
+            f"{where}{held}. Scheduler: {sched}")

@@ -172,8 +172,10 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     unsched = None
     if plan.unschedulable:
         nodes = await kube.list(path("v1", "Node"))
+        everyone = await kube.list(path("v1", "Pod"))  # cluster-wide: GPUs other workloads hold
         unsched = unschedulable_message(requested_gpus=spec.pairs * spec.gpus_per_pair, pods=plan.unschedulable,
-                                        nodes=nodes, node_selector=spec.placement.node_selector)
+                                        nodes=nodes, node_selector=spec.placement.node_selector,
+                                        deployment=name, all_pods=everyone)
 
     topology = [TopologyPair(s.index, s.ready, s.hosts[0], s.hosts[1]) for s in plan.pairs]
     drift_lines: list[str] = []

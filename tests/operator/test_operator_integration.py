@@ -225,6 +225,9 @@ async def test_decode_env_change_rolls_out_pair_by_pair_never_mixing_revisions(o
 async def test_too_few_gpus_reports_unschedulable_with_requested_and_allocatable(operator):
     c = operator
     name = "big"
+    c.kubelet.add_node("cpu-only", 0, {"pdstack.io/gpu": "none"})
+    c.api._create(PODS, NS, {"metadata": {"name": "someone-else"}, "spec": {"nodeName": "gpu-b", "containers": [
+        {"name": "x", "resources": {"requests": {"nvidia.com/gpu": "2"}}}]}})
     c.apply(manifest(name, pairs=2, gpus=8, placement={"nodeSelector": {"pdstack.io/gpu": "h100"}}))
 
     def unschedulable():
@@ -233,13 +236,15 @@ async def test_too_few_gpus_reports_unschedulable_with_requested_and_allocatable
     cond = await eventually(unschedulable, what="Progressing=False/Unschedulable")
     assert cond["status"] == "False"
     msg = cond["message"]
-    assert "requests 32 nvidia.com/gpu in total, 16 allocatable on 2 node(s)" in msg, msg
+    assert ("requests 32 nvidia.com/gpu in total, 16 allocatable on 2 node(s) matching nodeSelector "
+            "{'pdstack.io/gpu': 'h100'} (2 held by other workloads)") in msg, msg
     assert "Insufficient nvidia.com/gpu" in msg
     assert c.pdd(name)["status"]["phase"] == "Pending"
     assert c.events(name, "Unschedulable")
-    # pair 0 fits (8 + 8 on two nodes) and is the only one running
+    # the scheduler placed what fits: one 8-GPU pod on the free node; gpu-b has only 6 free
     running = [p for p in c.pods(name) if p.get("status", {}).get("phase") == "Running"]
-    assert {p["metadata"]["labels"]["pdstack.io/pair"] for p in running} == {"0"}
+    assert len(running) == 1 and running[0]["spec"]["nodeName"] == "gpu-a"
+    assert all(p["spec"].get("nodeName") != "cpu-only" for p in c.pods(name))
 
 
 async def test_invalid_spec_reason_appears_in_a_condition_and_recovers_when_fixed(operator):

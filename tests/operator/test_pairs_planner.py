@@ -176,5 +176,15 @@ def test_unschedulable_message_has_requested_and_allocatable_gpus():
     assert msg.startswith("2 worker pod(s) cannot be scheduled (d-1-decode-r1, d-1-prefill-r1; 16 nvidia.com/gpu pending)")
     assert "the deployment requests 32 nvidia.com/gpu in total, 16 allocatable on 2 node(s) matching nodeSelector" in msg
     assert msg.endswith("Scheduler: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")
+    nodes[0]["metadata"]["name"], nodes[1]["metadata"]["name"] = "n0", "n1"
+
+    def raw(node, gpus, deployment=None, phase="Running"):
+        return {"metadata": {"labels": {"pdstack.io/deployment": deployment} if deployment else {}},
+                "spec": {"nodeName": node, "containers": [{"resources": {"requests": {"nvidia.com/gpu": str(gpus)}}}]},
+                "status": {"phase": phase}}
+    everyone = [raw("n0", 6), raw("n1", 8, deployment="d"), raw("n1", 2, phase="Failed"), raw("elsewhere", 4)]
+    msg = unschedulable_message(requested_gpus=16, pods=pending, nodes=nodes, node_selector={"gpu": "h100"},
+                                deployment="d", all_pods=everyone)
+    assert "16 allocatable on 2 node(s) matching nodeSelector {'gpu': 'h100'} (6 held by other workloads)." in msg
     p = plan(pending + healthy(1))
     assert p.pairs[1].phase == "Unschedulable" and {v.name for v in p.unschedulable} == {v.name for v in pending}
