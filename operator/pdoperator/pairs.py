@@ -240,18 +240,18 @@ def plan_pairs(
             states[k] = PairState(k, None, False, "CoRestarting", new_mem)
             requeue = _min(requeue, max(policy.backoff(streak), 0.05))
             continue
-        if trig and policy.policy == "Never":
-            # opt-out: replace only what is broken, one side at a time (documented as unsafe)
-            reason, _ = trig
+        if trig and policy.policy == "Never" and live:
+            # opt-out: replace only what is broken or missing, one side at a time (documented as unsafe);
+            # container restarts are left to the kubelet
             broken = tuple(p.name for p in live if p.evicted or p.phase == "Failed")
+            missing = tuple(r for r in ROLES if r not in seen)
             if broken:
                 actions.append(DeletePods(k, broken, FAILED))
-            missing = tuple(r for r in ROLES if r not in seen)
             if missing:
-                rev = next(iter(seen.values())).revision if seen else desired_revision
-                actions.append(CreatePods(k, rev, missing))
-            states[k] = PairState(k, None, False, "Starting", replace(mem, ready_since=None), hosts=hosts)
-            continue
+                actions.append(CreatePods(k, live[0].revision, missing))
+            if broken or missing:
+                states[k] = PairState(k, None, False, "Starting", replace(mem, ready_since=None), hosts=hosts)
+                continue
 
         if not live:
             if all_pods:  # our deletions still draining

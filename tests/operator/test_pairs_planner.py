@@ -110,6 +110,13 @@ def test_planner_actions(pods, memory, kwargs, expected):
     assert kinds(plan(pods, memory, **kwargs)) == expected
 
 
+def test_policy_never_keeps_a_restarted_but_ready_pair_ready():
+    p = plan(swap(H, 1, "decode", restarts=3), policy=NEVER)
+    assert p.actions == () and [s.phase for s in p.pairs] == ["Ready", "Ready"]
+    evicted = plan(swap(H, 1, "decode", phase="Failed", evicted=True, ready=False), policy=NEVER)
+    assert kinds(evicted) == [DeletePods(1, ("d-1-decode-r1",), "Failed")]
+
+
 def test_co_restart_records_memory_and_requeues_after_backoff():
     p = plan(swap(H, 1, "decode", restarts=1), {1: PairMemory(restarts=2, streak=2, ready_since=NOW - 5)})
     s = p.pairs[1]
