@@ -132,6 +132,14 @@ def test_fp16_cache(triton_device, paged_case, rel_err):
     assert rel_err(out, ref) <= 1e-2  # fp16 output rounding (2^-11) plus fp16 probabilities in P @ V
 
 
+def test_fp32_query_over_fp16_cache(triton_device, paged_case, rel_err):
+    q, k, v, bt, lens = paged_case([40, 130], num_kv_heads=1, group=3, head_dim=64, page=16, dtype=torch.float16,
+                                   seed=23, device=triton_device)
+    ref = reference_decode_attention(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), lens.cpu())
+    out = _run_poisoned(triton_device, q.float(), k, v, bt, lens, [1, 2])
+    assert out.dtype == torch.float32 and rel_err(out, ref) <= 1e-2
+
+
 def test_public_entry_point_dispatches_to_triton(triton_device, paged_case, rel_err, monkeypatch):
     from pdruntime.kernels import triton_decode_attention as module
 

@@ -17,13 +17,14 @@ import sys
 
 import pytest
 
-# (dtype, group, head_dim, direct, arch): each dtype, GQA ratio 1/3/8, both head dims,
-# both stage-1 modes and three architectures appear at least once.
+# (cache dtype, group, head_dim, direct, arch, query dtype): each dtype, GQA ratio 1/3/8,
+# both head dims, both stage-1 modes, three architectures and a query dtype that differs
+# from the cache's appear at least once.
 TARGETS = [
-    ("float16", 8, 128, False, 90),
-    ("bfloat16", 3, 64, True, 80),
-    ("float32", 1, 128, False, 90),
-    ("float16", 3, 64, False, 100),
+    ("float16", 8, 128, False, 90, "float16"),
+    ("bfloat16", 3, 64, True, 80, "bfloat16"),
+    ("float32", 1, 128, False, 90, "float32"),
+    ("float16", 3, 64, False, 100, "float32"),
 ]
 # Smallest shared memory per block among the targets (sm_80: 163 KiB opt-in, 48 KiB default).
 SHARED_LIMIT = 163 * 1024
@@ -32,8 +33,9 @@ SCRIPT = """
 import json, sys, torch
 from pdruntime.kernels.triton_decode_attention import compile_for_target
 out = []
-for dtype, group, head_dim, direct, arch in json.loads(sys.argv[1]):
-    info = compile_for_target(getattr(torch, dtype), group=group, head_dim=head_dim, direct=direct, arch=arch)
+for dtype, group, head_dim, direct, arch, q_dtype in json.loads(sys.argv[1]):
+    info = compile_for_target(getattr(torch, dtype), group=group, head_dim=head_dim, direct=direct, arch=arch,
+                              q_dtype=getattr(torch, q_dtype))
     out.append(info)
 print("RESULT " + json.dumps(out))
 """

@@ -77,6 +77,7 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + offs_g  # query heads of this KV head
     q_ptrs = Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    q = q.to(K_cache.dtype.element_ty)  # tl.dot wants one dtype; the cache's wins
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)  # running sum of exp2
@@ -175,7 +176,7 @@ _TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "
 
 
 def compile_for_target(dtype: torch.dtype, *, group: int, head_dim: int, page: int = 16, block_n: int = BLOCK_N,
-                       direct: bool = False, arch: int = 90) -> dict[str, int]:
+                       direct: bool = False, arch: int = 90, q_dtype: torch.dtype | None = None) -> dict[str, int]:
     """Ahead-of-time compile of both kernels to a cubin for ``sm_<arch>``, without a GPU.
 
     Catches what the CPU interpreter cannot (typing, layouts, shared memory, ptxas) on
@@ -187,7 +188,8 @@ def compile_for_target(dtype: torch.dtype, *, group: int, head_dim: int, page: i
 
     elem = _TRITON_TYPES[dtype]
     target = GPUTarget("cuda", arch, 32)
-    pointers = {"Q": elem, "K_cache": elem, "V_cache": elem, "Out": elem, "Out_partial": "fp32",
+    q_elem = _TRITON_TYPES[q_dtype or dtype]
+    pointers = {"Q": q_elem, "K_cache": elem, "V_cache": elem, "Out": q_elem, "Out_partial": "fp32",
                 "Lse_partial": "fp32", "sm_scale_log2": "fp32"}
 
     def build(kernel, constexprs, options):
@@ -311,7 +313,7 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and block_table.stride(-1) == 1, \
         "the head dim of q/k/v and the block axis of block_table must be contiguous"
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"q dtype {q.dtype} not supported"
-    assert k_cache.dtype == q.dtype, f"cache dtype {k_cache.dtype} != q dtype {q.dtype}"
+    assert k_cache.dtype in (torch.float16, torch.bfloat16, torch.float32), f"cache dtype {k_cache.dtype} not supported"
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1, "out must be like q"
