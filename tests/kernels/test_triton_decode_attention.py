@@ -206,6 +206,33 @@ def test_split_plan_under_inference_mode_follows_in_place_writes(triton_device, 
     assert rel_err(out, expected) <= 1e-3
 
 
+def test_grids_group_query_heads_and_skip_the_merge_when_unsplit(triton_device, paged_case, monkeypatch):
+    # GQA grouping: stage 1 runs one CTA per (work item, KV head), each loading its K/V
+    # tile once for all G query heads, not one CTA per query head. Stage 2 runs only
+    # when some sequence is split.
+    from pdruntime.kernels import triton_decode_attention as module
+
+    grids = []
+    real = module._launchable
+
+    class Recorder:
+        def __init__(self, kernel, device):
+            self.name, self.launcher = kernel.fn.__name__, real(kernel, device)
+
+        def __getitem__(self, grid):
+            grids.append((self.name, tuple(grid)))
+            return self.launcher[grid]
+
+    monkeypatch.setattr(module, "_launchable", Recorder)
+    q, k, v, bt, lens = paged_case([300, 10, 129], num_kv_heads=2, group=8, head_dim=64, page=16, seed=24,
+                                   device=triton_device)
+    _run_poisoned(triton_device, q, k, v, bt, lens, [5, 1, 3])  # 300 tokens = 5 tiles; 129 = 3 tiles
+    assert grids == [("_decode_split_kernel", (5 + 1 + 3, 2)), ("_decode_merge_kernel", (3, 16))]
+    grids.clear()
+    _run_poisoned(triton_device, q, k, v, bt, lens, [1, 1, 1])
+    assert grids == [("_decode_split_kernel", (3, 2))]
+
+
 def test_custom_sm_scale(triton_device, paged_case, rel_err):
     q, k, v, bt, lens = paged_case([90], num_kv_heads=1, group=1, head_dim=64, page=16, seed=9, device=triton_device)
     ref = reference_decode_attention(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), lens.cpu(), sm_scale=0.3)
