@@ -1,0 +1,1 @@
+"""pdstack operator: reconciles PDDeployments into prefill/decode pairs (see docs/operator.md)."""
