@@ -86,11 +86,11 @@ def rope_cos_sin(cfg: LlamaConfig, max_pos: int, device=None) -> tuple[torch.Ten
     return emb.cos(), emb.sin()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos/sin: [T, 1, D] -> RoPE(x) (rotate-half)."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin_signed: [T, 1, D] -> RoPE(x), rotate-half convention.
+
+    rotate_half(x) * sin == roll(x, D/2) * sin_signed with sin_signed = [-sin[:D/2], sin[D/2:]]."""
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin_signed)
 
 
 class _Linear(nn.Linear):
@@ -128,7 +128,9 @@ class LlamaModel(nn.Module):
         self.lm_head.weight.requires_grad_(False)
         cos, sin = rope_cos_sin(cfg, cfg.max_position_embeddings)
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)  # [max_pos, D]
-        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+        half = cfg.head_dim // 2
+        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.register_buffer("rope_sin", sin_signed.to(dtype), persistent=False)  # [max_pos, D], sign-folded
         self.decode_attention: DecodeAttention = _torch_decode_attention
         self.attention_backend = "torch-fallback(engine)"
         self.weight_format = str(dtype).replace("torch.", "")
@@ -204,14 +206,14 @@ class LlamaModel(nn.Module):
         return layer.down(F.silu(g) * u)
 
     def _qkv(self, layer: LlamaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x: [T, H] -> q [T, Hq, D], k/v [T, Hkv, D] with RoPE applied to q and k."""
+        """x: [T, H] -> q [T, Hq, D], k/v [T, Hkv, D] with RoPE applied to q and k (in one op chain)."""
         cfg = self.config
         qkv = layer.qkv(F.rms_norm(x, (x.shape[-1],), layer.input_norm, cfg.rms_norm_eps))
-        q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
         t = x.shape[0]
-        q = _rotate(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = _rotate(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        return q, k, v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        qk = _rotate(qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
+                     cos, sin)
+        q, k = qk.split((cfg.num_heads, cfg.num_kv_heads), dim=1)
+        return q, k, qkv[:, cfg.q_size + cfg.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> fp32 logits [N, V]."""
