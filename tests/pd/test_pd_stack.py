@@ -77,6 +77,11 @@ def test_non_streamed_completions_and_models(stack, model_id):
                    timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
     assert r.json()["usage"]["completion_tokens"] == 4
+    # the model's path (or its file/dir name) is accepted as an alias of its id
+    path = httpx.get(stack.decode.url + "/get_model_info", timeout=10).json()["model_path"]
+    r = httpx.post(stack.router.url + "/v1/chat/completions", json=chat_body(os.path.basename(path), max_tokens=2),
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == model_id
     assert_idle(stack)
 
 

@@ -135,6 +135,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from pdruntime.server.supervisor import LocalStack
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # health polls
     if args.model is None:
         from pdruntime.model import default_model_path
 

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -146,7 +147,9 @@ class Router:
         if model in self.models:
             return model
         for name, info in self.models.items():
-            if model == info.get("model_path"):
+            path = str(info.get("model_path") or "")
+            base = os.path.basename(path.rstrip("/"))
+            if model in (path, base, os.path.splitext(base)[0]):  # aliases: the path, the file name, its stem
                 return name
         raise ApiError(404, f"model {model!r} does not exist here; accepted: {', '.join(sorted(self.models))}",
                        param="model", code="model_not_found")
