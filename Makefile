@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup run test test-slow test-all bench lint clean
+.PHONY: setup run test test-slow test-all bench bench-gpu lint clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,11 @@ test-all: setup
 
 bench: setup
 	$(PY) bench/decode_cpu.py
+	$(PY) bench/pd_local.py
+
+# GPU hosts: decode-attention bandwidth vs device copy bandwidth (< 5 min); exits cleanly without CUDA
+bench-gpu: setup
+	$(PY) bench/decode_attention_gpu.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
