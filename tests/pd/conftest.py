@@ -1,171 +1,25 @@
-"""Fixtures that start real pdrt processes on loopback with a tiny random model.
+"""Fixtures for tests/pd: the tiny random model and the shared stack (router + one PD pair, session-scoped).
 
-The shared stack (router + one PD pair) is session-scoped: tests that do not kill processes share it.
-Tests that kill workers start their own pair and router. Watchdog timeouts are short via PDRT_* env, and
-PDRT_TEST_HOOKS=1 enables the workers' test-only POST /debug/test (advance the watchdog clock, slow
-engine steps, stall transfers).
+Helpers live in ``pd_harness`` (a unique module name: other test dirs have their own conftest.py).
 """
 
 from __future__ import annotations
 
 import os
-import re
-import signal
-import socket
-import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
 
 import httpx
 import pytest
 
+from pdruntime.model.testing import write_tiny_checkpoint
+
 sys.path.insert(0, os.path.dirname(__file__))
-from _tiny import write_tiny  # noqa: E402
-
-KV_TOKEN = "pd-test-token"
-TIMEOUTS = {  # seconds; short so failures show quickly, long enough for a loaded 2-core machine
-    "PDRT_BOOTSTRAP_TIMEOUT_S": "4",
-    "PDRT_TRANSFER_TIMEOUT_S": "3",
-    "PDRT_DECODE_TRANSFER_TIMEOUT_S": "6",
-    "PDRT_WATCHDOG_TICK_S": "0.1",
-}
-WORKER_FLAGS = ["--num-blocks", "1024", "--block-size", "16", "--max-num-seqs", "64"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def base_env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDRT_")}
-    env.update(TIMEOUTS)
-    env.update({"PDRT_TEST_HOOKS": "1", "PDRT_KV_AUTH_TOKEN": KV_TOKEN, "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1"})
-    env.update(extra)
-    return env
-
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    log: str
-    url: str
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGKILL)
-            self.popen.wait(10)
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def log_text(self) -> str:
-        with open(self.log, errors="replace") as fh:
-            return fh.read()
-
-
-def spawn(name: str, args: list[str], env: dict, log_dir: str, port: int) -> Proc:
-    log = os.path.join(log_dir, f"{name}.log")
-    fh = open(log, "wb")
-    p = subprocess.Popen([sys.executable, "-m", "pdruntime.server", "serve", *args], env=env, stdout=fh,
-                         stderr=subprocess.STDOUT)
-    return Proc(name, p, log, f"http://127.0.0.1:{port}")
-
-
-def wait_healthy(procs: list[Proc], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    pending = list(procs)
-    while pending:
-        for p in list(pending):
-            if p.popen.poll() is not None:
-                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{p.log_text()[-3000:]}")
-            try:
-                if httpx.get(p.url + "/health", timeout=2).status_code == 200:
-                    pending.remove(p)
-            except httpx.HTTPError:
-                pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"not healthy after {timeout}s: {[p.name for p in pending]}")
-        time.sleep(0.2)
-
-
-@dataclass
-class Stack:
-    router: Proc
-    prefill: Proc
-    decode: Proc
-    bootstrap_port: int
-    model: str
-    procs: list[Proc] = field(default_factory=list)
-
-    def stop(self) -> None:
-        for p in self.procs:
-            p.stop()
-
-    def metric(self, proc: Proc, name: str, labels: dict | None = None) -> float:
-        """Sum of the samples of ``name`` whose labels include ``labels``."""
-        text = httpx.get(proc.url + "/metrics", timeout=10).text
-        total = 0.0
-        for line in text.splitlines():
-            if not line.startswith(name + "{") and not line.startswith(name + " "):
-                continue
-            m = re.match(r"^([a-zA-Z_:]+)(\{(.*)\})? (\S+)$", line)
-            if not m or m.group(1) != name:
-                continue
-            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
-            if all(got.get(k) == v for k, v in (labels or {}).items()):
-                total += float(m.group(4))
-        return total
-
-    def debug(self, proc: Proc) -> dict:
-        return httpx.get(proc.url + "/debug/requests", timeout=10).json()
-
-    def hooks(self, proc: Proc, **kw) -> dict:
-        r = httpx.post(proc.url + "/debug/test", json=kw, timeout=10)
-        r.raise_for_status()
-        return r.json()
-
-    def wait_idle(self, timeout: float = 20.0) -> tuple[dict, dict]:
-        """Wait until neither worker has a live request and both pools are fully free."""
-        deadline = time.monotonic() + timeout
-        while True:
-            p, d = self.debug(self.prefill), self.debug(self.decode)
-            idle = all(x["live"] == 0 and x["pool"]["free"] == x["pool"]["total"] for x in (p, d))
-            if idle or time.monotonic() > deadline:
-                return p, d
-            time.sleep(0.1)
-
-
-def start_stack(tmp_dir: str, model: str, *, env_extra: dict | None = None, router_flags: list[str] = ()) -> Stack:
-    env = base_env(**(env_extra or {}))
-    pp, dp, bp, rp = free_port(), free_port(), free_port(), free_port()
-    prefill = spawn("prefill", ["--role", "prefill", "--port", str(pp), "--bootstrap-port", str(bp), "--model", model,
-                                *WORKER_FLAGS], env, tmp_dir, pp)
-    decode = spawn("decode", ["--role", "decode", "--port", str(dp), "--model", model, *WORKER_FLAGS], env, tmp_dir, dp)
-    router = spawn("router", ["--role", "router", "--port", str(rp), "--prefill", f"http://127.0.0.1:{pp}",
-                              "--decode", f"http://127.0.0.1:{dp}", "--bootstrap-ports", str(bp), *router_flags],
-                   env, tmp_dir, rp)
-    stack = Stack(router, prefill, decode, bp, model, [router, prefill, decode])
-    try:
-        wait_healthy([prefill, decode, router])
-    except BaseException:
-        stack.stop()
-        raise
-    return stack
+from pd_harness import start_stack  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    return write_tiny(str(tmp_path_factory.mktemp("tiny-model")))
+    return str(write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-model"))))
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from conftest import base_env, free_port, start_stack
+from pd_harness import base_env, free_port, start_stack
 
 pytestmark = pytest.mark.timeout(150)
 
