@@ -38,6 +38,18 @@ class DecodeFailed(Exception):
         self.status = status
 
 
+class EarlyToken:
+    """The first token, streamed as soon as decode holds the KV (see DecodeWorker._early_first_token)."""
+
+    early = True
+    finished = False
+    finish_reason = None
+
+    def __init__(self, token_id: int, text: str) -> None:
+        self.new_token_ids = [token_id]
+        self.text_delta = text
+
+
 class DecodeWorker(WorkerBase):
     role = "decode"
 
@@ -162,6 +174,9 @@ class DecodeWorker(WorkerBase):
             self.metrics.transfer_seconds.labels(self.role).observe(self.clock.now() - t0)
             self.metrics.transfer_bytes.labels(self.role).observe(nbytes)
             self.runner.set_sink(req.rid, lambda out, r=req: self._on_output(r, out))
+            early = self._early_first_token(req, header.first_token_id)
+            if early is not None:  # queued before the engine can report anything for this request
+                req.outputs.put_nowait(early)
             await self.runner.call(lambda e, r=req, f=header.first_token_id: e.add_prefilled(r.rid, r.prompt_ids, f, r.params))
             req.in_engine = True
             self.queues.move(req.rid, "running")
@@ -182,6 +197,18 @@ class DecodeWorker(WorkerBase):
             else:
                 log.exception("decode transfer of rid=%s crashed", req.rid)
                 self._fail(req, f"internal error: {type(exc).__name__}: {exc}", status=500)
+
+    def _early_first_token(self, req: DecodeRequest, first: int) -> "EarlyToken | None":
+        """The token prefill sampled, to stream now instead of with the engine's next step (which reports it
+        together with the second token). Only where its text cannot change with what follows: no stop
+        strings, not EOS, not the last token, a complete UTF-8 character."""
+        p = req.params
+        if p.stop or p.max_tokens <= 1 or (first in self.loaded.tokenizer.eos_token_ids and not p.ignore_eos):
+            return None
+        text = self.loaded.tokenizer.decode([first])
+        if "\ufffd" in text:
+            return None
+        return EarlyToken(first, text)
 
     async def _monolithic(self, req: DecodeRequest) -> None:
         try:
@@ -224,10 +251,16 @@ class DecodeWorker(WorkerBase):
         async def events() -> AsyncIterator[dict]:
             text = ""
             last = None
+            early: EarlyToken | None = None
             while True:
                 item = await req.outputs.get()
                 if isinstance(item, DecodeFailed):
                     raise item
+                if early is not None:  # the engine's first report repeats the early token: drop it once
+                    item = _without_early(item, early)
+                    early = None
+                elif isinstance(item, EarlyToken):
+                    early = item
                 ts = time.monotonic()
                 if item.new_token_ids:
                     if last is None:
@@ -281,3 +314,23 @@ class DecodeWorker(WorkerBase):
 
     def add_routes(self, app: FastAPI) -> None:
         app.post("/generate")(self.generate)
+
+
+class _Trimmed:
+    __slots__ = ("new_token_ids", "text_delta", "finished", "finish_reason")
+
+    def __init__(self, ids: list[int], text: str, finished: bool, reason: Any) -> None:
+        self.new_token_ids, self.text_delta, self.finished, self.finish_reason = ids, text, finished, reason
+
+
+def _without_early(out: Any, early: EarlyToken) -> Any:
+    """``out`` minus the already-streamed first token (its id and its text prefix)."""
+    ids = list(out.new_token_ids)
+    if not ids or ids[0] != early.new_token_ids[0]:
+        return out  # aborted or otherwise not the expected report: pass through unchanged
+    text = out.text_delta
+    if text.startswith(early.text_delta):
+        text = text[len(early.text_delta):]
+    else:
+        log.warning("first-token text %r is not a prefix of the engine's %r; streaming both", early.text_delta, text)
+    return _Trimmed(ids[1:], text, out.finished, out.finish_reason)
