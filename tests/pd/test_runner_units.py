@@ -125,3 +125,23 @@ def test_decode_admission_gives_up_with_503_after_the_transfer_timeout():
         assert e.value.status == 503 and "full" in e.value.reason
 
     asyncio.run(main())
+
+
+def test_early_first_token_is_streamed_once_and_only_when_its_text_is_final():
+    from pdruntime.engine import SamplingParams
+    from pdruntime.server.decode_app import EarlyToken, _without_early
+
+    w = _decode_worker()
+    w.loaded.tokenizer = SimpleNamespace(eos_token_ids=frozenset({0}), decode=lambda ids: {0: "", 5: "Hel", 6: "\ufffd"}[ids[0]])
+    req = lambda **kw: SimpleNamespace(params=SamplingParams(max_tokens=8, **kw))
+    assert w._early_first_token(req(), 5).text_delta == "Hel"
+    assert w._early_first_token(req(stop=("x",)), 5) is None  # a stop string may cut it
+    assert w._early_first_token(SimpleNamespace(params=SamplingParams(max_tokens=1)), 5) is None  # last token
+    assert w._early_first_token(req(), 0) is None  # EOS
+    assert w._early_first_token(req(ignore_eos=True), 0) is not None
+    assert w._early_first_token(req(), 6) is None  # incomplete UTF-8
+    early = EarlyToken(5, "Hel")
+    out = _without_early(StepOutput("r", [5, 9], "Hello", False, None), early)
+    assert out.new_token_ids == [9] and out.text_delta == "lo" and not out.finished
+    aborted = StepOutput("r", [], "", True, "abort")
+    assert _without_early(aborted, early) is aborted
