@@ -88,3 +88,19 @@ def test_max_tokens_is_exact_and_reports_length(make_engine, tiny):
     engine.add_request("m", tiny.tokenizer.encode("0"), SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))
     _, toks, reason = _stream(engine, "m")
     assert len(toks) == 7 and reason == "length"
+
+
+def test_incremental_detokenisation_keeps_multibyte_characters_whole(make_engine, tiny):
+    from pdruntime.engine.sequence import Sequence
+
+    engine = make_engine()
+    tok = tiny.tokenizer
+    ids = tok.encode("héllo 世界 🙂 naïve café — done")
+    assert len(ids) > 20  # byte-level: the non-ASCII characters span several tokens
+    seq = Sequence("x", [1], SamplingParams(max_tokens=100))
+    for t in ids:
+        seq.output_ids.append(t)
+        engine._detokenize(seq, flush=False)
+        assert "\ufffd" not in seq.text
+    engine._detokenize(seq, flush=True)
+    assert seq.text == tok.decode(ids) == "héllo 世界 🙂 naïve café — done"

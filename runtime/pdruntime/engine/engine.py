@@ -242,20 +242,32 @@ class Engine:
         self.num_generated_tokens += 1
         p = seq.params
         if tok in self._eos and not p.ignore_eos:
-            seq.finish_reason = "stop"
-            body = seq.output_ids[:-1]
+            seq.finish_reason = "stop"  # the EOS token itself adds no text
         else:
-            body = seq.output_ids
-        text = self.tokenizer.decode(body)
-        if p.stop:
-            horizon = max(0, len(seq.text) - max(len(s) for s in p.stop))
-            hits = [i for i in (text.find(s, horizon) for s in p.stop) if i >= 0]
-            if hits:
-                text = text[: min(hits)]
-                seq.finish_reason = "stop"
-        seq.text = text
+            self._detokenize(seq, flush=len(seq.output_ids) >= p.max_tokens)
         if seq.finish_reason is None and len(seq.output_ids) >= p.max_tokens:
             seq.finish_reason = "length"
+
+    def _detokenize(self, seq: Sequence, *, flush: bool) -> None:
+        """Extend seq.text by the new token(s), decoding only a short window (O(1) per token).
+
+        The window starts at the previous emission point so multi-byte characters split across tokens
+        decode whole; text ending in an incomplete character waits for the next token unless `flush`."""
+        ids = seq.output_ids
+        prefix = self.tokenizer.decode(ids[seq.detok_prefix: seq.detok_read])
+        full = self.tokenizer.decode(ids[seq.detok_prefix:])
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not flush):
+            return
+        start = len(seq.text)
+        seq.text += full[len(prefix):]
+        seq.detok_prefix, seq.detok_read = seq.detok_read, len(ids)
+        if seq.params.stop:
+            longest = max(len(s) for s in seq.params.stop)
+            horizon = max(0, start - longest + 1)
+            hits = [i for i in (seq.text.find(s, horizon) for s in seq.params.stop) if i >= 0]
+            if hits:
+                seq.text = seq.text[: min(hits)]
+                seq.finish_reason = "stop"
 
     def _emit(self, seq: Sequence, tok: int) -> StepOutput:
         self._append_token(seq, tok)

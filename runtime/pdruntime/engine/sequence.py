@@ -33,6 +33,8 @@ class Sequence:
     num_emitted: int = 0  # output tokens already reported in a StepOutput
     text: str = ""  # detokenised output (EOS excluded, cut at a stop string)
     text_emitted: int = 0  # chars of `text` already reported
+    detok_prefix: int = 0  # output index where the incremental-detokenisation window starts
+    detok_read: int = 0  # output tokens already turned into `text`
     finish_reason: str | None = None
     generator: torch.Generator | None = None
 
