@@ -28,12 +28,16 @@ PROMPTS = [
 ]
 
 
-def bench_ours(path: str, weights: str, prompts: list[list[int]], max_tokens: int) -> float:
-    from pdruntime.engine import Engine, EngineConfig, SamplingParams
+def make_engine(path: str, weights: str, max_seqs: int):
+    from pdruntime.engine import Engine, EngineConfig
     from pdruntime.model import load_model
 
-    loaded = load_model(path, weights=weights)
-    engine = Engine(loaded, EngineConfig(max_num_seqs=len(prompts), kv_cache_mib=256))
+    return Engine(load_model(path, weights=weights), EngineConfig(max_num_seqs=max_seqs, kv_cache_mib=256))
+
+
+def bench_ours(engine, prompts: list[list[int]], max_tokens: int) -> float:
+    from pdruntime.engine import SamplingParams
+
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     t0 = time.perf_counter()
@@ -69,6 +73,8 @@ def main() -> None:
     ap.add_argument("--weights", nargs="+", default=["fp32", "int8"], choices=["fp32", "int8"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--model", default=None, help="GGUF path (default: embedded SmolLM2)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="interleaved rounds per system; the best round counts (damps noise from other load)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -87,15 +93,19 @@ def main() -> None:
         load = (float("nan"),) * 3
     print(f"model: {os.path.basename(path)} | torch {torch.__version__} | threads {torch.get_num_threads()} | "
           f"{platform.processor() or platform.machine()} | {os.cpu_count()} CPUs | load avg at start "
-          f"{load[0]:.2f} | {args.max_tokens} new tokens per sequence, greedy\n")
+          f"{load[0]:.2f} | {args.max_tokens} new tokens per sequence, greedy | best of {args.repeat}\n")
+    engines = {w: make_engine(path, w, max(args.batch)) for w in args.weights}
     rows = []
     for b in args.batch:
         prompts = [all_prompts[i % len(all_prompts)] for i in range(b)]
-        base = bench_hf(hf, prompts, args.max_tokens, pad_id=2)
-        rows.append((b, "transformers generate (fp32)", base, 1.0))
+        best: dict[str, float] = {}
+        for _ in range(args.repeat):  # interleaved, so slow phases of background load hit every system
+            best["hf"] = max(best.get("hf", 0.0), bench_hf(hf, prompts, args.max_tokens, pad_id=2))
+            for w, engine in engines.items():
+                best[w] = max(best.get(w, 0.0), bench_ours(engine, prompts, args.max_tokens))
+        rows.append((b, "transformers generate (fp32)", best["hf"], 1.0))
         for w in args.weights:
-            tps = bench_ours(path, w, prompts, args.max_tokens)
-            rows.append((b, f"pdstack engine ({w})", tps, tps / base))
+            rows.append((b, f"pdstack engine ({w})", best[w], best[w] / best["hf"]))
     print("| sequences | system | tokens/s | vs transformers |")
     print("|---:|---|---:|---:|")
     for b, name, tps, ratio in rows:
