@@ -124,3 +124,24 @@ def test_rope_scaling_variants_match_hf(tmp_path):
             got = ours.model.prefill(ids, 0, kv.k, kv.v, torch.arange(64), all_logits=True)
             want = hf(ids[None]).logits[0].float()
         assert rel_err(got, want) <= TOL, (scaling["rope_type"], rel_err(got, want))
+
+
+def test_batched_prefill_of_several_sequences_matches_hf(tiny, tiny_dir):
+    """Chunks of three sequences (one continuing from cached pages) in one forward equal HF per sequence."""
+    from pdruntime.model.llama import PrefillChunk
+
+    hf = hf_reference(tiny_dir)
+    model = tiny.model
+    gen = torch.Generator().manual_seed(4)
+    kv = _kv(model, 64, 4)
+    pages = torch.randperm(64, generator=gen).split(16)
+    seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in (11, 1, 23)]
+    with torch.inference_mode():
+        model.prefill(seqs[2][:9], 0, kv.k, kv.v, pages[2])  # earlier chunk of sequence 2
+        got = model.prefill_batch([PrefillChunk(seqs[0], 0, pages[0]), PrefillChunk(seqs[1], 0, pages[1]),
+                                   PrefillChunk(seqs[2][9:], 9, pages[2])], kv.k, kv.v, all_logits=True)
+        for i, s in enumerate(seqs):
+            want = hf(s[None]).logits[0].float()
+            if i == 2:
+                want = want[9:]
+            assert rel_err(got[i], want) <= TOL, (i, rel_err(got[i], want))

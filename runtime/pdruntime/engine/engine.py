@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..model import LoadedModel
+from ..model.llama import PrefillChunk
 from .block_pool import BlockPool
 from .config import EngineConfig, InvalidRequest, OutOfBlocks, SamplingParams, StepOutput
 from .kv_cache import KVCache
@@ -195,8 +196,8 @@ class Engine:
             log.info("preempted %s (KV pages exhausted); it will be recomputed", seq.request_id)
         if plan.decode:
             outputs.extend(self._run_decode(plan.decode))
-        for seq, start, end in plan.prefill:
-            outputs.extend(self._run_prefill(seq, start, end))
+        if plan.prefill:
+            outputs.extend(self._run_prefill(plan.prefill))
         return outputs
 
     def _run_decode(self, seqs: list[Sequence]) -> list[StepOutput]:
@@ -216,24 +217,29 @@ class Engine:
             out.append(self._emit(s, tok))
         return out
 
-    def _run_prefill(self, seq: Sequence, start: int, end: int) -> list[StepOutput]:
-        ids = torch.tensor(seq.tokens[start:end], dtype=torch.int64)
-        blocks = torch.tensor(seq.blocks, dtype=torch.int64)
-        logits = self.model.prefill(ids, start, self.kv.k, self.kv.v, blocks)
-        seq.num_cached = end
-        if end < seq.num_tokens:
-            return []  # more chunks to go
-        tok = sample_one(logits, seq.params, seq.generator or self._rng)
-        if seq.prefill_only:
-            seq.output_ids.append(tok)
-            seq.num_emitted = 1
-            self.scheduler.active.remove(seq)
-            seq.status = Status.PREFILL_HELD
-            self.num_generated_tokens += 1
-            text = "" if tok in self._eos else self.tokenizer.decode([tok])
-            return [StepOutput(seq.request_id, [tok], text, True, "prefill_done")]
-        seq.status = Status.RUNNING
-        return [self._emit(seq, tok)]
+    def _run_prefill(self, chunks: list[tuple[Sequence, int, int]]) -> list[StepOutput]:
+        """All scheduled prompt chunks in one forward; sequences whose prompt is complete sample a token."""
+        batch = [PrefillChunk(torch.tensor(seq.tokens[start:end], dtype=torch.int64), start,
+                              torch.tensor(seq.blocks, dtype=torch.int64)) for seq, start, end in chunks]
+        logits = self.model.prefill_batch(batch, self.kv.k, self.kv.v)
+        out = []
+        for (seq, _start, end), row in zip(chunks, logits):
+            seq.num_cached = end
+            if end < seq.num_tokens:
+                continue  # more chunks to go
+            tok = sample_one(row, seq.params, seq.generator or self._rng)
+            if seq.prefill_only:
+                seq.output_ids.append(tok)
+                seq.num_emitted = 1
+                self.scheduler.active.remove(seq)
+                seq.status = Status.PREFILL_HELD
+                self.num_generated_tokens += 1
+                text = "" if tok in self._eos else self.tokenizer.decode([tok])
+                out.append(StepOutput(seq.request_id, [tok], text, True, "prefill_done"))
+            else:
+                seq.status = Status.RUNNING
+                out.append(self._emit(seq, tok))
+        return out
 
     # -- outputs ---------------------------------------------------------------------------------
     def _append_token(self, seq: Sequence, tok: int) -> None:

@@ -14,7 +14,7 @@ KV layout (shared with kernels/ and the PD transfer code): ``k[layer]: [num_bloc
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,12 @@ from torch import nn
 from .config import LlamaConfig
 
 DecodeAttention = Callable[..., torch.Tensor]
+
+
+class PrefillChunk(NamedTuple):
+    token_ids: torch.Tensor  # [T] int64, positions start_pos .. start_pos + T - 1
+    start_pos: int
+    block_ids: torch.Tensor  # [>= ceil((start_pos + T) / BLOCK)] int64, the sequence's pages in order
 
 
 def _torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -225,35 +231,58 @@ class LlamaModel(nn.Module):
         """One sequence's prompt chunk. token_ids: [T] int64 at positions start_pos..start_pos+T-1;
         block_ids: [>= ceil((start_pos+T)/BLOCK)] int64, the sequence's pages in order.
         Returns fp32 logits of the last token [V] (or of all T tokens [T, V] with all_logits)."""
+        out = self.prefill_batch([PrefillChunk(token_ids, start_pos, block_ids)], k_cache, v_cache,
+                                 all_logits=all_logits)
+        return out[0]
+
+    def prefill_batch(self, chunks: Sequence["PrefillChunk"], k_cache: Sequence[torch.Tensor],
+                      v_cache: Sequence[torch.Tensor], *, all_logits: bool = False) -> list[torch.Tensor]:
+        """Prompt chunks of several sequences in one forward: the matmuls run once over all their tokens
+        (one pass over the weights), attention runs per chunk over its own cached prefix + the chunk.
+        Returns per chunk the fp32 logits of its last token [V] (all tokens [T, V] with all_logits)."""
         cfg = self.config
-        t = token_ids.shape[0]
-        end = start_pos + t
         block = k_cache[0].shape[1]
-        pos = torch.arange(start_pos, end)
-        slots = block_ids[pos // block] * block + pos % block  # [T] flat cache rows
-        cos, sin = self.rope_cos[start_pos:end, None, :], self.rope_sin[start_pos:end, None, :]
-        nb = (end + block - 1) // block
-        ctx_blocks = block_ids[:nb]
-        mask = None
-        if start_pos > 0:  # queries at start_pos+i see keys 0..start_pos+i
-            mask = torch.arange(end)[None, :] <= pos[:, None]  # [T, end] bool
-        x = self.embed[token_ids]
+        hkv, d = cfg.num_kv_heads, cfg.head_dim
+        plans = []  # (row offset, T, start, ctx pages or None, mask or None)
+        slots, pos_all, row = [], [], 0
+        for c in chunks:
+            t = int(c.token_ids.shape[0])
+            end = c.start_pos + t
+            pos = torch.arange(c.start_pos, end)
+            slots.append(c.block_ids[pos // block] * block + pos % block)  # [T] flat cache rows
+            pos_all.append(pos)
+            if c.start_pos == 0:
+                plans.append((row, t, end, None, None))
+            else:  # queries at start_pos+i see keys 0..start_pos+i, partly cached by earlier chunks
+                pages = c.block_ids[: (end + block - 1) // block]
+                plans.append((row, t, end, pages, torch.arange(end)[None, :] <= pos[:, None]))
+            row += t
+        slot = torch.cat(slots)
+        positions = torch.cat(pos_all)
+        cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
+        x = self.embed[torch.cat([c.token_ids for c in chunks])]
         for n, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             kc, vc = k_cache[n], v_cache[n]
-            kc.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slots, k)
-            vc.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slots, v)
-            if start_pos == 0:
-                kk, vv = k, v
-            else:
-                kk = kc[ctx_blocks].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:end]
-                vv = vc[ctx_blocks].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:end]
-            attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None],
-                attn_mask=mask, is_causal=mask is None, enable_gqa=True)  # [1, Hq, T, D]
-            x = x + layer.o(attn[0].transpose(0, 1).reshape(t, cfg.q_size))
+            kc.view(-1, hkv, d).index_copy_(0, slot, k)
+            vc.view(-1, hkv, d).index_copy_(0, slot, v)
+            outs = []
+            for off, t, end, pages, mask in plans:
+                if pages is None:
+                    kk, vv = k[off: off + t], v[off: off + t]
+                else:
+                    kk = kc[pages].reshape(-1, hkv, d)[:end]
+                    vv = vc[pages].reshape(-1, hkv, d)[:end]
+                attn = F.scaled_dot_product_attention(
+                    q[off: off + t].transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None],
+                    attn_mask=mask, is_causal=mask is None, enable_gqa=True)  # [1, Hq, T, D]
+                outs.append(attn[0].transpose(0, 1).reshape(t, cfg.q_size))
+            x = x + layer.o(outs[0] if len(outs) == 1 else torch.cat(outs))
             x = x + self._mlp(layer, x)
-        return self.logits(x) if all_logits else self.logits(x[-1:])[0]
+        if all_logits:
+            return [self.logits(x[off: off + t]) for off, t, *_ in plans]
+        last = torch.tensor([off + t - 1 for off, t, *_ in plans])
+        return list(self.logits(x[last]).unbind(0))
 
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, k_cache: Sequence[torch.Tensor],
                v_cache: Sequence[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
