@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -43,6 +44,22 @@ def install_error_handlers(app: FastAPI) -> None:
         log.exception("unexpected error")
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error",
                                        code="internal_error"), status_code=500)
+
+
+def lifespan_app(title: str, start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]) -> FastAPI:
+    """A FastAPI app that runs ``start`` before serving and ``stop`` after, with pdrt's error bodies."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await start()
+        try:
+            yield
+        finally:
+            await stop()
+
+    app = FastAPI(title=title, lifespan=lifespan)
+    install_error_handlers(app)
+    return app
 
 
 def metrics_response(payload: bytes) -> Response:

@@ -64,23 +64,12 @@ class DecodeWorker(WorkerBase):
         self.layout = transfer.layout_of(self.engine.kv)
         self.pages_freed = asyncio.Event()
 
-    async def stop_role(self) -> None:
-        for _, req in self.queues.items():
-            self._fail(req, "server shutting down", cause="shutdown")
-
     def role_config(self) -> dict:
         return {"watchdog": {"decode_transfer_timeout_s": self.env.decode_transfer_timeout_s,
                              "tick_s": self.env.watchdog_tick_s}}
 
-    def queue_counts(self) -> dict[str, int]:
-        return self.queues.counts()
-
-    def debug_rows(self) -> list[dict]:
-        now = self.clock.now()
-        return [{"id": r.rid, "room": r.room, "client": r.client, "stage": stage, "state": r.status.state.label,
-                 "age_s": round(now - r.created_at, 3), "in_state_s": round(now - r.status.since(), 3),
-                 "prompt_tokens": len(r.prompt_ids), "completion_tokens": r.completion_tokens}
-                for stage, r in self.queues.items()]
+    def debug_extra(self, req: DecodeRequest) -> dict:
+        return {"completion_tokens": req.completion_tokens}
 
     # ---- failure and cleanup (idempotent) ----------------------------------------------------
     def _fail(self, req: DecodeRequest, reason: str, *, cause: str = "peer_failure", status: int = 502) -> None:

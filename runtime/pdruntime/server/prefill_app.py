@@ -64,22 +64,11 @@ class PrefillWorker(WorkerBase):
     async def stop_role(self) -> None:
         if self._server is not None:
             self._server.close()
-        for _, req in self.queues.items():
-            self._fail(req, "server shutting down", cause="shutdown")
 
     def role_config(self) -> dict:
         return {"bootstrap": {"host": self.bootstrap_host, "port": self.bootstrap_port},
                 "watchdog": {"bootstrap_timeout_s": self.env.bootstrap_timeout_s,
                              "transfer_timeout_s": self.env.transfer_timeout_s, "tick_s": self.env.watchdog_tick_s}}
-
-    def queue_counts(self) -> dict[str, int]:
-        return self.queues.counts()
-
-    def debug_rows(self) -> list[dict]:
-        now = self.clock.now()
-        return [{"id": r.rid, "room": r.room, "client": r.client, "stage": stage, "state": r.status.state.label,
-                 "age_s": round(now - r.created_at, 3), "in_state_s": round(now - r.status.since(), 3),
-                 "prompt_tokens": len(r.prompt_ids)} for stage, r in self.queues.items()]
 
     # ---- failure and cleanup (idempotent) ----------------------------------------------------
     def _fail(self, req: PrefillRequest, reason: str, *, cause: str = "peer_failure", status: int = 503) -> None:

@@ -8,7 +8,6 @@ that goes away aborts both; a request is retried on another pair only before its
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import os
@@ -22,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pdruntime.env import RuntimeEnv
-from pdruntime.server.common import SSE_DONE, GuardedStream, install_error_handlers, metrics_response, sse
+from pdruntime.server.common import SSE_DONE, GuardedStream, lifespan_app, metrics_response, sse
 from pdruntime.server.metrics import Metrics
 from pdruntime.server.router_legs import LegError, Legs
 from pdruntime.server.router_policy import PairPicker, PairState
@@ -417,16 +416,7 @@ class Router:
                 "models": sorted(self.models)}
 
     def build_app(self) -> FastAPI:
-        @contextlib.asynccontextmanager
-        async def lifespan(_: FastAPI):
-            await self.start()
-            try:
-                yield
-            finally:
-                await self.stop()
-
-        app = FastAPI(title="pdrt router", lifespan=lifespan)
-        install_error_handlers(app)
+        app = lifespan_app("pdrt router", self.start, self.stop)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):

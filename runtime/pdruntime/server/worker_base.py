@@ -4,7 +4,6 @@ endpoints (/health, /metrics, /config, /debug/requests, /get_model_info, /get_se
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -15,7 +14,7 @@ from fastapi.responses import JSONResponse
 
 from pdruntime.disagg.watchdog import Clock, OffsetClock, Watchdog
 from pdruntime.env import RuntimeEnv
-from pdruntime.server.common import TestHooks, install_error_handlers, metrics_response, PromptBuilder
+from pdruntime.server.common import TestHooks, lifespan_app, metrics_response, PromptBuilder
 from pdruntime.server.engine_runner import EngineRunner
 from pdruntime.server.metrics import Metrics
 from pdruntime.server.schemas import ApiError, parse_body
@@ -24,6 +23,9 @@ log = logging.getLogger("pdruntime.worker")
 
 
 class WorkerBase:
+    """Subclasses (prefill, decode) provide ``queues`` (a StageTable of their requests), ``_fail(req, reason,
+    cause=...)`` (idempotent: fail one request and free what it holds), ``abort``, ``start_role``/``stop_role``."""
+
     role = "worker"
 
     def __init__(self, loaded: Any, engine: Any, env: RuntimeEnv, *, host: str = "127.0.0.1", port: int = 8000,
@@ -58,6 +60,8 @@ class WorkerBase:
     async def stop(self) -> None:
         self.ready = False
         await self.stop_role()
+        for _, req in self.queues.items():
+            self._fail(req, "server shutting down", cause="shutdown")
         await self.watchdog.stop()
         if self.runner is not None:
             await asyncio.to_thread(self.runner.stop)
@@ -74,10 +78,18 @@ class WorkerBase:
 
     # ---- views -----------------------------------------------------------------------------
     def debug_rows(self) -> list[dict]:
-        raise NotImplementedError
+        """One row per live request: id, room, client, stage, transfer state, ages in seconds."""
+        now = self.clock.now()
+        return [{"id": r.rid, "room": r.room, "client": r.client, "stage": stage, "state": r.status.state.label,
+                 "age_s": round(now - r.created_at, 3), "in_state_s": round(now - r.status.since(), 3),
+                 "prompt_tokens": len(r.prompt_ids), **self.debug_extra(r)}
+                for stage, r in self.queues.items()]
+
+    def debug_extra(self, req: Any) -> dict:
+        return {}
 
     def queue_counts(self) -> dict[str, int]:
-        raise NotImplementedError
+        return self.queues.counts()
 
     def pool(self) -> dict:
         stats = self.runner.last_stats if self.runner else {}
@@ -96,16 +108,7 @@ class WorkerBase:
 
     # ---- app -------------------------------------------------------------------------------
     def build_app(self) -> FastAPI:
-        @contextlib.asynccontextmanager
-        async def lifespan(_: FastAPI):
-            await self.start()
-            try:
-                yield
-            finally:
-                await self.stop()
-
-        app = FastAPI(title=f"pdrt {self.role} worker", lifespan=lifespan)
-        install_error_handlers(app)
+        app = lifespan_app(f"pdrt {self.role} worker", self.start, self.stop)
         info = self.loaded.info
 
         @app.get("/health")
