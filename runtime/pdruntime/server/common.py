@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -93,6 +94,14 @@ class GuardedStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await asyncio.shield(self._on_close(self._completed))
+
+
+def request_id(req: GenerateRequest) -> str:
+    """The worker-side id: the body's ``rid``, else one derived from ``bootstrap_room`` so that both legs of a PD
+    request agree on it (SGLang's router sends the same body to prefill and decode, with a room and no rid)."""
+    if req.rid:
+        return req.rid
+    return f"room-{req.bootstrap_room}" if req.bootstrap_room is not None else uuid.uuid4().hex
 
 
 def client_of(request: Request) -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -24,7 +23,8 @@ from pdruntime.disagg import transfer, wire
 from pdruntime.disagg.decode_queues import DecodeQueues, DecodeRequest
 from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import WireError
-from pdruntime.server.common import SSE_DONE, GuardedStream, client_of, finish_reason_json, read_generate, sse
+from pdruntime.server.common import (SSE_DONE, GuardedStream, client_of, finish_reason_json, read_generate,
+                                     request_id, sse)
 from pdruntime.server.schemas import ApiError, error_body
 from pdruntime.server.worker_base import WorkerBase
 
@@ -226,7 +226,7 @@ class DecodeWorker(WorkerBase):
         if pd and (not greq.bootstrap_host or not greq.bootstrap_port):
             raise ApiError(400, "bootstrap_room needs bootstrap_host and bootstrap_port", param="bootstrap_host")
         now = self.clock.now()
-        req = DecodeRequest(rid=greq.rid or uuid.uuid4().hex, room=int(greq.bootstrap_room or 0), client=client_of(request),
+        req = DecodeRequest(rid=request_id(greq), room=int(greq.bootstrap_room or 0), client=client_of(request),
                             prompt_ids=prompt, params=params, bootstrap_host=greq.bootstrap_host or "",
                             bootstrap_port=int(greq.bootstrap_port or 0), created_at=now, status=TransferStatus(now))
         try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,7 +22,7 @@ from pdruntime.disagg import transfer, wire
 from pdruntime.disagg.prefill_queues import PrefillQueues, PrefillRequest
 from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import KVHeader, WireError
-from pdruntime.server.common import client_of, read_generate
+from pdruntime.server.common import client_of, read_generate, request_id
 from pdruntime.server.schemas import ApiError, error_body
 from pdruntime.server.worker_base import WorkerBase
 
@@ -116,7 +115,7 @@ class PrefillWorker(WorkerBase):
         prompt = self.prompts.prompt_ids(greq)
         params = self.prompts.sampling(greq, len(prompt))
         loop = asyncio.get_running_loop()
-        req = PrefillRequest(rid=greq.rid or uuid.uuid4().hex, room=int(greq.bootstrap_room), client=client_of(request),
+        req = PrefillRequest(rid=request_id(greq), room=int(greq.bootstrap_room), client=client_of(request),
                              prompt_ids=prompt, params=params, created_at=self.clock.now(),
                              status=TransferStatus(self.clock.now()), done=loop.create_future())
         try:

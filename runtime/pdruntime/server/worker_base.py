@@ -1,5 +1,5 @@
 """What prefill and decode workers share: engine + runner thread, watchdog, metrics and the common
-endpoints (/health, /metrics, /config, /debug/requests, /get_model_info, /get_server_info, /abort_request)."""
+endpoints (/health, /metrics, /config, /debug/requests, /[get_]model_info, /[get_]server_info, /abort_request)."""
 
 from __future__ import annotations
 
@@ -137,11 +137,13 @@ class WorkerBase:
                     "armed": [{"key": d.key, "phase": d.phase, "age_s": round(self.clock.now() - d.started_at, 3),
                                "timeout_s": d.timeout_s} for d in self.watchdog.armed()]}
 
+        @app.get("/model_info")  # SGLang's current name; routers fall back to /get_model_info
         @app.get("/get_model_info")
         async def get_model_info():
             return {"model_path": info.path, "model_name": info.name, "tokenizer_path": info.path,
                     "is_generation": True, "sha256": info.sha256, "max_model_len": self.max_model_len}
 
+        @app.get("/server_info")  # SGLang's current name; routers fall back to /get_server_info
         @app.get("/get_server_info")
         async def get_server_info():
             return {"version": "pdrt-0.1", "disaggregation_mode": self.role, "model_path": info.path,
