@@ -107,6 +107,8 @@ def worker_command(spec: PDSpec, owner: Owner, role: str) -> list[str]:
         cmd += ["--bootstrap-port", str(BOOTSTRAP_PORT)]
     if spec.model.source:
         cmd += ["--model", spec.model.source]
+    if spec.model.served_name:
+        cmd += ["--served-model-name", spec.model.served_name]
     return cmd + list(r.args)
 
 

@@ -86,7 +86,8 @@ def test_pdrt_command_lines_follow_the_runtime_convention():
     pod = worker_pod(spec, owner, revision_hash(spec), 1, "prefill", "abc")
     c = pod["spec"]["containers"][0]
     assert c["command"] == ["pdrt", "serve", "--role", "prefill", "--host", "0.0.0.0", "--port", "8000",
-                            "--bootstrap-port", "8998", "--model", "/models/llama-3.1-8b-instruct"]
+                            "--bootstrap-port", "8998", "--model", "/models/llama-3.1-8b-instruct",
+                            "--served-model-name", "llama-3.1-8b-instruct"]
     assert c["resources"]["requests"]["nvidia.com/gpu"] == "4" and c["resources"]["limits"]["nvidia.com/gpu"] == "4"
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["PDRT_KV_AUTH_TOKEN_FILE"] == "/etc/pdstack/kv-auth/token"

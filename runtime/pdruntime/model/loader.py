@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,18 @@ class LoadedModel:
     model: LlamaModel
     tokenizer: Tokenizer
     info: ModelInfo
+
+
+# llama.cpp names files MODEL.QUANT.gguf (SmolLM2-135M-Instruct.Q4_1.gguf); the quant tag is not part of the model id
+_QUANT_TAG = re.compile(r"[.-](?:[QqIi][Qq]?\d\w*|[Ff](?:16|32)|[Bb][Ff]16)$")
+
+
+def gguf_model_name(path: str) -> str:
+    """The id a GGUF file is served under: its file name without ``.gguf`` and the quantisation tag."""
+    stem = os.path.basename(path)
+    if stem.lower().endswith(".gguf"):
+        stem = stem[: -len(".gguf")]
+    return _QUANT_TAG.sub("", stem) or stem
 
 
 def default_model_path() -> str:
@@ -100,7 +113,7 @@ def load_model(source: str | None = None, *, dtype=torch.float32, weights: str =
 
         meta, cfg, tensors = read_gguf(path)
         tokenizer = tokenizer_from_gguf(meta)
-        files, name, fmt = [path], str(meta.get("general.name") or os.path.basename(path)), "gguf"
+        files, name, fmt = [path], gguf_model_name(path), "gguf"
     model = LlamaModel(cfg, dtype=torch_dtype)
     model.load_hf_state(tensors)
     del tensors

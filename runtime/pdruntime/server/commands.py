@@ -20,6 +20,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prefill-tokens", type=int, default=512, help="chunked-prefill chunk, tokens")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker (shared CPUs: 1)")
+    g.add_argument("--served-model-name", default=None,
+                   help="model id clients send (default: the GGUF file name without its quant tag, or the HF dir name)")
 
 
 def register(subparsers: Any) -> None:
@@ -71,7 +73,8 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
     out = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
            "--max-prefill-tokens", str(args.max_prefill_tokens)]
     for flag, v in (("--num-blocks", args.num_blocks), ("--kv-cache-mib", args.kv_cache_mib),
-                    ("--max-model-len", args.max_model_len), ("--threads", args.threads)):
+                    ("--max-model-len", args.max_model_len), ("--threads", args.threads),
+                    ("--served-model-name", args.served_model_name)):
         if v is not None:
             out += [flag, str(v)]
     return out
@@ -105,11 +108,12 @@ def build_server(args: argparse.Namespace, env=None):
         from pdruntime.server.prefill_app import PrefillWorker
 
         worker = PrefillWorker(loaded, engine, env, host=args.host, port=args.port, bootstrap_host=args.host,
-                               bootstrap_port=args.bootstrap_port)
+                               bootstrap_port=args.bootstrap_port, served_model_name=args.served_model_name)
     else:
         from pdruntime.server.decode_app import DecodeWorker
 
-        worker = DecodeWorker(loaded, engine, env, host=args.host, port=args.port)
+        worker = DecodeWorker(loaded, engine, env, host=args.host, port=args.port,
+                              served_model_name=args.served_model_name)
     return worker.build_app(), worker
 
 

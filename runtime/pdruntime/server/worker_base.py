@@ -29,7 +29,7 @@ class WorkerBase:
     role = "worker"
 
     def __init__(self, loaded: Any, engine: Any, env: RuntimeEnv, *, host: str = "127.0.0.1", port: int = 8000,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, served_model_name: str | None = None) -> None:
         self.loaded = loaded
         self.engine = engine
         self.env = env
@@ -45,7 +45,7 @@ class WorkerBase:
         self.runner: EngineRunner | None = None
         self.ready = False
         self.started_at = time.time()
-        self.model_name = loaded.info.name
+        self.model_name = served_model_name or loaded.info.name
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -140,7 +140,7 @@ class WorkerBase:
         @app.get("/model_info")  # SGLang's current name; routers fall back to /get_model_info
         @app.get("/get_model_info")
         async def get_model_info():
-            return {"model_path": info.path, "model_name": info.name, "tokenizer_path": info.path,
+            return {"model_path": info.path, "model_name": self.model_name, "tokenizer_path": info.path,
                     "is_generation": True, "sha256": info.sha256, "max_model_len": self.max_model_len}
 
         @app.get("/server_info")  # SGLang's current name; routers fall back to /get_server_info

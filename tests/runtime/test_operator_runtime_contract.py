@@ -1,0 +1,36 @@
+"""The operator renders command lines and env that the runtime it deploys actually accepts."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdoperator.render import Owner, render
+from pdoperator.revisions import revision_hash
+from pdoperator.spec import parse_spec
+from pdruntime.cli import build_parser
+from pdruntime.env import RuntimeEnv
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pdrt_containers(example: str):
+    doc = yaml.safe_load((ROOT / "examples" / example).read_text())
+    spec = parse_spec(doc["spec"], name=doc["metadata"]["name"])
+    children = render(spec, Owner(doc["metadata"]["name"], "default", "u"), revision_hash(spec), kv_token="t")
+    for obj in children:
+        pod_spec = obj["spec"] if obj["kind"] == "Pod" else obj["spec"]["template"]["spec"] if obj["kind"] == "Deployment" else None
+        for c in (pod_spec or {}).get("containers", []):
+            if c["command"][:2] == ["pdrt", "serve"]:
+                yield obj["metadata"]["name"], c
+
+
+@pytest.mark.parametrize("example", ["cpu-demo.yaml", "gpu-8x-pairs.yaml"])
+def test_every_rendered_pdrt_command_parses_with_pdrt_serve(example):
+    seen = set()
+    for name, c in _pdrt_containers(example):
+        args = build_parser().parse_args(c["command"][1:])  # argparse exits (SystemExit) on an unknown flag
+        seen.add(args.role)
+        env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+        RuntimeEnv.from_environ(env)  # raises ConfigError on a knob value the runtime would reject at start-up
+    assert seen == {"prefill", "decode", "router"}
