@@ -63,6 +63,9 @@ def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert out is None or (out.shape == q.shape and out.dtype == q.dtype), "out must be like q"
     if batch == 0:
         return out if out is not None else torch.empty_like(q)
+    if batch == 1 and q.dtype == k_cache.dtype == torch.float32:
+        res = _attend_one_fp32(q, k_cache, v_cache, block_table, lens_cpu[0], block_size, scale)
+        return res if out is None else out.copy_(res)
     # Sort-free chunking: consecutive rows, each chunk gathers up to its own longest row.
     row_cost = max(lens_cpu) * num_kv_heads * head_dim
     rows = max(1, _GATHER_BUDGET // max(1, row_cost))
@@ -137,6 +140,25 @@ def _attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         v.masked_fill_(~mask[:, None, :, None], 0.0)
         out = _sdpa_gqa(qc, k, v, mask, scale)
     return out.to(q.dtype)
+
+
+def _attend_one_fp32(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_len: int, block_size: int, scale: float) -> torch.Tensor:
+    """Batch-1 decode (the CPU latency case) as baddbmm -> softmax -> bmm over the gathered pages.
+
+    q: [1, Hq, D] fp32 -> [1, Hq, D]. Exactly ``seq_len`` keys are used, so no mask and no garbage
+    slots are involved; the three ops cost a fraction of the SDPA call (its per-call setup dominates
+    at one query row). fp32 only: scores and softmax stay in the cache's dtype."""
+    _, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    pages = block_table[:, : -(-seq_len // block_size)]  # [1, P]
+    k = _gather_pages(k_cache, pages, "k")[0, :seq_len]  # [L, Hkv, D]
+    v = _gather_pages(v_cache, pages, "v")[0, :seq_len]
+    qg = q.view(num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [Hkv, G, D], consecutive grouping
+    scores = torch.baddbmm(_workspace.take("beta0", 1, q.dtype, q.device).view(1, 1, 1), qg, k.permute(1, 2, 0),
+                           beta=0.0, alpha=scale)  # [Hkv, G, L]; beta=0 ignores the (uninitialised) input
+    out = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1))  # [Hkv, G, D]
+    return out.view(1, num_q_heads, head_dim)
 
 
 def _sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
