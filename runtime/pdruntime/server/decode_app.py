@@ -101,13 +101,6 @@ class DecodeWorker(WorkerBase):
         self.pages_freed.set()
         self.pages_freed = asyncio.Event()
 
-    async def abort(self, rid: str, cause: str) -> bool:
-        req = self.queues.get(rid)
-        if req is None:
-            return False
-        self._fail(req, f"aborted ({cause})", cause=cause, status=499)
-        return True
-
     # ---- transfer ------------------------------------------------------------------------------
     async def _reserve(self, req: DecodeRequest) -> list[int]:
         from pdruntime.engine import OutOfBlocks

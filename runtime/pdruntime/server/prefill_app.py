@@ -91,13 +91,6 @@ class PrefillWorker(WorkerBase):
             req.done.set_exception(TransferFailed(reason, status))
         log.warning("prefill request failed: rid=%s room=%s reason=%s", req.rid, req.room, reason)
 
-    async def abort(self, rid: str, cause: str) -> bool:
-        req = self.queues.get(rid)
-        if req is None:
-            return False
-        self._fail(req, f"aborted ({cause})", cause=cause, status=499)
-        return True
-
     def _on_watchdog(self, req: PrefillRequest, phase: str) -> None:
         if phase == "bootstrap":
             self._fail(req, f"bootstrap timeout: decode did not attach within {self.env.bootstrap_timeout_s}s",

@@ -104,7 +104,12 @@ class WorkerBase:
         return {}
 
     async def abort(self, rid: str, cause: str) -> bool:
-        raise NotImplementedError
+        """Fail a live request (HTTP 499 to its handler) and free what it holds; False if unknown."""
+        req = self.queues.get(rid)
+        if req is None:
+            return False
+        self._fail(req, f"aborted ({cause})", cause=cause, status=499)
+        return True
 
     # ---- app -------------------------------------------------------------------------------
     def build_app(self) -> FastAPI:
