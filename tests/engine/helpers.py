@@ -34,3 +34,13 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
             out.append(nxt)
             res = model(torch.tensor([[nxt]]), past_key_values=res.past_key_values, use_cache=True)
     return out
+
+
+def prefill_logits(loaded, ids):
+    """Logits of every prompt position from one prefill into a scratch 16-page KV cache (ids <= 256 tokens)."""
+    from pdruntime.engine.kv_cache import KVCache
+
+    c = loaded.model.config
+    kv = KVCache(c.num_layers, 16, 16, c.num_kv_heads, c.head_dim)
+    with torch.inference_mode():
+        return loaded.model.prefill(torch.tensor(ids), 0, kv.k, kv.v, torch.arange(16), all_logits=True)

@@ -12,7 +12,7 @@ import torch
 from pdruntime.model import ModelLoadError, load_model
 from pdruntime.model.gguf_loader import dequantize, unpermute_qk
 
-from .helpers import rel_err
+from .helpers import prefill_logits, rel_err
 
 gguf = pytest.importorskip("gguf")
 from gguf import quants  # noqa: E402
@@ -120,13 +120,6 @@ def tiny_gguf(tiny_dir, tmp_path_factory):
     return write_gguf_from_hf(tiny_dir, str(tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf"))
 
 
-def _logits(loaded, ids):
-    from pdruntime.engine.kv_cache import KVCache
-
-    c = loaded.model.config
-    kv = KVCache(c.num_layers, 16, 16, c.num_kv_heads, c.head_dim)
-    with torch.inference_mode():
-        return loaded.model.prefill(torch.tensor(ids), 0, kv.k, kv.v, torch.arange(16), all_logits=True)
 
 
 def test_f32_gguf_equals_hf_layout_twin(tiny, tiny_gguf):
@@ -139,14 +132,14 @@ def test_f32_gguf_equals_hf_layout_twin(tiny, tiny_gguf):
     assert g.tokenizer.apply_chat_template(msgs) == tiny.tokenizer.apply_chat_template(msgs)
     assert 2 in g.tokenizer.eos_token_ids
     ids = tiny.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
-    assert rel_err(_logits(g, ids), _logits(tiny, ids)) <= 1e-5
+    assert rel_err(prefill_logits(g, ids), prefill_logits(tiny, ids)) <= 1e-5
 
 
 @pytest.mark.parametrize("qtype,tol", [("Q8_0", 0.05), ("Q4_1", 0.5)])
 def test_quantised_gguf_loads_close_to_fp32(tiny, tiny_dir, tmp_path, qtype, tol):
     g = load_model(write_gguf_from_hf(tiny_dir, str(tmp_path / f"tiny-{qtype}.gguf"), qtype))
     ids = tiny.tokenizer.encode("Continuous batching lets new requests join")
-    err = rel_err(_logits(g, ids), _logits(tiny, ids))
+    err = rel_err(prefill_logits(g, ids), prefill_logits(tiny, ids))
     assert 0 < err <= tol, err
 
 

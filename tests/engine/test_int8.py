@@ -3,27 +3,20 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pdruntime.engine import Engine, EngineConfig, SamplingParams
-from pdruntime.engine.kv_cache import KVCache
 from pdruntime.model import ModelLoadError, load_model
 
-from .helpers import rel_err
+from .helpers import prefill_logits, rel_err
 
 
-def _logits(loaded, ids):
-    c = loaded.model.config
-    kv = KVCache(c.num_layers, 16, 16, c.num_kv_heads, c.head_dim)
-    with torch.inference_mode():
-        return loaded.model.prefill(torch.tensor(ids), 0, kv.k, kv.v, torch.arange(16), all_logits=True)
 
 
 def test_int8_weights_are_close_to_fp32_and_serve(tiny, tiny_dir):
     q = load_model(tiny_dir, weights="int8")
     assert q.info.weights == "int8-dynamic"
     ids = tiny.tokenizer.encode("Paged attention stores the KV cache")
-    err = rel_err(_logits(q, ids), _logits(tiny, ids))
+    err = rel_err(prefill_logits(q, ids), prefill_logits(tiny, ids))
     assert 0 < err < 0.05, err
     engine = Engine(q, EngineConfig(num_blocks=64, block_size=4))
     outs = engine.generate([ids, ids[:3]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))

@@ -28,15 +28,18 @@ except ImportError as exc:
     pytest.skip(f"sglang-router is not installed ({exc}); these tests run the real SGLang router in front of pdrt "
                 "workers: pip install sglang-router", allow_module_level=True)
 
-from pd_harness import free_port  # noqa: E402  (tests/pd is on sys.path via conftest.py)
+from pd_harness import Proc, free_port  # noqa: E402  (tests/pd is on sys.path via conftest.py)
 
 pytestmark = pytest.mark.timeout(120)
 
 MAX_NEW = 8
 
 
-class SGLangRouter:
+class SGLangRouter(Proc):
+    """The real SGLang router process; stop/kill come from pd_harness.Proc."""
+
     def __init__(self, stack, log_dir: str) -> None:
+        self.name = "sglang-router"
         self.port, metrics_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = os.path.join(log_dir, "sglang_router.log")
@@ -70,15 +73,6 @@ class SGLangRouter:
                 return workers
             time.sleep(0.2)
         raise RuntimeError(f"sglang router did not register both workers in {timeout}s: {workers}\n{self.log_text()}")
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
 
 
 @pytest.fixture(scope="module")

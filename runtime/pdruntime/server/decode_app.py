@@ -174,11 +174,7 @@ class DecodeWorker(WorkerBase):
             self._fail(req, f"prefill peer unreachable or lost during {req.status.state.label}: {type(exc).__name__} {exc}",
                        status=502)
         except Exception as exc:
-            if type(exc).__name__ == "InvalidRequest":
-                self._fail(req, f"engine rejected the request: {exc}", status=400)
-            else:
-                log.exception("decode transfer of rid=%s crashed", req.rid)
-                self._fail(req, f"internal error: {type(exc).__name__}: {exc}", status=500)
+            self._fail_unexpected(req, exc, "decode transfer")
 
     def _early_first_token(self, req: DecodeRequest, first: int) -> "EarlyToken | None":
         """The token prefill sampled, to stream now instead of with the engine's next step (which reports it
@@ -201,7 +197,7 @@ class DecodeWorker(WorkerBase):
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._fail(req, f"engine rejected the request: {exc}", status=400 if type(exc).__name__ == "InvalidRequest" else 500)
+            self._fail_unexpected(req, exc, "monolithic admission")
 
     def _on_output(self, req: DecodeRequest, out: Any) -> None:
         req.outputs.put_nowait(out)

@@ -226,11 +226,7 @@ class PrefillWorker(WorkerBase):
         except TransferFailed:
             pass  # already failed (watchdog, abort, engine)
         except Exception as exc:
-            if type(exc).__name__ == "InvalidRequest":
-                self._fail(req, f"engine rejected the request: {exc}", status=400)
-            else:
-                log.exception("prefill transfer of rid=%s crashed", req.rid)
-                self._fail(req, f"internal error: {type(exc).__name__}: {exc}", status=500)
+            self._fail_unexpected(req, exc, "prefill transfer")
 
     def _on_output(self, req: PrefillRequest, out: Any) -> None:
         if out.finish_reason == "prefill_done":

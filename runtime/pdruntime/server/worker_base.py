@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pdruntime.disagg.watchdog import Clock, OffsetClock, Watchdog
+from pdruntime.engine import InvalidRequest
 from pdruntime.env import RuntimeEnv
 from pdruntime.server.common import TestHooks, lifespan_app, metrics_response, PromptBuilder
 from pdruntime.server.engine_runner import EngineRunner
@@ -102,6 +103,14 @@ class WorkerBase:
 
     def role_config(self) -> dict:
         return {}
+
+    def _fail_unexpected(self, req: Any, exc: Exception, what: str) -> None:
+        """An exception no specific handler claimed: the engine's InvalidRequest is the client's 400, else a 500."""
+        if isinstance(exc, InvalidRequest):
+            self._fail(req, f"engine rejected the request: {exc}", status=400)
+        else:
+            log.exception("%s of rid=%s crashed", what, req.rid)
+            self._fail(req, f"internal error: {type(exc).__name__}: {exc}", status=500)
 
     async def abort(self, rid: str, cause: str) -> bool:
         """Fail a live request (HTTP 499 to its handler) and free what it holds; False if unknown."""
