@@ -180,7 +180,7 @@ def test_round_trip_is_bit_exact_over_scattered_pages_in_several_chunks(dtype, m
     assert out["first"] == 5
     el = torch.empty((), dtype=dtype).element_size()
     assert out["client"].bytes == out["server"].bytes == 2 * 2 * 7 * 4 * 2 * 3 * el
-    assert out["client"].chunks > 2 * 2 * 3
+    assert out["client"].chunks >= 2 * 2 * 2  # several chunks per (layer, kind) run
     assert _pages_equal(src, s_ids, dst, d_ids)
     untouched = sorted(set(range(12)) - set(d_ids))
     assert all(float(t[untouched].abs().sum()) == 0 for t in dst.k + dst.v)
