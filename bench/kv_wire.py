@@ -76,7 +76,7 @@ async def serve(num_blocks: int) -> None:
         try:
             att = await transfer.accept_attach(conn, TOKEN)
             pages = -(-att.num_tokens // PAGE)
-            h = transfer.make_header(att.room, att.rid, att.num_tokens, 0, att.prompt_crc, "", [layout])
+            h = transfer.make_header(att.room, att.rid, att.num_tokens, 0, att.prompt_crc, "", [layout], att.checksums)
             await transfer.send_kv(conn, h, [transfer.ShardSource(kv, ids[:pages], layout)])
         except wire.WireError as exc:
             print(f"server: {exc}", file=sys.stderr, flush=True)

@@ -206,7 +206,7 @@ class PrefillWorker(WorkerBase):
             self.watchdog.arm(req.rid, "transfer", self.env.transfer_timeout_s,
                               lambda d, r=req: self._on_watchdog(r, "transfer"), ids=f"rid={req.rid} room={req.room}")
             header = transfer.make_header(req.room, req.rid, ntok, first, wire.prompt_crc(req.prompt_ids),
-                                          self.model_sha, [self.layout])
+                                          self.model_sha, [self.layout], conn.attach.checksums)
             sources = [transfer.ShardSource(self.engine.kv, blocks, self.layout)]
             stats = await transfer.send_kv(conn, header, sources, corrupt_first_chunk=self.hooks.take("corrupt_kv_chunk"))
             req.bytes_sent = stats.bytes
