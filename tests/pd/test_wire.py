@@ -116,6 +116,8 @@ def test_layout_mismatch_on_tp_rank_and_size():
     assert "tensor-parallel size: prefill sends 2, decode expects 1" in wire.layout_mismatch(BASE, r0)
     assert "prefill runs tp_size=2, decode runs tp_size=1" in wire.tp_mismatch(2, 1)
     assert wire.tp_mismatch(4, 4) is None
+    assert "decode asks for TP ranks [1], this prefill endpoint serves [0]" in wire.rank_mismatch((0,), (1,))
+    assert wire.rank_mismatch((0, 1), (0, 1)) is None
 
 
 @pytest.mark.parametrize("kw,needle", [({"dtype": "int7"}, "not supported"), ({"page_size": 0}, "page_size"),

@@ -41,7 +41,7 @@ Python API (blocking layer here; the asyncio API a worker calls is in :mod:`tran
     KVLayout(dtype, page_size, num_layers, num_kv_heads, head_dim, tp_rank=0, tp_size=1)
         .page_bytes  .run_bytes(num_pages)  .shard_bytes(num_pages)  .describe()
     layout_mismatch(expected: KVLayout, got: KVLayout) -> str | None      (pure; names field + both values)
-    tp_mismatch(prefill_tp_size, decode_tp_size) -> str | None
+    tp_mismatch(prefill_tp_size, decode_tp_size) -> str | None; rank_mismatch(served, asked) -> str | None
     Attach(room, rid, num_tokens, prompt_crc, tp_size=1, tp_ranks=(0,), checksums=CHECKSUMS)
     KVHeader(room, rid, num_tokens, num_pages, first_token_id, prompt_crc, model_sha256, chunk_bytes, shards,
              checksum="crc32")
@@ -186,6 +186,15 @@ def tp_mismatch(prefill_tp_size: int, decode_tp_size: int) -> str | None:
         return None
     return (f"tensor-parallel size mismatch: prefill runs tp_size={prefill_tp_size}, decode runs "
             f"tp_size={decode_tp_size}; accepted: equal tensor-parallel sizes on both sides of a pair")
+
+
+def rank_mismatch(served: tuple[int, ...], asked: tuple[int, ...]) -> str | None:
+    """Pure. Bootstrap-time refusal text when decode asks for TP shards this prefill endpoint does not
+    serve (one endpoint serves either every rank of its group, or one rank)."""
+    if tuple(asked) == tuple(served):
+        return None
+    return (f"tensor-parallel rank mismatch: decode asks for TP ranks {list(asked)}, this prefill endpoint serves "
+            f"{list(served)}; accepted: the ranks the endpoint serves, in order")
 
 
 # ---- handshake and header ------------------------------------------------------------------------
