@@ -355,14 +355,14 @@ def test_unauthenticated_and_wrong_room_pulls_are_rejected_and_counted(stack):
     room_before = stack.metric(stack.prefill, "pdrt_kv_transfer_rejected_total", {"reason": "unknown_room"})
 
     async def pull(token):
-        att = transfer.Attach(room=987, rid="nope", num_tokens=3, prompt_crc=wire.prompt_crc([1, 2, 3]))
-        reader, writer = await transfer.open_attach("127.0.0.1", stack.bootstrap_port, token, att)
+        att = wire.Attach(room=987, rid="nope", num_tokens=3, prompt_crc=wire.prompt_crc([1, 2, 3]))
+        conn = await transfer.open_attach("127.0.0.1", stack.bootstrap_port, token, att)
         try:
-            await wire.read_control(reader, wire.FrameType.HEADER)
+            await transfer.recv_header(conn)
         except wire.WireError as exc:
             return exc.reason
         finally:
-            writer.close()
+            conn.close()
 
     assert asyncio.run(pull("wrong-token")) == "auth"
     assert asyncio.run(pull(None)) == "auth"

@@ -32,10 +32,11 @@ class DecodeRequest:
     status: TransferStatus
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)  # StepOutput | BaseException
     task: asyncio.Task | None = None  # the transfer task
-    writer: asyncio.StreamWriter | None = None
+    writer: Any = None  # transfer.KVConn while attached (close() fails the transfer)
     reserved: bool = False
     in_engine: bool = False
     bytes_received: int = 0
+    kv_stats: Any = None  # transfer.TransferStats of the bulk phase (live; /debug/requests)
     completion_tokens: int = 0
     failure: str | None = None
 

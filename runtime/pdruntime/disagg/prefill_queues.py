@@ -32,10 +32,11 @@ class PrefillRequest:
     done: asyncio.Future  # None on Success; an exception on failure
     attached: asyncio.Event = field(default_factory=asyncio.Event)
     kv_ready: asyncio.Future | None = None  # first token id when the engine reports prefill_done
-    writer: asyncio.StreamWriter | None = None
+    writer: Any = None  # transfer.KVConn while attached (close() fails the transfer)
     in_engine: bool = False
     first_token_id: int | None = None
     bytes_sent: int = 0
+    kv_stats: Any = None  # transfer.TransferStats of the bulk phase (live; /debug/requests)
 
 
 class PrefillQueues(StageTable[PrefillRequest]):

@@ -1,46 +1,79 @@
-"""KV-transfer wire format: binary, chunked, memory-bounded, authenticated. No pickle.
+"""KV-transfer wire format (version 2): binary, chunked, checksummed, authenticated, TP-sharded. No pickle.
 
-One TCP connection per request, opened by decode to the prefill worker's bootstrap port.
+One TCP connection per request, opened by decode to the prefill worker's bootstrap port. Everything
+here is pure (bytes in, typed values or :class:`WireError` out) except :class:`FrameSocket`, which does
+blocking, timeout-bounded I/O on one socket; :mod:`transfer` runs it in worker threads.
+
+Grammar::
 
     connection := PREAMBLE frame*
-    PREAMBLE   := b"PDKV" u16 version                      (both directions, first bytes)
+    PREAMBLE   := b"PDKV" u16 version                         (both directions, first bytes; version = 2)
     frame      := u8 type, u32 length (big-endian), payload[length]   (length <= MAX_FRAME_BYTES)
 
-    prefill -> decode   CHALLENGE {nonce}                  right after the preamble
-    decode  -> prefill  ATTACH {room, rid, num_tokens, prompt_crc, mac}
-                        mac = HMAC-SHA256(token, nonce || room)  (hex); the token never crosses the wire
-    prefill -> decode   HEADER {room, rid, num_tokens, first_token_id, layout..., model_sha256}
-                        (sent when the KV is ready: this opens the prefill transfer phase)
-    prefill -> decode   CHUNK*   binary: u16 layer, u8 kind (0=K, 1=V), u32 tok_start, u32 tok_count, raw
-                        raw = tensor bytes [tok_count, num_kv_heads, head_dim] in the header's dtype
-    prefill -> decode   END {checksum}                     crc32 over every CHUNK payload, in order
-    decode  -> prefill  ACK {room}                         receipt confirmed: closes the transfer phase
-    either              ERROR {reason, message}            reason: auth | unknown_room | mismatch | ...
+    prefill -> decode   CHALLENGE {nonce}                     right after the preamble
+    decode  -> prefill  ATTACH {room, rid, num_tokens, prompt_crc, tp_size, tp_ranks, mac}
+                        mac = HMAC-SHA256(token, nonce ":" room) (hex); the token never crosses the wire.
+                        Prefill refuses (ERROR) a bad mac (auth), an unknown room (unknown_room), and a
+                        tp_size or prompt that differs from its own (mismatch) - before any prefill work.
+    prefill -> decode   HEADER {version, room, rid, num_tokens, num_pages, first_token_id, prompt_crc,
+                                model_sha256, chunk_bytes, shards: [LAYOUT, ...]}   (when the KV is ready)
+                        LAYOUT = {dtype, page_size, num_layers, num_kv_heads, head_dim, tp_rank, tp_size}
+                        (num_kv_heads is per TP rank; one LAYOUT per shard carried, in tp_ranks order)
+    decode  -> prefill  READY {room}                          decode checked HEADER against its own layout
+                      | ERROR {reason: "mismatch", message}   naming the field and both values; both free pages
+    prefill -> decode   CHUNK*   binary payload:
+                        u8 shard, u16 layer, u8 kind (0=K, 1=V), u32 page_start, u32 page_count, u32 crc32, raw
+                        raw = page_count whole pages, [page_count, page_size, num_kv_heads, head_dim] in the
+                        shard's dtype (bf16/fp16/fp32 bytes as stored); crc32 = zlib.crc32(raw).
+                        Order is fixed: for shard: for layer: K pages then V pages, page_start ascending,
+                        contiguous; a chunk never spans two (shard, layer, kind) runs.
+    prefill -> decode   END {bytes, chunks}
+    decode  -> prefill  ACK {room}                            receipt verified: closes the transfer phase
+    either              ERROR {reason, message}               reason: auth | unknown_room | mismatch | ...
 
-Control payloads are small JSON objects; KV payloads are raw bytes. A chunk holds at most
-``chunk_tokens`` tokens of one layer's K or V, so either side buffers at most one frame.
+Pages, not tokens, cross the wire: the request's last page is sent whole (its tail is the cache's own
+content, masked by attention), so gather and scatter are one index over page ids per run.
+
+Python API (blocking layer here; the asyncio API a worker calls is in :mod:`transfer`)::
+
+    KVLayout(dtype, page_size, num_layers, num_kv_heads, head_dim, tp_rank=0, tp_size=1)
+        .page_bytes  .run_bytes(num_pages)  .shard_bytes(num_pages)  .describe()
+    layout_mismatch(expected: KVLayout, got: KVLayout) -> str | None      (pure; names field + both values)
+    tp_mismatch(prefill_tp_size, decode_tp_size) -> str | None
+    Attach(room, rid, num_tokens, prompt_crc, tp_size=1, tp_ranks=(0,))
+    KVHeader(room, rid, num_tokens, num_pages, first_token_id, prompt_crc, model_sha256, chunk_bytes, shards)
+        .total_bytes;  header_to_json / header_from_json (typed rejection of any bad field)
+    ChunkHead(shard, layer, kind, page_start, page_count, crc) .pack() / ChunkHead.unpack(bytes)
+    FrameSocket(sock, timeout_s): send_frame, send_control, send_chunk (sendmsg, zero-copy), read_frame,
+        read_control(expect), read_chunk_head, recv_exact_into(memoryview), close() (from any thread)
+    WireError(reason, message): every malformed, truncated, timed-out or refused input ends in one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import hashlib
 import hmac
 import json
+import socket
 import struct
+import threading
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 MAGIC = b"PDKV"
-VERSION = 1
+VERSION = 2
 PREAMBLE = MAGIC + struct.pack(">H", VERSION)
-MAX_FRAME_BYTES = 32 << 20  # bytes; bounds what one side buffers per frame
+MAX_FRAME_BYTES = 64 << 20  # bytes; bounds what one side buffers per frame
 MAX_CONTROL_BYTES = 64 << 10  # bytes; JSON control frames are tiny
-CHUNK_TARGET_BYTES = 4 << 20  # bytes per KV chunk the sender aims for
+CHUNK_TARGET_BYTES = 4 << 20  # bytes per KV chunk the sender aims for (whole pages, at least one)
+MAX_TP_SIZE = 1024
+MAX_DIM = 1 << 20  # bound on any layout integer: a header cannot make the receiver allocate absurd buffers
 
 _FRAME = struct.Struct(">BI")
-_CHUNK = struct.Struct(">HBII")
+_CHUNK = struct.Struct(">BHBIII")
+
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class FrameType(enum.IntEnum):
@@ -51,10 +84,12 @@ class FrameType(enum.IntEnum):
     END = 5
     ACK = 6
     ERROR = 7
+    READY = 8
 
 
 class WireError(Exception):
-    """Protocol violation or a peer-reported error; ``reason`` is a short metric label."""
+    """Protocol violation, refusal or peer-reported error; ``reason`` is a short metric label
+    (auth, unknown_room, mismatch, checksum, protocol, closed, timeout, peer_error)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
@@ -62,38 +97,180 @@ class WireError(Exception):
         self.message = message
 
 
+def dtype_size(name: str) -> int:
+    if name not in DTYPE_SIZES:
+        raise WireError("mismatch", f"KV dtype {name!r} is not supported; accepted: {', '.join(DTYPE_SIZES)}")
+    return DTYPE_SIZES[name]
+
+
+def _check_int(owner: str, name: str, value, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise WireError("protocol", f"{owner}.{name}={value!r} is invalid; accepted: an integer in [{lo}, {hi}]")
+
+
+# ---- layout of one TP shard ----------------------------------------------------------------------
+
 @dataclass(frozen=True)
-class KVHeader:
+class KVLayout:
+    """Layout of one TP rank's paged KV cache: pages [num_pages, page_size, num_kv_heads, head_dim] per layer
+    and per K/V, in ``dtype`` (torch name without "torch.")."""
+
+    dtype: str
+    page_size: int  # tokens per page
+    num_layers: int
+    num_kv_heads: int  # per TP rank
+    head_dim: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, str):
+            raise WireError("protocol", f"KVLayout.dtype={self.dtype!r} is invalid; accepted: {', '.join(DTYPE_SIZES)}")
+        dtype_size(self.dtype)
+        for name in ("page_size", "num_layers", "num_kv_heads", "head_dim"):
+            _check_int("KVLayout", name, getattr(self, name), 1, MAX_DIM)
+        _check_int("KVLayout", "tp_size", self.tp_size, 1, MAX_TP_SIZE)
+        _check_int("KVLayout", "tp_rank", self.tp_rank, 0, self.tp_size - 1)
+        if self.page_bytes > MAX_FRAME_BYTES:
+            raise WireError("protocol", f"one KV page is {self.page_bytes} bytes, over the frame limit {MAX_FRAME_BYTES}")
+
+    @property
+    def page_bytes(self) -> int:
+        """bytes of one page of one layer's K (or V)."""
+        return self.page_size * self.num_kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
+
+    def run_bytes(self, num_pages: int) -> int:
+        """bytes of one (layer, kind) run of ``num_pages`` pages."""
+        return num_pages * self.page_bytes
+
+    def shard_bytes(self, num_pages: int) -> int:
+        return 2 * self.num_layers * self.run_bytes(num_pages)
+
+    def describe(self) -> str:
+        return (f"{self.dtype} page_size={self.page_size} layers={self.num_layers} kv_heads={self.num_kv_heads} "
+                f"head_dim={self.head_dim} tp_rank={self.tp_rank}/{self.tp_size}")
+
+
+_LAYOUT_FIELDS = (("dtype", "KV dtype"), ("page_size", "KV page size (tokens per page)"),
+                  ("num_layers", "layer count"), ("num_kv_heads", "KV heads per rank"), ("head_dim", "head dim"),
+                  ("tp_size", "tensor-parallel size"), ("tp_rank", "tensor-parallel rank"))
+
+
+def layout_mismatch(expected: KVLayout, got: KVLayout) -> str | None:
+    """Pure. None if decode (``expected``) can take prefill's shard (``got``), else a message naming every
+    differing field with both values, e.g. "KV dtype: prefill sends bfloat16, decode expects float32"."""
+    diffs = [f"{label}: prefill sends {getattr(got, name)}, decode expects {getattr(expected, name)}"
+             for name, label in _LAYOUT_FIELDS if getattr(got, name) != getattr(expected, name)]
+    if not diffs:
+        return None
+    return "KV layout mismatch between prefill and decode; " + "; ".join(diffs)
+
+
+def tp_mismatch(prefill_tp_size: int, decode_tp_size: int) -> str | None:
+    """Pure. Bootstrap-time refusal text when the two sides shard the KV differently."""
+    if prefill_tp_size == decode_tp_size:
+        return None
+    return (f"tensor-parallel size mismatch: prefill runs tp_size={prefill_tp_size}, decode runs "
+            f"tp_size={decode_tp_size}; accepted: equal tensor-parallel sizes on both sides of a pair")
+
+
+# ---- handshake and header ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Attach:
+    """What decode asks for: the room, the prompt it tokenized, and the TP shards it wants."""
+
     room: int
     rid: str
     num_tokens: int
+    prompt_crc: int
+    tp_size: int = 1
+    tp_ranks: tuple[int, ...] = (0,)
+
+    def to_json(self, mac: str) -> dict:
+        return {"room": self.room, "rid": self.rid, "num_tokens": self.num_tokens, "prompt_crc": self.prompt_crc,
+                "tp_size": self.tp_size, "tp_ranks": list(self.tp_ranks), "mac": mac}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Attach":
+        try:
+            att = cls(room=obj["room"], rid=obj["rid"], num_tokens=obj["num_tokens"], prompt_crc=obj["prompt_crc"],
+                      tp_size=obj.get("tp_size", 1), tp_ranks=tuple(obj.get("tp_ranks", (0,))))
+        except (KeyError, TypeError) as exc:
+            raise WireError("protocol", f"ATTACH needs room, rid, num_tokens, prompt_crc, tp_size, tp_ranks and mac: "
+                                        f"{exc}") from None
+        _check_int("ATTACH", "room", att.room, 0, (1 << 64) - 1)
+        _check_int("ATTACH", "num_tokens", att.num_tokens, 0, 1 << 31)
+        _check_int("ATTACH", "prompt_crc", att.prompt_crc, 0, (1 << 32) - 1)
+        _check_int("ATTACH", "tp_size", att.tp_size, 1, MAX_TP_SIZE)
+        if not isinstance(att.rid, str) or len(att.rid) > 512:
+            raise WireError("protocol", "ATTACH.rid must be a string of at most 512 characters")
+        if not att.tp_ranks or len(set(att.tp_ranks)) != len(att.tp_ranks):
+            raise WireError("protocol", f"ATTACH.tp_ranks={list(att.tp_ranks)!r} must list distinct ranks")
+        for r in att.tp_ranks:
+            _check_int("ATTACH", "tp_ranks[]", r, 0, att.tp_size - 1)
+        return att
+
+
+@dataclass(frozen=True)
+class KVHeader:
+    """Request-level header; ``shards`` holds one :class:`KVLayout` per TP shard on this connection."""
+
+    room: int
+    rid: str
+    num_tokens: int
+    num_pages: int  # pages per (layer, kind) run: ceil(num_tokens / page_size)
     first_token_id: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
-    chunk_tokens: int
     prompt_crc: int  # crc32 of the prompt token ids as little-endian int32
     model_sha256: str
-
-    @property
-    def bytes_per_token_layer(self) -> int:
-        return self.num_kv_heads * self.head_dim * dtype_size(self.dtype)
+    chunk_bytes: int  # sender's chunk target (informational; the receiver bounds by MAX_FRAME_BYTES)
+    shards: tuple[KVLayout, ...] = field(default_factory=tuple)
+    version: int = VERSION
 
     @property
     def total_bytes(self) -> int:
-        return 2 * self.num_layers * self.num_tokens * self.bytes_per_token_layer
+        return sum(s.shard_bytes(self.num_pages) for s in self.shards)
 
 
-def dtype_size(name: str) -> int:
-    sizes = {"float32": 4, "float16": 2, "bfloat16": 2}
-    if name not in sizes:
-        raise WireError("mismatch", f"KV dtype {name!r} is not supported; accepted: {', '.join(sizes)}")
-    return sizes[name]
+def header_to_json(h: KVHeader) -> dict:
+    d = asdict(h)
+    d["shards"] = [asdict(s) for s in h.shards]
+    return d
 
 
-def chunk_tokens_for(bytes_per_token_layer: int) -> int:
-    return max(1, CHUNK_TARGET_BYTES // max(1, bytes_per_token_layer))
+def header_from_json(obj: dict) -> KVHeader:
+    """Typed HEADER; any missing, extra-typed or out-of-range field raises WireError('protocol')."""
+    try:
+        shards = obj["shards"]
+        if not isinstance(shards, list) or not 1 <= len(shards) <= MAX_TP_SIZE:
+            raise WireError("protocol", "HEADER.shards must be a list of 1..1024 layouts")
+        layouts = tuple(KVLayout(**{k: s[k] for k in KVLayout.__dataclass_fields__}) for s in shards)
+        h = KVHeader(room=obj["room"], rid=obj["rid"], num_tokens=obj["num_tokens"], num_pages=obj["num_pages"],
+                     first_token_id=obj["first_token_id"], prompt_crc=obj["prompt_crc"],
+                     model_sha256=obj["model_sha256"], chunk_bytes=obj["chunk_bytes"], shards=layouts,
+                     version=obj["version"])
+    except (KeyError, TypeError) as exc:
+        raise WireError("protocol", f"HEADER is missing or has bad fields: {exc!r}") from None
+    if h.version != VERSION:
+        raise WireError("protocol", f"HEADER version {h.version!r} is not supported; accepted: {VERSION}")
+    _check_int("HEADER", "room", h.room, 0, (1 << 64) - 1)
+    _check_int("HEADER", "num_tokens", h.num_tokens, 0, 1 << 31)
+    _check_int("HEADER", "first_token_id", h.first_token_id, 0, 1 << 31)
+    _check_int("HEADER", "prompt_crc", h.prompt_crc, 0, (1 << 32) - 1)
+    _check_int("HEADER", "chunk_bytes", h.chunk_bytes, 1, MAX_FRAME_BYTES)
+    page = h.shards[0].page_size
+    need = -(-h.num_tokens // page)
+    if h.num_pages != need:
+        raise WireError("protocol", f"HEADER.num_pages={h.num_pages!r} does not cover {h.num_tokens} tokens in "
+                                    f"pages of {page}; expected {need}")
+    if not isinstance(h.rid, str) or not isinstance(h.model_sha256, str):
+        raise WireError("protocol", "HEADER.rid and HEADER.model_sha256 must be strings")
+    return h
+
+
+def chunk_pages_for(page_bytes: int, target: int = CHUNK_TARGET_BYTES) -> int:
+    """Whole pages per chunk: as many as fit in ``target`` bytes, at least one."""
+    return max(1, target // max(1, page_bytes))
 
 
 def prompt_crc(token_ids: list[int]) -> int:
@@ -106,14 +283,40 @@ def attach_mac(token: str | None, nonce: str, room: int) -> str:
     return hmac.new(token.encode(), f"{nonce}:{room}".encode(), hashlib.sha256).hexdigest()
 
 
-def verify_mac(token: str | None, nonce: str, room: int, mac: str) -> bool:
-    """True when no token is configured (auth off) or the MAC matches."""
+def verify_mac(token: str | None, nonce: str, room: int, mac) -> bool:
+    """True when no token is configured (auth off) or the MAC matches; compared in constant time."""
     if not token:
         return True
-    return hmac.compare_digest(attach_mac(token, nonce, room), str(mac))
+    if not isinstance(mac, str):
+        return False
+    return hmac.compare_digest(attach_mac(token, nonce, room).encode(), mac.encode("utf-8", "replace"))
 
 
-# ---- framing ---------------------------------------------------------------------------
+# ---- frames ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ChunkHead:
+    shard: int
+    layer: int
+    kind: int  # 0 = K, 1 = V
+    page_start: int
+    page_count: int
+    crc: int
+
+    SIZE = _CHUNK.size
+
+    def pack(self) -> bytes:
+        return _CHUNK.pack(self.shard, self.layer, self.kind, self.page_start, self.page_count, self.crc)
+
+    @classmethod
+    def unpack(cls, buf: bytes | memoryview) -> "ChunkHead":
+        if len(buf) < _CHUNK.size:
+            raise WireError("protocol", f"CHUNK payload of {len(buf)} bytes is shorter than its {_CHUNK.size}-byte head")
+        head = cls(*_CHUNK.unpack_from(buf))
+        if head.kind not in (0, 1):
+            raise WireError("protocol", f"CHUNK kind {head.kind} is not 0 (K) or 1 (V)")
+        return head
+
 
 def encode_frame(ftype: FrameType, payload: bytes) -> bytes:
     return _FRAME.pack(int(ftype), len(payload)) + payload
@@ -123,71 +326,144 @@ def encode_control(ftype: FrameType, obj: dict) -> bytes:
     return encode_frame(ftype, json.dumps(obj, separators=(",", ":")).encode())
 
 
-def encode_chunk_header(layer: int, kind: int, tok_start: int, tok_count: int) -> bytes:
-    return _CHUNK.pack(layer, kind, tok_start, tok_count)
-
-
-def decode_chunk(payload: bytes | memoryview) -> tuple[int, int, int, int, memoryview]:
-    """-> (layer, kind, tok_start, tok_count, raw bytes)."""
-    if len(payload) < _CHUNK.size:
-        raise WireError("protocol", f"CHUNK payload of {len(payload)} bytes is shorter than its header")
-    layer, kind, start, count = _CHUNK.unpack_from(payload)
-    if kind not in (0, 1):
-        raise WireError("protocol", f"CHUNK kind {kind} is not 0 (K) or 1 (V)")
-    return layer, kind, start, count, memoryview(payload)[_CHUNK.size:]
-
-
-async def read_preamble(reader: asyncio.StreamReader) -> None:
-    got = await reader.readexactly(len(PREAMBLE))
-    if got[:4] != MAGIC:
-        raise WireError("protocol", "peer did not send the PDKV preamble")
-    (version,) = struct.unpack(">H", got[4:])
-    if version != VERSION:
-        raise WireError("protocol", f"wire version {version} is not supported; accepted: {VERSION}")
-
-
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> tuple[FrameType, bytes]:
-    head = await reader.readexactly(_FRAME.size)
+def decode_frame_head(head: bytes | memoryview, max_bytes: int = MAX_FRAME_BYTES) -> tuple[FrameType, int]:
+    """Pure: 5 bytes -> (type, payload length); unknown types and oversized lengths raise WireError."""
     ftype, length = _FRAME.unpack(head)
-    if length > max_bytes:
-        raise WireError("protocol", f"frame of {length} bytes exceeds the limit of {max_bytes}")
     try:
         ft = FrameType(ftype)
     except ValueError:
         raise WireError("protocol", f"unknown frame type {ftype}") from None
-    payload = await reader.readexactly(length)
-    return ft, payload
-
-
-async def read_control(reader: asyncio.StreamReader, expect: FrameType) -> dict:
-    """Read one control frame of type ``expect``; a peer ERROR frame raises WireError with its reason."""
-    ftype, payload = await read_frame(reader, MAX_CONTROL_BYTES if expect is not FrameType.CHUNK else MAX_FRAME_BYTES)
-    if ftype is FrameType.ERROR:
-        err = parse_json(payload)
-        raise WireError(str(err.get("reason", "peer_error")), str(err.get("message", "")))
-    if ftype is not expect:
-        raise WireError("protocol", f"expected {expect.name}, got {ftype.name}")
-    return parse_json(payload)
+    if length > max_bytes:
+        raise WireError("protocol", f"{ft.name} frame of {length} bytes exceeds the limit of {max_bytes}")
+    return ft, length
 
 
 def parse_json(payload: bytes) -> dict:
     try:
         obj = json.loads(payload)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise WireError("protocol", "control frame is not valid JSON") from None
     if not isinstance(obj, dict):
         raise WireError("protocol", "control frame is not a JSON object")
     return obj
 
 
-def header_to_json(h: KVHeader) -> dict:
-    return asdict(h)
+def peer_error(payload: bytes) -> WireError:
+    """The WireError a peer's ERROR frame stands for (its reason and message, bounded)."""
+    err = parse_json(payload)
+    return WireError(str(err.get("reason", "peer_error"))[:64], str(err.get("message", ""))[:2000])
 
 
-def header_from_json(obj: dict) -> KVHeader:
-    try:
-        h = KVHeader(**{k: obj[k] for k in KVHeader.__dataclass_fields__})
-    except (KeyError, TypeError) as exc:
-        raise WireError("protocol", f"HEADER is missing or has bad fields: {exc}") from None
-    dtype_size(h.dtype)
-    return h
+def check_preamble(got: bytes) -> None:
+    if got[:4] != MAGIC:
+        raise WireError("protocol", "peer did not send the PDKV preamble")
+    (version,) = struct.unpack(">H", got[4:6])
+    if version != VERSION:
+        raise WireError("protocol", f"wire version {version} is not supported; accepted: {VERSION}")
+
+
+class FrameSocket:
+    """Blocking frame I/O on one connected TCP socket; every call is bounded by ``timeout_s``.
+
+    Used from one thread at a time, except :meth:`close`, which any thread (a watchdog) may call to
+    wake a blocked send or receive. Every failure surfaces as WireError (closed, timeout, protocol, ...).
+    """
+
+    def __init__(self, sock: socket.socket, timeout_s: float = 30.0) -> None:
+        self.sock = sock
+        sock.settimeout(timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        self._head = bytearray(_FRAME.size)
+        self._closed = threading.Event()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def close(self) -> None:
+        """Idempotent; safe from any thread (shutdown wakes a thread blocked in send/recv)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def _io_error(self, exc: BaseException, what: str) -> WireError:
+        if isinstance(exc, socket.timeout):
+            return WireError("timeout", f"peer stalled: no progress while {what}")
+        if self._closed.is_set():
+            return WireError("closed", f"connection closed locally while {what}")
+        return WireError("closed", f"connection lost while {what}: {type(exc).__name__}")
+
+    # ---- send ----
+    def send_all(self, *bufs) -> None:
+        """Write every buffer in order with sendmsg (no concatenation: payload memoryviews are not copied)."""
+        views = [memoryview(b).cast("B") for b in bufs]
+        try:
+            while views:
+                sent = self.sock.sendmsg(views)
+                while views and sent >= len(views[0]):
+                    sent -= len(views[0])
+                    views.pop(0)
+                if sent:
+                    views[0] = views[0][sent:]
+        except OSError as exc:  # includes socket.timeout
+            raise self._io_error(exc, "sending") from None
+
+    def send_preamble(self) -> None:
+        self.send_all(PREAMBLE)
+
+    def send_frame(self, ftype: FrameType, payload: bytes) -> None:
+        self.send_all(_FRAME.pack(int(ftype), len(payload)), payload)
+
+    def send_control(self, ftype: FrameType, obj: dict) -> None:
+        self.send_frame(ftype, json.dumps(obj, separators=(",", ":")).encode())
+
+    def send_chunk(self, head: ChunkHead, raw: memoryview) -> None:
+        self.send_all(_FRAME.pack(int(FrameType.CHUNK), ChunkHead.SIZE + len(raw)) + head.pack(), raw)
+
+    # ---- receive ----
+    def recv_exact_into(self, view: memoryview, what: str = "receiving") -> None:
+        """Fill ``view`` completely from the socket (recv_into; no intermediate copies)."""
+        view = memoryview(view).cast("B")
+        got = 0
+        n = len(view)
+        try:
+            while got < n:
+                r = self.sock.recv_into(view[got:], n - got)
+                if r == 0:
+                    raise WireError("closed", f"peer closed the connection while {what} ({got} of {n} bytes)")
+                got += r
+        except OSError as exc:
+            raise self._io_error(exc, what) from None
+
+    def recv_exact(self, n: int, what: str = "receiving") -> bytes:
+        buf = bytearray(n)
+        self.recv_exact_into(memoryview(buf), what)
+        return bytes(buf)
+
+    def read_preamble(self) -> None:
+        check_preamble(self.recv_exact(len(PREAMBLE), "reading the preamble"))
+
+    def read_frame_head(self, max_bytes: int = MAX_FRAME_BYTES) -> tuple[FrameType, int]:
+        self.recv_exact_into(memoryview(self._head), "reading a frame head")
+        return decode_frame_head(self._head, max_bytes)
+
+    def read_frame(self, max_bytes: int = MAX_CONTROL_BYTES) -> tuple[FrameType, bytes]:
+        ftype, length = self.read_frame_head(max_bytes)
+        return ftype, self.recv_exact(length, f"reading a {ftype.name} frame")
+
+    def read_control(self, expect: FrameType) -> dict:
+        """One control frame of type ``expect``; a peer ERROR raises its WireError, anything else 'protocol'."""
+        ftype, payload = self.read_frame(MAX_CONTROL_BYTES)
+        if ftype is FrameType.ERROR:
+            raise peer_error(payload)
+        if ftype is not expect:
+            raise WireError("protocol", f"expected {expect.name}, got {ftype.name}")
+        return parse_json(payload)

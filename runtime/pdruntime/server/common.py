@@ -172,6 +172,7 @@ class TestHooks:
     def __init__(self) -> None:
         self.stall_transfers = 0  # decode: stop reading after the next N HEADERs (simulates a stuck transfer)
         self.stall_prefill = 0  # prefill: hold the next N attached requests before the engine
+        self.corrupt_kv_chunk = 0  # prefill: flip one byte of the next N transfers' first chunk after its checksum
 
     def take(self, name: str) -> bool:
         n = getattr(self, name)

@@ -69,7 +69,7 @@ class DecodeWorker(WorkerBase):
                              "tick_s": self.env.watchdog_tick_s}}
 
     def debug_extra(self, req: DecodeRequest) -> dict:
-        return {"completion_tokens": req.completion_tokens}
+        return {"completion_tokens": req.completion_tokens, **(req.kv_stats.row() if req.kv_stats is not None else {})}
 
     # ---- failure and cleanup (idempotent) ----------------------------------------------------
     def _fail(self, req: DecodeRequest, reason: str, *, cause: str = "peer_failure", status: int = 502) -> None:
@@ -129,32 +129,36 @@ class DecodeWorker(WorkerBase):
                               lambda d, r=req: self._fail(r, f"decode transfer timeout: no verified KV within "
                                                           f"{self.env.decode_transfer_timeout_s}s", cause="watchdog", status=504),
                               ids=f"rid={req.rid} room={req.room}")
-            att = transfer.Attach(req.room, req.rid, len(req.prompt_ids), wire.prompt_crc(req.prompt_ids))
-            reader, req.writer = await transfer.open_attach(req.bootstrap_host, req.bootstrap_port, self.kv_token, att)
+            expected = [self.layout]  # one shard per TP rank this connection carries
+            att = wire.Attach(req.room, req.rid, len(req.prompt_ids), wire.prompt_crc(req.prompt_ids),
+                              tp_size=self.layout.tp_size, tp_ranks=tuple(lay.tp_rank for lay in expected))
+            conn = req.writer = await transfer.open_attach(req.bootstrap_host, req.bootstrap_port, self.kv_token, att)
+            req.kv_stats = conn.stats
             req.status.advance(TransferState.WAITING_FOR_INPUT, self.clock.now())
-            slots = transfer.flat_slots(blocks, self.engine.config.block_size, len(req.prompt_ids))
-            kv = self.engine.kv
-            dtype = kv.k[0].dtype
-
-            def on_header(h):
-                transfer.check_header(h, att, self.layout, self.model_sha)
-                req.status.advance(TransferState.TRANSFERRING, self.clock.now())
-                return lambda layer, kind, start, count, raw: transfer.scatter_chunk(kv, slots, layer, kind, start, count, raw, dtype)
-
+            header = await transfer.recv_header(conn)
             if self.hooks.take("stall_transfers"):
                 # test hook: read the HEADER, then stop reading (a stuck transfer; the peer never gets its ACK)
-                wire.header_from_json(await wire.read_control(reader, wire.FrameType.HEADER))
                 req.status.advance(TransferState.TRANSFERRING, self.clock.now())
                 await asyncio.Event().wait()
-            header, nbytes = await transfer.recv_kv(reader, req.writer, att, on_header)
-            req.writer.close()
+            try:
+                transfer.check_header(header, att, expected, self.model_sha)  # mismatch: both sides fail + free
+                req.status.advance(TransferState.TRANSFERRING, self.clock.now())
+                stats = await transfer.recv_kv(conn, header, [transfer.ShardSink(self.engine.kv, blocks, self.layout)])
+            except WireError as exc:
+                if exc.reason not in ("closed", "timeout"):
+                    await transfer.send_error(conn, exc.reason, exc.message)  # prefill fails with the same reason
+                raise
+            conn.close()
             req.writer = None
+            nbytes = stats.bytes
             self.watchdog.disarm(req.rid, "decode_transfer")
             req.status.advance(TransferState.SUCCESS, self.clock.now())
             req.bytes_received = nbytes
             self.metrics.transfers.labels(self.role, "success").inc()
             self.metrics.transfer_seconds.labels(self.role).observe(self.clock.now() - t0)
             self.metrics.transfer_bytes.labels(self.role).observe(nbytes)
+            self.metrics.transfer_bytes_total.labels(self.role).inc(nbytes)
+            self.metrics.transfer_wire_seconds.labels(self.role).observe(stats.seconds)
             self.runner.set_sink(req.rid, lambda out, r=req: self._on_output(r, out))
             early = self._early_first_token(req, header.first_token_id)
             if early is not None:  # queued before the engine can report anything for this request

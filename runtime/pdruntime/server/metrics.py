@@ -75,6 +75,12 @@ class Metrics:
                                           ["role"], buckets=LATENCY_BUCKETS, registry=r)
         self.transfer_bytes = Histogram("pdrt_kv_transfer_bytes", "KV bytes per transfer", ["role"],
                                         buckets=BYTES_BUCKETS, registry=r)
+        self.transfer_bytes_total = Counter("pdrt_kv_transfer_bytes_total", "KV bytes moved by successful "
+                                            "transfers (prefill: sent; decode: received and verified)", ["role"],
+                                            registry=r)
+        self.transfer_wire_seconds = Histogram("pdrt_kv_transfer_wire_seconds", "Bulk phase of a successful KV "
+                                               "transfer (first chunk to ACK: the wire's own speed), seconds",
+                                               ["role"], buckets=ITL_BUCKETS + LATENCY_BUCKETS[9:], registry=r)
         self.transfer_rejected = Counter("pdrt_kv_transfer_rejected_total", "KV-transfer connections rejected, "
                                          "by reason (auth, unknown_room, mismatch, protocol)", ["reason"], registry=r)
         self.watchdog_fired = Counter("pdrt_watchdog_fired_total", "Watchdog fires, by role and phase "

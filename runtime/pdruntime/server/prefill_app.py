@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from pdruntime.disagg import transfer, wire
 from pdruntime.disagg.prefill_queues import PrefillQueues, PrefillRequest
 from pdruntime.disagg.states import TransferState, TransferStatus
-from pdruntime.disagg.wire import KVHeader, WireError
+from pdruntime.disagg.wire import WireError
 from pdruntime.server.common import client_of, read_generate, request_id
 from pdruntime.server.schemas import ApiError, error_body
 from pdruntime.server.worker_base import WorkerBase
@@ -31,6 +31,7 @@ log = logging.getLogger("pdruntime.prefill")
 # seconds an attach may wait for its room to be registered: routers send both legs at once, so decode
 # can attach a moment before the prefill request arrives; longer than that is a wrong room
 ATTACH_GRACE_S = 2.0
+REJECT_LOG_INTERVAL_S = 10.0  # seconds between WARNING lines about rejected KV pulls (the rest are counted)
 
 
 class TransferFailed(Exception):
@@ -48,15 +49,15 @@ class PrefillWorker(WorkerBase):
         self.bootstrap_host = bootstrap_host
         self.bootstrap_port = bootstrap_port
         self.queues = PrefillQueues()
-        self._server: asyncio.AbstractServer | None = None
-        self.layout = None
+        self._server: transfer.BootstrapServer | None = None
+        self.layout: wire.KVLayout | None = None
+        self.reject_log = transfer.LogLimiter(REJECT_LOG_INTERVAL_S)
         self.model_sha = self.loaded.info.sha256 or ""
 
     async def start_role(self) -> None:
         self.layout = transfer.layout_of(self.engine.kv)
-        self._server = await asyncio.start_server(self._on_connection, self.bootstrap_host, self.bootstrap_port)
-        if self.bootstrap_port == 0:
-            self.bootstrap_port = self._server.sockets[0].getsockname()[1]
+        self._server = await transfer.BootstrapServer.start(self.bootstrap_host, self.bootstrap_port, self._on_connection)
+        self.bootstrap_port = self._server.port
         if not self.kv_token:
             log.warning("KV-transfer auth is disabled (no PDRT_KV_AUTH_TOKEN / PDRT_KV_AUTH_TOKEN_FILE)")
 
@@ -68,6 +69,9 @@ class PrefillWorker(WorkerBase):
         return {"bootstrap": {"host": self.bootstrap_host, "port": self.bootstrap_port},
                 "watchdog": {"bootstrap_timeout_s": self.env.bootstrap_timeout_s,
                              "transfer_timeout_s": self.env.transfer_timeout_s, "tick_s": self.env.watchdog_tick_s}}
+
+    def debug_extra(self, req: PrefillRequest) -> dict:
+        return req.kv_stats.row() if req.kv_stats is not None else {}
 
     # ---- failure and cleanup (idempotent) ----------------------------------------------------
     def _fail(self, req: PrefillRequest, reason: str, *, cause: str = "peer_failure", status: int = 503) -> None:
@@ -140,42 +144,45 @@ class PrefillWorker(WorkerBase):
         app.post("/generate")(self.generate)
 
     # ---- bootstrap (KV transfer) side ----------------------------------------------------------
-    def _reject(self, reason: str) -> None:
+    async def _reject(self, conn: transfer.KVConn, reason: str, message: str) -> None:
+        """Refuse a KV pull: ERROR frame to the peer, counted by reason, at most one WARNING per interval.
+        Messages name rooms and rids, never credentials."""
         self.metrics.transfer_rejected.labels(reason).inc()
+        emit, suppressed = self.reject_log.allow(self.clock.now())
+        if emit:
+            log.warning("KV pull rejected (%s): %s%s", reason, message,
+                        f" [{suppressed} more rejections suppressed in the last {REJECT_LOG_INTERVAL_S:.0f}s]"
+                        if suppressed else "")
+        await transfer.send_error(conn, reason, message)
 
-    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _on_connection(self, conn: transfer.KVConn) -> None:
         try:
-            att = await transfer.accept_attach(reader, writer, self.kv_token)
+            att = await transfer.accept_attach(conn, self.kv_token)
         except WireError as exc:
-            self._reject(exc.reason)
-            log.warning("KV attach rejected: %s", exc)
-            await transfer.send_error(writer, exc.reason, exc.message)
+            await self._reject(conn, exc.reason if exc.reason == "auth" else "protocol", exc.message)
             return
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError, OSError) as exc:
-            self._reject("protocol")
-            log.warning("KV attach failed: %r", exc)
-            writer.close()
+        tp_msg = wire.tp_mismatch(self.layout.tp_size, att.tp_size)
+        if tp_msg:  # refused at bootstrap, before any prefill work
+            await self._reject(conn, "mismatch", f"room {att.room}: {tp_msg}")
             return
         req = await self.queues.wait_room(att.room, min(self.env.bootstrap_timeout_s, ATTACH_GRACE_S))
         if req is None or req.rid != att.rid and att.rid:
-            self._reject("unknown_room")
-            await transfer.send_error(writer, "unknown_room", f"no live request for room {att.room} (rid {att.rid})")
+            await self._reject(conn, "unknown_room", f"no live request for room {att.room} (rid {att.rid})")
             return
         if req.writer is not None or req.status.state is not TransferState.BOOTSTRAPPING:
-            self._reject("mismatch")
-            await transfer.send_error(writer, "mismatch", f"room {att.room} already has a decode peer")
+            await self._reject(conn, "mismatch", f"room {att.room} already has a decode peer")
             return
         if att.num_tokens != len(req.prompt_ids) or att.prompt_crc != wire.prompt_crc(req.prompt_ids):
-            self._reject("mismatch")
-            await transfer.send_error(writer, "mismatch", f"room {att.room}: decode tokenized {att.num_tokens} tokens, "
-                                      f"prefill {len(req.prompt_ids)} (or the token checksum differs)")
+            await self._reject(conn, "mismatch", f"room {att.room}: decode tokenized {att.num_tokens} tokens, "
+                               f"prefill {len(req.prompt_ids)} (or the token checksum differs)")
             self._fail(req, "decode peer's prompt does not match", status=502)
             return
-        await self._serve(req, reader, writer)
+        await self._serve(req, conn)
 
-    async def _serve(self, req: PrefillRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, req: PrefillRequest, conn: transfer.KVConn) -> None:
         loop = asyncio.get_running_loop()
-        req.writer = writer
+        req.writer = conn
+        req.kv_stats = conn.stats
         self.watchdog.disarm(req.rid, "bootstrap")
         req.status.advance(TransferState.WAITING_FOR_INPUT, self.clock.now())
         self.queues.move(req.rid, "waiting")
@@ -198,13 +205,11 @@ class PrefillWorker(WorkerBase):
             t0 = self.clock.now()
             self.watchdog.arm(req.rid, "transfer", self.env.transfer_timeout_s,
                               lambda d, r=req: self._on_watchdog(r, "transfer"), ids=f"rid={req.rid} room={req.room}")
-            nl, hkv, hd, dt = self.layout
-            header = KVHeader(room=req.room, rid=req.rid, num_tokens=ntok, first_token_id=int(first), num_layers=nl,
-                              num_kv_heads=hkv, head_dim=hd, dtype=dt, chunk_tokens=wire.chunk_tokens_for(hkv * hd * wire.dtype_size(dt)),
-                              prompt_crc=wire.prompt_crc(req.prompt_ids), model_sha256=self.model_sha)
-            slots = transfer.flat_slots(blocks, self.engine.config.block_size, ntok)
-            chunks = transfer.gather_chunks(self.engine.kv, slots, header.chunk_tokens)
-            req.bytes_sent = await transfer.send_kv(reader, writer, header, chunks)
+            header = transfer.make_header(req.room, req.rid, ntok, first, wire.prompt_crc(req.prompt_ids),
+                                          self.model_sha, [self.layout])
+            sources = [transfer.ShardSource(self.engine.kv, blocks, self.layout)]
+            stats = await transfer.send_kv(conn, header, sources, corrupt_first_chunk=self.hooks.take("corrupt_kv_chunk"))
+            req.bytes_sent = stats.bytes
             if req.status.state.terminal:
                 return
             # receipt confirmed: the transfer phase (and its watchdog) ends here, before any decoding
@@ -216,12 +221,14 @@ class PrefillWorker(WorkerBase):
             self.metrics.transfers.labels(self.role, "success").inc()
             self.metrics.transfer_seconds.labels(self.role).observe(self.clock.now() - t0)
             self.metrics.transfer_bytes.labels(self.role).observe(req.bytes_sent)
+            self.metrics.transfer_bytes_total.labels(self.role).inc(req.bytes_sent)
+            self.metrics.transfer_wire_seconds.labels(self.role).observe(stats.seconds)
             if not req.done.done():
                 req.done.set_result(None)
-            writer.close()
+            conn.close()
         except WireError as exc:
             self._fail(req, f"KV transfer failed: {exc}", status=502)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+        except OSError as exc:
             self._fail(req, f"decode peer connection lost during {req.status.state.label}: {type(exc).__name__}", status=502)
         except TransferFailed:
             pass  # already failed (watchdog, abort, engine)

@@ -181,7 +181,7 @@ class WorkerBase:
                     self.clock.advance(float(body["advance_clock_s"]))
                 if "step_delay_s" in body and self.runner is not None:
                     self.runner.step_delay_s = float(body["step_delay_s"])
-                for name in ("stall_transfers", "stall_prefill"):
+                for name in ("stall_transfers", "stall_prefill", "corrupt_kv_chunk"):
                     if name in body:
                         setattr(self.hooks, name, int(body[name]))
                 return {"clock": self.clock.now(), "step_delay_s": self.runner.step_delay_s if self.runner else 0,
