@@ -48,6 +48,19 @@ def _weight_bytes(model: Any) -> int:
     return total
 
 
+def load_for(source: str | None, config: EngineConfig, *, weights: str = "fp32", threads: int | None = None,
+             env=None) -> LoadedModel:
+    """Load the model the way ``config`` says: its device and dtype, and with tensor_parallel_size > 1 the
+    follower ranks started and rank 0's shard loaded here (``Engine(loaded, config)`` then drives them)."""
+    if config.tensor_parallel_size > 1:
+        from . import tp
+
+        return tp.start(source, config, weights=weights, threads=threads, env=env)
+    from ..model import load_model
+
+    return load_model(source, dtype=config.torch_dtype, device=config.device, weights=weights, env=env)
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
@@ -371,6 +384,31 @@ class Engine:
         seq.status = Status.FINISHED
         self._seqs.pop(seq.request_id, None)
         return self._report(seq, len(seq.text), finished=True)
+
+    # -- tensor parallelism: KV pages of every rank (engine thread only: these are collectives) ----
+    def gather_pages(self, block_ids: list[int]) -> list:
+        """Every TP rank's KV pages ``block_ids`` on this host, one KV-like object per rank (k/v lists of
+        [n, page, Hkv_rank, D], pages renumbered 0..n-1), for a KV transfer to send rank by rank."""
+        if self.tp_size == 1:
+            raise RuntimeError("gather_pages is for tensor-parallel engines; send from engine.kv directly")
+        return self.model.gather_pages(list(block_ids))
+
+    def empty_pages(self, num_pages: int) -> list:
+        """Host staging for ``num_pages`` incoming pages per TP rank (like gather_pages' result)."""
+        if self.tp_size == 1:
+            raise RuntimeError("empty_pages is for tensor-parallel engines; receive into engine.kv directly")
+        return self.model.empty_pages(num_pages)
+
+    def scatter_pages(self, block_ids: list[int], staged: list) -> None:
+        """Write each TP rank's staged pages into that rank's KV cache at ``block_ids``."""
+        if self.tp_size == 1:
+            raise RuntimeError("scatter_pages is for tensor-parallel engines")
+        self.model.scatter_pages(list(block_ids), staged)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel followers (no-op for a single-process engine). Idempotent."""
+        if self.tp_size > 1:
+            self.model.shutdown()
 
     # -- introspection ---------------------------------------------------------------------------
     def _get(self, request_id: str) -> Sequence:
