@@ -207,7 +207,7 @@ def main() -> int:
         def transfer_totals() -> tuple[float, float, float]:
             m = httpx.get(prefill + "/metrics", timeout=10).text
             return (metric_sum(m, "pdrt_kv_transfer_seconds_count"), metric_sum(m, "pdrt_kv_transfer_seconds_sum"),
-                    metric_sum(m, "pdrt_kv_transfer_bytes_sum"))
+                    metric_sum(m, "pdrt_kv_transfer_size_bytes_sum"))
 
         for conc in args.concurrency:
             for mode in ("pd", "mono"):
@@ -224,7 +224,7 @@ def main() -> int:
                 print(f"  {mode:4s} c={conc}: TTFT p50 {r['ttft_p50_s'] * 1000:8.1f} ms  max {r['ttft_max_s'] * 1000:8.1f} ms"
                       f"  {r['tokens_per_s']:7.1f} tok/s{xfer}", flush=True)
         m = httpx.get(prefill + "/metrics", timeout=10).text
-        secs, nbytes = metric_sum(m, "pdrt_kv_transfer_seconds_sum"), metric_sum(m, "pdrt_kv_transfer_bytes_sum")
+        secs, nbytes = metric_sum(m, "pdrt_kv_transfer_seconds_sum"), metric_sum(m, "pdrt_kv_transfer_size_bytes_sum")
         count = metric_sum(m, "pdrt_kv_transfer_seconds_count")
         results["in_stack_transfer"] = {"transfers": count, "bytes": nbytes, "seconds": secs,
                                         "gb_per_s": nbytes / secs / 1e9 if secs else None}

@@ -60,7 +60,7 @@ def test_streamed_chat_completion_through_the_router_matches_monolithic(stack, m
     assert mono["meta_info"]["completion_tokens"] == 12
     assert text == mono["text"]
     assert stack.metric(stack.prefill, "pdrt_kv_transfers_total", {"outcome": "success"}) >= 1
-    assert stack.metric(stack.decode, "pdrt_kv_transfer_bytes_sum") > 0
+    assert stack.metric(stack.decode, "pdrt_kv_transfer_bytes_total") > 0
     assert_idle(stack)
 
 

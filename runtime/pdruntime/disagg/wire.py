@@ -268,9 +268,9 @@ def header_from_json(obj: dict) -> KVHeader:
     return h
 
 
-def chunk_pages_for(page_bytes: int, target: int = CHUNK_TARGET_BYTES) -> int:
-    """Whole pages per chunk: as many as fit in ``target`` bytes, at least one."""
-    return max(1, target // max(1, page_bytes))
+def chunk_pages_for(page_bytes: int, target: int | None = None) -> int:
+    """Whole pages per chunk: as many as fit in ``target`` (default CHUNK_TARGET_BYTES) bytes, at least one."""
+    return max(1, (CHUNK_TARGET_BYTES if target is None else target) // max(1, page_bytes))
 
 
 def prompt_crc(token_ids: list[int]) -> int:

@@ -73,7 +73,7 @@ class Metrics:
         self.transfer_seconds = Histogram("pdrt_kv_transfer_seconds", "KV transfer phase duration (prefill: KV "
                                           "ready to receipt confirmed; decode: attach to KV verified), seconds",
                                           ["role"], buckets=LATENCY_BUCKETS, registry=r)
-        self.transfer_bytes = Histogram("pdrt_kv_transfer_bytes", "KV bytes per transfer", ["role"],
+        self.transfer_bytes = Histogram("pdrt_kv_transfer_size_bytes", "KV bytes per successful transfer", ["role"],
                                         buckets=BYTES_BUCKETS, registry=r)
         self.transfer_bytes_total = Counter("pdrt_kv_transfer_bytes_total", "KV bytes moved by successful "
                                             "transfers (prefill: sent; decode: received and verified)", ["role"],
