@@ -133,7 +133,8 @@ class Engine:
             self.graphs = None
             self.graphs_status = f"eager fallback (capture failed: {type(exc).__name__}: {exc})"
             log.warning("CUDA graphs: capture failed, decoding eagerly: %s: %s", type(exc).__name__, exc)
-            torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     @property
     def max_full_context_seqs(self) -> int:
