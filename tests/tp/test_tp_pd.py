@@ -90,3 +90,24 @@ def test_tp_size_mismatch_is_refused_with_both_sizes_named(cluster):
 def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_a_dead_tp_follower_takes_its_worker_down_loudly(tmp_path_factory):
+    """Rank 0 cannot serve without its peers: when a follower dies, the worker exits non-zero with one log line
+    naming the rank (so the pod restarts and the operator co-restarts the pair), instead of hanging."""
+    import signal
+
+    model = write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-tp-kill")))
+    port = free_port()
+    p = spawn("decode-tp2", ["--role", "decode", "--port", str(port), "--model", model, "--tensor-parallel-size", "2",
+                             *FLAGS], base_env(), str(tmp_path_factory.mktemp("tp-kill-logs")), port)
+    try:
+        wait_healthy([p], timeout=240)
+        pids = httpx.get(p.url + "/config", timeout=30).json()["engine"]["tp_follower_pids"]
+        assert len(pids) == 1
+        os.kill(pids[0], signal.SIGKILL)
+        code = p.popen.wait(60)  # generous deadline: a hang fails here
+        assert code == 3
+        assert f"tensor-parallel rank 1 (pid {pids[0]}) exited with code -9" in p.log_text()
+    finally:
+        p.stop()

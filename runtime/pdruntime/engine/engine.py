@@ -444,6 +444,7 @@ class Engine:
             "engine": asdict(self.config),
             "device": self.config.device,
             "tensor_parallel_size": self.tp_size,
+            "tp_follower_pids": list(getattr(self.model, "follower_pids", [])),
             "num_blocks": self.pool.num_total,
             "kv_pages": self.pool.num_total,
             "kv_budget": self.kv_budget_source,

@@ -109,15 +109,32 @@ class TPDriver:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
+    @property
+    def follower_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def _lockstep(self, what: str, fn, *args, **kw):
+        """Run rank 0's half of a collective step. Once the command is out, the followers are inside the same
+        collectives: a failure here leaves them waiting on a partner that never comes, so rank 0 exits
+        (non-zero, one log line) instead of serving on with the group out of step."""
+        try:
+            return fn(*args, **kw)
+        except BaseException as exc:
+            log.critical("tensor-parallel %s failed on rank 0 after the followers started it (%s: %s); the ranks are "
+                         "out of step, exiting", what, type(exc).__name__, exc)
+            logging.shutdown()
+            os._exit(3)
+
     # -- the model calls -------------------------------------------------------------------------
     def decode(self, token_ids, positions, k_cache, v_cache, block_table, seq_lens, *, attn_plan=None):
         _broadcast(Command("decode", {"token_ids": token_ids.cpu(), "positions": positions.cpu(),
                                       "block_table": block_table.cpu(), "seq_lens": seq_lens.cpu()}))
-        return self._model.decode(token_ids, positions, k_cache, v_cache, block_table, seq_lens)
+        return self._lockstep("decode", self._model.decode, token_ids, positions, k_cache, v_cache, block_table,
+                              seq_lens)
 
     def prefill_batch(self, chunks, k_cache, v_cache, *, all_logits: bool = False):
         _broadcast(Command("prefill", {"chunks": [tuple(c) for c in chunks]}))
-        return self._model.prefill_batch(chunks, k_cache, v_cache, all_logits=all_logits)
+        return self._lockstep("prefill", self._model.prefill_batch, chunks, k_cache, v_cache, all_logits=all_logits)
 
     def prefill(self, token_ids, start_pos, k_cache, v_cache, block_ids, *, all_logits: bool = False):
         from ..model.llama import PrefillChunk
@@ -149,7 +166,7 @@ class TPDriver:
         """Every rank's pages ``block_ids`` of one request, on rank 0's host, one _PageKV per rank."""
         ids = torch.tensor(block_ids, dtype=torch.int64)
         _broadcast(Command("gather_pages", {"block_ids": ids}))
-        bufs = _gather(_local_pages(self._kv, ids), self.tp_size, 0)
+        bufs = self._lockstep("page gather", lambda: _gather(_local_pages(self._kv, ids), self.tp_size, 0))
         out = []
         for b in bufs:
             b = b.cpu()
@@ -168,12 +185,16 @@ class TPDriver:
         import torch.distributed as dist
 
         ids = torch.tensor(block_ids, dtype=torch.int64)
-        _broadcast(Command("scatter_pages", {"block_ids": ids}))
         dev = self._coll_device()
         parts = [torch.stack([torch.stack((s.k[n], s.v[n])) for n in range(len(s.k))]).to(dev) for s in staged]
-        mine = torch.empty_like(parts[0])
-        dist.scatter(mine, parts, src=0)
-        _write_pages(self._kv, ids, mine)
+        _broadcast(Command("scatter_pages", {"block_ids": ids}))
+
+        def scatter() -> None:
+            mine = torch.empty_like(parts[0])
+            dist.scatter(mine, parts, src=0)
+            _write_pages(self._kv, ids, mine)
+
+        self._lockstep("page scatter", scatter)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def _coll_device(self) -> torch.device:
