@@ -4,9 +4,16 @@ Two processes (this one is decode / the receiving end; a child is prefill / the 
 
 - **raw socket**: the peer sends N bytes with ``sendall`` from one preallocated 4 MiB buffer, we
   ``recv_into`` one preallocated 4 MiB buffer: the ceiling for a Python TCP stream on this host.
+- **raw socket, same pages**: the peer ``sendmsg``s the wire's scattered pages (page spans of a
+  hundreds-of-MiB cache, as the wire does) and we ``recvmsg_into`` decode's scattered pages, with no
+  framing and no checksum: the ceiling for moving KV that lives in DRAM rather than in CPU caches.
 - **pdstack wire**: the real API (``open_attach`` -> ``recv_header`` -> ``recv_kv`` against
   ``BootstrapServer`` + ``accept_attach`` + ``send_kv``), moving paged KV from scattered pages of a
-  paged cache into scattered pages of another: gather, per-chunk crc32 on both ends, framing, scatter.
+  paged cache into scattered pages of another (random page tables), with framing and a per-chunk
+  checksum on both ends; and again with contiguous page tables.
+
+The plain raw peer reads and writes one 4 MiB buffer that stays in the CPU caches; the wire reads and
+writes pages spread over a cache of hundreds of MiB (DRAM), as a real transfer does.
 
 KV layout: one TP rank of a Llama-3-8B-shaped cache (32 layers, 8 KV heads x 128, bf16, 16-token
 pages: 2 MiB of K+V per page across layers). Rounds interleave raw and wire at every size; the table
@@ -28,7 +35,6 @@ import subprocess
 import sys
 import threading
 import time
-import zlib
 from types import SimpleNamespace
 
 import torch
@@ -53,17 +59,25 @@ def page_ids(num_blocks: int, seed: int) -> list[int]:
 
 # ---- sending end (child process) ---------------------------------------------------------------
 
-def raw_server(lsock: socket.socket) -> None:
+def raw_server(lsock: socket.socket, kv, ids: list[int]) -> None:
     buf = bytearray(os.urandom(1 << 16)) * (RAW_CHUNK >> 16)
     view = memoryview(buf)
+    layout = transfer.layout_of(kv)
     while True:
         s, _ = lsock.accept()
         with s:
-            (n,) = struct.unpack(">Q", s.recv(8, socket.MSG_WAITALL))
-            while n > 0:
-                k = min(n, RAW_CHUNK)
-                s.sendall(view[:k])
-                n -= k
+            mode, n = struct.unpack(">BQ", s.recv(9, socket.MSG_WAITALL))
+            if mode == 0:  # one cache-hot 4 MiB buffer
+                while n > 0:
+                    k = min(n, RAW_CHUNK)
+                    s.sendall(view[:k])
+                    n -= k
+            else:  # the same scattered pages the wire sends: sendmsg of the page spans, no framing, no checksum
+                pages = n // (2 * LAYERS * layout.page_bytes)
+                fs = wire.FrameSocket(s, 30)
+                for *_, bufs in transfer.ShardSource(kv, ids[:pages], layout).chunks(pages, wire.chunk_pages_for(
+                        layout.page_bytes)):
+                    fs.send_views(list(bufs))
             s.recv(1)  # wait for the peer's close
 
 
@@ -71,13 +85,15 @@ async def serve(num_blocks: int) -> None:
     kv = make_kv(num_blocks, fill=True)
     layout = transfer.layout_of(kv)
     ids = page_ids(num_blocks, 1)
+    contiguous = list(range(num_blocks))
 
     async def handler(conn: transfer.KVConn) -> None:
         try:
             att = await transfer.accept_attach(conn, TOKEN)
             pages = -(-att.num_tokens // PAGE)
-            h = transfer.make_header(att.room, att.rid, att.num_tokens, 0, att.prompt_crc, "", [layout])
-            await transfer.send_kv(conn, h, [transfer.ShardSource(kv, ids[:pages], layout)])
+            h = transfer.make_header(att.room, att.rid, att.num_tokens, 0, att.prompt_crc, "", [layout], att.checksums)
+            table = contiguous if att.rid.startswith("contig") else ids
+            await transfer.send_kv(conn, h, [transfer.ShardSource(kv, table[:pages], layout)])
         except wire.WireError as exc:
             print(f"server: {exc}", file=sys.stderr, flush=True)
         finally:
@@ -87,7 +103,7 @@ async def serve(num_blocks: int) -> None:
     lsock = socket.socket()
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(8)
-    threading.Thread(target=raw_server, args=(lsock,), daemon=True).start()
+    threading.Thread(target=raw_server, args=(lsock, kv, ids), daemon=True).start()
     print(f"PORTS {server.port} {lsock.getsockname()[1]}", flush=True)
     await asyncio.Event().wait()
 
@@ -99,7 +115,7 @@ def raw_once(port: int, nbytes: int) -> float:
     view = memoryview(buf)
     with socket.create_connection(("127.0.0.1", port)) as s:
         t0 = time.perf_counter()
-        s.sendall(struct.pack(">Q", nbytes))
+        s.sendall(struct.pack(">BQ", 0, nbytes))
         got = 0
         while got < nbytes:
             r = s.recv_into(view, min(RAW_CHUNK, nbytes - got))
@@ -109,11 +125,29 @@ def raw_once(port: int, nbytes: int) -> float:
         return time.perf_counter() - t0
 
 
-async def wire_once(port: int, kv, ids: list[int], nbytes: int, room: int) -> float:
+def raw_pages_once(port: int, kv, ids: list[int], nbytes: int) -> float:
+    """The raw socket moving the wire's scattered DRAM pages: recvmsg_into the page spans, nothing else."""
+    layout = transfer.layout_of(kv)
+    pages = nbytes // (2 * LAYERS * layout.page_bytes)
+    sink = transfer.ShardSink(kv, ids[:pages], layout)
+    per = wire.chunk_pages_for(layout.page_bytes)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        fs = wire.FrameSocket(s, 30)
+        t0 = time.perf_counter()
+        s.sendall(struct.pack(">BQ", 1, nbytes))
+        for u in range(0, 2 * LAYERS * pages, per):
+            lk, p = divmod(u, pages)
+            fs.recv_exact_into_views(list(sink.buffers(lk // 2, lk % 2, p, min(per, 2 * LAYERS * pages - u), pages)))
+        return time.perf_counter() - t0
+
+
+async def wire_once(port: int, kv, ids: list[int], nbytes: int, room: int, contiguous: bool = False) -> float:
     layout = transfer.layout_of(kv)
     pages = nbytes // (2 * LAYERS * layout.page_bytes)
     tokens = pages * PAGE
-    att = wire.Attach(room, f"bench-{room}", tokens, 0)
+    if contiguous:
+        ids = list(range(len(ids)))
+    att = wire.Attach(room, f"{'contig' if contiguous else 'bench'}-{room}", tokens, 0)
     conn = await transfer.open_attach("127.0.0.1", port, TOKEN, att)
     try:
         header = await transfer.recv_header(conn)
@@ -125,10 +159,10 @@ async def wire_once(port: int, kv, ids: list[int], nbytes: int, room: int) -> fl
     return stats.seconds
 
 
-def crc32_gbps() -> float:
-    buf = os.urandom(RAW_CHUNK)
-    best = min(_timed(lambda: zlib.crc32(buf)) for _ in range(20))
-    return RAW_CHUNK / best / 1e9
+def checksum_gbps() -> dict[str, float]:
+    buf = memoryview(os.urandom(RAW_CHUNK))
+    return {name: RAW_CHUNK / min(_timed(lambda: wire.chunk_digest(name, [buf])) for _ in range(20)) / 1e9
+            for name in wire.CHECKSUMS}
 
 
 def _timed(fn) -> float:
@@ -165,8 +199,13 @@ def main() -> int:
                 for mib in args.sizes_mib:
                     nbytes = mib << 20
                     results.setdefault((mib, "raw"), []).append(nbytes / raw_once(raw_port, nbytes) / 1e9)
+                    results.setdefault((mib, "rawpages"), []).append(
+                        nbytes / raw_pages_once(raw_port, kv, ids, nbytes) / 1e9)
                     room += 1
                     results.setdefault((mib, "wire"), []).append(nbytes / await wire_once(wire_port, kv, ids, nbytes, room) / 1e9)
+                    room += 1
+                    results.setdefault((mib, "contig"), []).append(
+                        nbytes / await wire_once(wire_port, kv, ids, nbytes, room, contiguous=True) / 1e9)
 
         asyncio.run(rounds())
     finally:
@@ -176,14 +215,18 @@ def main() -> int:
     print(f"KV wire on loopback: {LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM}, {str(DTYPE).removeprefix('torch.')}, "
           f"{PAGE}-token pages, scattered page tables; best / median of {args.rounds} interleaved rounds; "
           f"{os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
-    print("| size | raw socket GB/s (best / median) | pdstack wire GB/s (best / median) | ratio best | ratio median |")
-    print("|---|---|---|---|---|")
+    print("| size | raw socket GB/s | pdstack wire GB/s | ratio | raw socket, same scattered pages GB/s | ratio "
+          "| wire, contiguous page tables GB/s |")
+    print("|---|---|---|---|---|---|---|")
+    bm = lambda xs: f"{max(xs):.2f} / {statistics.median(xs):.2f}"  # noqa: E731
+    ratio = lambda a, b: f"{max(a) / max(b):.2f} / {statistics.median(a) / statistics.median(b):.2f}"  # noqa: E731
     for mib in args.sizes_mib:
-        raw, wr = results[(mib, "raw")], results[(mib, "wire")]
-        print(f"| {mib} MiB | {max(raw):.2f} / {statistics.median(raw):.2f} | {max(wr):.2f} / {statistics.median(wr):.2f} "
-              f"| {max(wr) / max(raw):.2f} | {statistics.median(wr) / statistics.median(raw):.2f} |")
-    print(f"crc32 alone (zlib, one core, 4 MiB buffers): {crc32_gbps():.2f} GB/s (the wire computes it once per byte "
-          f"on each end)")
+        raw, wr, rp, ct = (results[(mib, k)] for k in ("raw", "wire", "rawpages", "contig"))
+        print(f"| {mib} MiB | {bm(raw)} | {bm(wr)} | {ratio(wr, raw)} | {bm(rp)} | {ratio(wr, rp)} | {bm(ct)} |")
+    print("(each cell: best / median; a ratio is best/best and median/median)")
+    print(f"chunk checksum: {wire.CHECKSUMS[0]}; alone on one core over 4 MiB: "
+          + ", ".join(f"{name} {gbps:.1f} GB/s" for name, gbps in checksum_gbps().items())
+          + " (computed once per byte on each end)")
     return 0
 
 

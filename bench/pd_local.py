@@ -130,32 +130,29 @@ async def loopback_transfer(layers: int, kv_heads: int, head_dim: int, tokens: i
     mk = lambda fill: [(torch.randn if fill else torch.zeros)(blocks, bs, kv_heads, head_dim) for _ in range(layers)]
     src = type("KV", (), {"k": mk(True), "v": mk(True)})()
     dst = type("KV", (), {"k": mk(False), "v": mk(False)})()
-    slots = transfer.flat_slots(list(range(blocks)), bs, tokens)
+    layout = transfer.layout_of(src)
     prompt = list(range(tokens))
     times = []
     nbytes = 0
     served = []
 
-    async def handle(reader, writer):
-        att = await transfer.accept_attach(reader, writer, "bench")
-        h = wire.KVHeader(room=att.room, rid=att.rid, num_tokens=tokens, first_token_id=0, num_layers=layers,
-                          num_kv_heads=kv_heads, head_dim=head_dim, dtype="float32",
-                          chunk_tokens=wire.chunk_tokens_for(kv_heads * head_dim * 4), prompt_crc=wire.prompt_crc(prompt),
-                          model_sha256="")
-        await transfer.send_kv(reader, writer, h, transfer.gather_chunks(src, slots, h.chunk_tokens))
-        writer.close()
+    async def handle(conn):
+        att = await transfer.accept_attach(conn, "bench")
+        h = transfer.make_header(att.room, att.rid, tokens, 0, wire.prompt_crc(prompt), "", [layout], att.checksums)
+        await transfer.send_kv(conn, h, [transfer.ShardSource(src, list(range(blocks)), layout)])
+        conn.close()
         served.append(att.room)
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
+    server = await transfer.BootstrapServer.start("127.0.0.1", 0, handle)
+    port = server.port
     for r in range(repeats):
-        att = transfer.Attach(r, f"bench-{r}", tokens, wire.prompt_crc(prompt))
+        att = wire.Attach(r, f"bench-{r}", tokens, wire.prompt_crc(prompt))
         t0 = time.perf_counter()
-        reader, writer = await transfer.open_attach("127.0.0.1", port, "bench", att)
-        _, nbytes = await transfer.recv_kv(reader, writer, att, lambda h: (
-            lambda layer, kind, start, count, raw: transfer.scatter_chunk(dst, slots, layer, kind, start, count, raw, torch.float32)))
+        conn = await transfer.open_attach("127.0.0.1", port, "bench", att)
+        h = await transfer.recv_header(conn)
+        nbytes = (await transfer.recv_kv(conn, h, [transfer.ShardSink(dst, list(range(blocks)), layout)])).bytes
         times.append(time.perf_counter() - t0)
-        writer.close()
+        conn.close()
     while len(served) < repeats:  # let the sender see its last ACK
         await asyncio.sleep(0.01)
     server.close()

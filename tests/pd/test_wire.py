@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pdruntime.disagg import transfer, wire
+from pdruntime.disagg import kv_staging, transfer, wire
 from pdruntime.disagg.wire import Attach, ChunkHead, FrameSocket, FrameType, KVLayout, WireError
 
 TOKEN = "s3cret-token"
@@ -52,7 +52,7 @@ async def _transfer(src, s_ids, dst, d_ids, n, *, token_s=TOKEN, token_c=TOKEN, 
     async def handler(conn):
         try:
             att = await transfer.accept_attach(conn, token_s)
-            h = transfer.make_header(att.room, att.rid, n, 5, wire.prompt_crc(prompt), "", [src_layout])
+            h = transfer.make_header(att.room, att.rid, n, 5, wire.prompt_crc(prompt), "", [src_layout], att.checksums)
             out["server"] = await transfer.send_kv(conn, h, [transfer.ShardSource(src, s_ids, src_layout)],
                                                    corrupt_first_chunk=corrupt)
         except WireError as exc:
@@ -171,7 +171,7 @@ def test_log_limiter_allows_one_line_per_interval_and_counts_the_rest():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_round_trip_is_bit_exact_over_scattered_pages_in_several_chunks(dtype, monkeypatch):
     monkeypatch.setattr(wire, "CHUNK_TARGET_BYTES", 2 * 4 * 2 * 3 * 4)  # 2 fp32 pages per chunk: many chunks
-    monkeypatch.setattr(transfer, "STAGE_TARGET_BYTES", 3 * 4 * 2 * 3 * 4)  # runs of 3 pages: staged in pieces
+    monkeypatch.setattr(kv_staging, "STAGE_TARGET_BYTES", 3 * 4 * 2 * 3 * 4)  # runs of 3 pages: staged in pieces
     src, dst = _kv(dtype=dtype), _kv(dtype=dtype, fill=False)
     s_ids, d_ids = [9, 2, 7, 0, 5, 11, 3], [4, 10, 1, 8, 6, 2, 0]
     n = 26  # 7 pages of 4; the last page half full (sent whole)
@@ -180,7 +180,8 @@ def test_round_trip_is_bit_exact_over_scattered_pages_in_several_chunks(dtype, m
     assert out["first"] == 5
     el = torch.empty((), dtype=dtype).element_size()
     assert out["client"].bytes == out["server"].bytes == 2 * 2 * 7 * 4 * 2 * 3 * el
-    assert out["client"].chunks >= 2 * 2 * 2  # several chunks per (layer, kind) run
+    per_chunk = wire.chunk_pages_for(4 * 2 * 3 * el)  # 2 pages (fp32) or 4 (16-bit): chunks cross (layer, kind) runs
+    assert out["client"].chunks == -(-2 * 2 * 7 // per_chunk) >= 7
     assert _pages_equal(src, s_ids, dst, d_ids)
     untouched = sorted(set(range(12)) - set(d_ids))
     assert all(float(t[untouched].abs().sum()) == 0 for t in dst.k + dst.v)
@@ -331,7 +332,7 @@ def _valid_prefill_stream() -> bytes:
     out = [wire.PREAMBLE, wire.encode_control(FrameType.CHALLENGE, {"nonce": "ab"}),
            wire.encode_control(FrameType.HEADER, wire.header_to_json(h))]
     for kind in (0, 1):
-        raw = transfer._page_rows((_FUZZ_KV.k if kind == 0 else _FUZZ_KV.v)[0])[[0, 1]].numpy().tobytes()
+        raw = kv_staging.page_rows((_FUZZ_KV.k if kind == 0 else _FUZZ_KV.v)[0])[[0, 1]].numpy().tobytes()
         out.append(wire.encode_frame(FrameType.CHUNK, ChunkHead(0, 0, kind, 0, 2, zlib.crc32(raw)).pack() + raw))
     out.append(wire.encode_control(FrameType.END, {"bytes": 2 * 2 * _FUZZ_LAYOUT.page_bytes, "chunks": 2}))
     return b"".join(out)
@@ -416,7 +417,7 @@ def test_fuzz_prefill_side_rejects_random_attach_bytes_with_a_wire_error(data):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (moves bf16 pages from and into device memory)")
 def test_bf16_pages_move_between_cuda_caches_bit_exactly(monkeypatch):
     monkeypatch.setattr(wire, "CHUNK_TARGET_BYTES", 64 << 10)
-    monkeypatch.setattr(transfer, "STAGE_TARGET_BYTES", 256 << 10)  # several runs: exercises the double buffer
+    monkeypatch.setattr(kv_staging, "STAGE_TARGET_BYTES", 256 << 10)  # several runs: exercises the double buffer
     src = _kv(num_blocks=64, page=16, hkv=8, d=128, layers=4, dtype=torch.bfloat16, device="cuda")
     dst = _kv(num_blocks=64, page=16, hkv=8, d=128, layers=4, dtype=torch.bfloat16, device="cuda", fill=False)
     s_ids = [int(i) for i in torch.randperm(64, generator=torch.Generator().manual_seed(1))[:40]]

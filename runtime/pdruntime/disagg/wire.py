@@ -11,20 +11,22 @@ Grammar::
     frame      := u8 type, u32 length (big-endian), payload[length]   (length <= MAX_FRAME_BYTES)
 
     prefill -> decode   CHALLENGE {nonce}                     right after the preamble
-    decode  -> prefill  ATTACH {room, rid, num_tokens, prompt_crc, tp_size, tp_ranks, mac}
+    decode  -> prefill  ATTACH {room, rid, num_tokens, prompt_crc, tp_size, tp_ranks, checksums, mac}
                         mac = HMAC-SHA256(token, nonce ":" room) (hex); the token never crosses the wire.
                         Prefill refuses (ERROR) a bad mac (auth), an unknown room (unknown_room), and a
                         tp_size or prompt that differs from its own (mismatch) - before any prefill work.
     prefill -> decode   HEADER {version, room, rid, num_tokens, num_pages, first_token_id, prompt_crc,
-                                model_sha256, chunk_bytes, shards: [LAYOUT, ...]}   (when the KV is ready)
+                                model_sha256, chunk_bytes, checksum, shards: [LAYOUT, ...]}  (KV is ready)
                         LAYOUT = {dtype, page_size, num_layers, num_kv_heads, head_dim, tp_rank, tp_size}
                         (num_kv_heads is per TP rank; one LAYOUT per shard carried, in tp_ranks order)
     decode  -> prefill  READY {room}                          decode checked HEADER against its own layout
                       | ERROR {reason: "mismatch", message}   naming the field and both values; both free pages
     prefill -> decode   CHUNK*   binary payload:
-                        u8 shard, u16 layer, u8 kind (0=K, 1=V), u32 page_start, u32 page_count, u32 crc32, raw
+                        u8 shard, u16 layer, u8 kind (0=K, 1=V), u32 page_start, u32 page_count, u64 digest, raw
                         raw = page_count whole pages, [page_count, page_size, num_kv_heads, head_dim] in the
-                        shard's dtype (bf16/fp16/fp32 bytes as stored); crc32 = zlib.crc32(raw).
+                        shard's dtype (bf16/fp16/fp32 bytes as stored); digest = HEADER.checksum over raw:
+                        xxh3_64 (preferred) or zlib crc32 (always supported), the first of decode's list
+                        prefill supports.
                         Order is fixed: for shard: for layer: K pages then V pages, page_start ascending,
                         contiguous; a chunk never spans two (shard, layer, kind) runs.
     prefill -> decode   END {bytes, chunks}
@@ -40,12 +42,15 @@ Python API (blocking layer here; the asyncio API a worker calls is in :mod:`tran
         .page_bytes  .run_bytes(num_pages)  .shard_bytes(num_pages)  .describe()
     layout_mismatch(expected: KVLayout, got: KVLayout) -> str | None      (pure; names field + both values)
     tp_mismatch(prefill_tp_size, decode_tp_size) -> str | None
-    Attach(room, rid, num_tokens, prompt_crc, tp_size=1, tp_ranks=(0,))
-    KVHeader(room, rid, num_tokens, num_pages, first_token_id, prompt_crc, model_sha256, chunk_bytes, shards)
+    Attach(room, rid, num_tokens, prompt_crc, tp_size=1, tp_ranks=(0,), checksums=CHECKSUMS)
+    KVHeader(room, rid, num_tokens, num_pages, first_token_id, prompt_crc, model_sha256, chunk_bytes, shards,
+             checksum="crc32")
         .total_bytes;  header_to_json / header_from_json (typed rejection of any bad field)
-    ChunkHead(shard, layer, kind, page_start, page_count, crc) .pack() / ChunkHead.unpack(bytes)
-    FrameSocket(sock, timeout_s): send_frame, send_control, send_chunk (sendmsg, zero-copy), read_frame,
-        read_control(expect), read_chunk_head, recv_exact_into(memoryview), close() (from any thread)
+    ChunkHead(shard, layer, kind, page_start, page_count, digest) .pack() / ChunkHead.unpack(bytes)
+    CHECKSUMS; pick_checksum(offered) -> str; chunk_digest(algo, bufs) -> int   (xxh3_64 | crc32)
+    FrameSocket(sock, timeout_s): send_frame, send_control, send_chunk(head, bufs) (sendmsg, zero-copy),
+        read_frame, read_control(expect), read_frame_head, recv_exact_into(view),
+        recv_exact_into_views(views) (recvmsg_into), close() (from any thread)
     WireError(reason, message): every malformed, truncated, timed-out or refused input ends in one.
 """
 
@@ -70,8 +75,17 @@ CHUNK_TARGET_BYTES = 4 << 20  # bytes per KV chunk the sender aims for (whole pa
 MAX_TP_SIZE = 1024
 MAX_DIM = 1 << 20  # bound on any layout integer: a header cannot make the receiver allocate absurd buffers
 
+MAX_IOV = 512  # buffers per sendmsg/recvmsg_into call (Linux IOV_MAX is 1024)
+
 _FRAME = struct.Struct(">BI")
-_CHUNK = struct.Struct(">BHBIII")
+_CHUNK = struct.Struct(">BHBIIQ")
+
+try:  # xxh3_64 is ~15x faster than zlib's crc32; crc32 stays the always-available fallback
+    import xxhash as _xxhash
+except ImportError:  # pragma: no cover - the runtime extra installs it
+    _xxhash = None
+
+CHECKSUMS: tuple[str, ...] = (("xxh3_64",) if _xxhash is not None else ()) + ("crc32",)  # preference order
 
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -186,16 +200,18 @@ class Attach:
     prompt_crc: int
     tp_size: int = 1
     tp_ranks: tuple[int, ...] = (0,)
+    checksums: tuple[str, ...] = CHECKSUMS  # what decode can verify, preferred first
 
     def to_json(self, mac: str) -> dict:
         return {"room": self.room, "rid": self.rid, "num_tokens": self.num_tokens, "prompt_crc": self.prompt_crc,
-                "tp_size": self.tp_size, "tp_ranks": list(self.tp_ranks), "mac": mac}
+                "tp_size": self.tp_size, "tp_ranks": list(self.tp_ranks), "checksums": list(self.checksums), "mac": mac}
 
     @classmethod
     def from_json(cls, obj: dict) -> "Attach":
         try:
             att = cls(room=obj["room"], rid=obj["rid"], num_tokens=obj["num_tokens"], prompt_crc=obj["prompt_crc"],
-                      tp_size=obj.get("tp_size", 1), tp_ranks=tuple(obj.get("tp_ranks", (0,))))
+                      tp_size=obj.get("tp_size", 1), tp_ranks=tuple(obj.get("tp_ranks", (0,))),
+                      checksums=tuple(obj.get("checksums", ("crc32",))))
         except (KeyError, TypeError) as exc:
             raise WireError("protocol", f"ATTACH needs room, rid, num_tokens, prompt_crc, tp_size, tp_ranks and mac: "
                                         f"{exc}") from None
@@ -209,6 +225,8 @@ class Attach:
             raise WireError("protocol", f"ATTACH.tp_ranks={list(att.tp_ranks)!r} must list distinct ranks")
         for r in att.tp_ranks:
             _check_int("ATTACH", "tp_ranks[]", r, 0, att.tp_size - 1)
+        if len(att.checksums) > 8 or not all(isinstance(c, str) for c in att.checksums):
+            raise WireError("protocol", "ATTACH.checksums must be a short list of names")
         return att
 
 
@@ -225,6 +243,7 @@ class KVHeader:
     model_sha256: str
     chunk_bytes: int  # sender's chunk target (informational; the receiver bounds by MAX_FRAME_BYTES)
     shards: tuple[KVLayout, ...] = field(default_factory=tuple)
+    checksum: str = "crc32"  # chunk digest algorithm, picked by prefill from ATTACH.checksums
     version: int = VERSION
 
     @property
@@ -248,7 +267,7 @@ def header_from_json(obj: dict) -> KVHeader:
         h = KVHeader(room=obj["room"], rid=obj["rid"], num_tokens=obj["num_tokens"], num_pages=obj["num_pages"],
                      first_token_id=obj["first_token_id"], prompt_crc=obj["prompt_crc"],
                      model_sha256=obj["model_sha256"], chunk_bytes=obj["chunk_bytes"], shards=layouts,
-                     version=obj["version"])
+                     checksum=obj["checksum"], version=obj["version"])
     except (KeyError, TypeError) as exc:
         raise WireError("protocol", f"HEADER is missing or has bad fields: {exc!r}") from None
     if h.version != VERSION:
@@ -263,6 +282,8 @@ def header_from_json(obj: dict) -> KVHeader:
     if h.num_pages != need:
         raise WireError("protocol", f"HEADER.num_pages={h.num_pages!r} does not cover {h.num_tokens} tokens in "
                                     f"pages of {page}; expected {need}")
+    if h.checksum not in CHECKSUMS:
+        raise WireError("protocol", f"HEADER.checksum={h.checksum!r} is not supported; accepted: {', '.join(CHECKSUMS)}")
     if not isinstance(h.rid, str) or not isinstance(h.model_sha256, str):
         raise WireError("protocol", "HEADER.rid and HEADER.model_sha256 must be strings")
     return h
@@ -271,6 +292,29 @@ def header_from_json(obj: dict) -> KVHeader:
 def chunk_pages_for(page_bytes: int, target: int | None = None) -> int:
     """Whole pages per chunk: as many as fit in ``target`` (default CHUNK_TARGET_BYTES) bytes, at least one."""
     return max(1, (CHUNK_TARGET_BYTES if target is None else target) // max(1, page_bytes))
+
+
+def pick_checksum(offered) -> str:
+    """Pure: the first of this side's CHECKSUMS that the peer offered (crc32 is always common)."""
+    for name in CHECKSUMS:
+        if name in offered:
+            return name
+    return "crc32"
+
+
+def chunk_digest(algo: str, bufs) -> int:
+    """The CHUNK checksum over the payload buffers in order (no concatenation): xxh3_64 or zlib crc32."""
+    if algo == "xxh3_64":
+        if len(bufs) == 1:
+            return _xxhash.xxh3_64_intdigest(bufs[0])
+        h = _xxhash.xxh3_64()
+        for b in bufs:
+            h.update(b)
+        return h.intdigest()
+    crc = 0
+    for b in bufs:
+        crc = zlib.crc32(b, crc)
+    return crc
 
 
 def prompt_crc(token_ids: list[int]) -> int:
@@ -301,12 +345,12 @@ class ChunkHead:
     kind: int  # 0 = K, 1 = V
     page_start: int
     page_count: int
-    crc: int
+    digest: int  # chunk_digest(header.checksum, payload)
 
     SIZE = _CHUNK.size
 
     def pack(self) -> bytes:
-        return _CHUNK.pack(self.shard, self.layer, self.kind, self.page_start, self.page_count, self.crc)
+        return _CHUNK.pack(self.shard, self.layer, self.kind, self.page_start, self.page_count, self.digest)
 
     @classmethod
     def unpack(cls, buf: bytes | memoryview) -> "ChunkHead":
@@ -371,17 +415,27 @@ class FrameSocket:
 
     def __init__(self, sock: socket.socket, timeout_s: float = 30.0) -> None:
         self.sock = sock
-        sock.settimeout(timeout_s)
+        self._closed = threading.Event()
+        self.set_timeout(timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
         self._head = bytearray(_FRAME.size)
-        self._closed = threading.Event()
 
     @property
     def closed(self) -> bool:
         return self._closed.is_set()
+
+    def set_timeout(self, seconds: float) -> None:
+        """Bound every send/recv by ``seconds`` without progress, in the kernel (SO_SNDTIMEO/SO_RCVTIMEO on a
+        blocking socket): Python's own socket timeout polls before every call, which halves throughput."""
+        if self._closed.is_set():
+            return
+        self.sock.settimeout(None)
+        tv = struct.pack("ll", int(seconds), int((seconds - int(seconds)) * 1e6))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
     def close(self) -> None:
         """Idempotent; safe from any thread (shutdown wakes a thread blocked in send/recv)."""
@@ -395,7 +449,7 @@ class FrameSocket:
         self.sock.close()
 
     def _io_error(self, exc: BaseException, what: str) -> WireError:
-        if isinstance(exc, socket.timeout):
+        if isinstance(exc, (socket.timeout, BlockingIOError)):  # SO_*TIMEO expired: EAGAIN
             return WireError("timeout", f"peer stalled: no progress while {what}")
         if self._closed.is_set():
             return WireError("closed", f"connection closed locally while {what}")
@@ -403,16 +457,20 @@ class FrameSocket:
 
     # ---- send ----
     def send_all(self, *bufs) -> None:
-        """Write every buffer in order with sendmsg (no concatenation: payload memoryviews are not copied)."""
-        views = [memoryview(b).cast("B") for b in bufs]
+        """Write every buffer in order with sendmsg: the kernel gathers them, nothing is concatenated."""
+        self.send_views([memoryview(b).cast("B") for b in bufs])
+
+    def send_views(self, views: list) -> None:
+        """sendmsg over byte memoryviews (consumed: the list is modified), at most MAX_IOV per call."""
+        i = 0
         try:
-            while views:
-                sent = self.sock.sendmsg(views)
-                while views and sent >= len(views[0]):
-                    sent -= len(views[0])
-                    views.pop(0)
+            while i < len(views):
+                sent = self.sock.sendmsg(views[i:i + MAX_IOV])
+                while i < len(views) and sent >= len(views[i]):
+                    sent -= len(views[i])
+                    i += 1
                 if sent:
-                    views[0] = views[0][sent:]
+                    views[i] = views[i][sent:]
         except OSError as exc:  # includes socket.timeout
             raise self._io_error(exc, "sending") from None
 
@@ -425,8 +483,10 @@ class FrameSocket:
     def send_control(self, ftype: FrameType, obj: dict) -> None:
         self.send_frame(ftype, json.dumps(obj, separators=(",", ":")).encode())
 
-    def send_chunk(self, head: ChunkHead, raw: memoryview) -> None:
-        self.send_all(_FRAME.pack(int(FrameType.CHUNK), ChunkHead.SIZE + len(raw)) + head.pack(), raw)
+    def send_chunk(self, head: ChunkHead, bufs: list) -> None:
+        """One CHUNK frame whose payload is ``bufs`` (byte memoryviews) in order."""
+        nbytes = sum(len(b) for b in bufs)
+        self.send_views([memoryview(_FRAME.pack(int(FrameType.CHUNK), ChunkHead.SIZE + nbytes) + head.pack()), *bufs])
 
     # ---- receive ----
     def recv_exact_into(self, view: memoryview, what: str = "receiving") -> None:
@@ -440,6 +500,26 @@ class FrameSocket:
                 if r == 0:
                     raise WireError("closed", f"peer closed the connection while {what} ({got} of {n} bytes)")
                 got += r
+        except OSError as exc:
+            raise self._io_error(exc, what) from None
+
+    def recv_exact_into_views(self, views: list, what: str = "receiving") -> None:
+        """Fill every byte memoryview in order (recvmsg_into: the kernel scatters, no intermediate copy)."""
+        total = sum(len(v) for v in views)
+        views = [v for v in views if len(v)]
+        got = 0
+        i = 0
+        try:
+            while i < len(views):
+                r = self.sock.recvmsg_into(views[i:i + MAX_IOV])[0]
+                if r == 0:
+                    raise WireError("closed", f"peer closed the connection while {what} ({got} of {total} bytes)")
+                got += r
+                while i < len(views) and r >= len(views[i]):
+                    r -= len(views[i])
+                    i += 1
+                if r:
+                    views[i] = views[i][r:]
         except OSError as exc:
             raise self._io_error(exc, what) from None
 

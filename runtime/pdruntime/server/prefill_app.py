@@ -208,7 +208,7 @@ class PrefillWorker(WorkerBase):
             self.watchdog.arm(req.rid, "transfer", self.env.transfer_timeout_s,
                               lambda d, r=req: self._on_watchdog(r, "transfer"), ids=f"rid={req.rid} room={req.room}")
             header = transfer.make_header(req.room, req.rid, ntok, first, wire.prompt_crc(req.prompt_ids),
-                                          self.model_sha, self.layouts)
+                                          self.model_sha, self.layouts, conn.attach.checksums)
             if self.engine.tp_size > 1:  # rank 0 gathers every rank's pages (a collective, on the engine thread)
                 shards = await self.runner.call(lambda e, b=blocks[:header.num_pages]: e.gather_pages(b))
                 sources = [transfer.ShardSource(kv, range(header.num_pages), lay) for kv, lay in zip(shards, self.layouts)]

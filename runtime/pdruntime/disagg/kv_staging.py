@@ -1,0 +1,243 @@
+"""Paged KV memory <-> the byte runs of the KV wire, for one TP shard of one request.
+
+A chunk is ``n`` whole pages of one layer's K or V, in page-table order. How its bytes reach the
+socket depends on where the cache lives (the cache's own device decides, never the host):
+
+- **CPU**: no staging copy at all. A chunk is a list of memoryviews over runs of consecutive page ids
+  in the cache itself (one view when the page table is contiguous); ``sendmsg`` gathers them and
+  ``recvmsg_into`` scatters straight into decode's pages. Measured on the 2-core host: a numpy
+  gather + scatter through a staging buffer cost more than the socket itself (bench/kv_wire.py).
+- **CUDA**: pages are gathered on the device with one ``index_select`` per (layer, kind) run into a
+  device buffer, copied to pinned host memory on a side stream, and the copy of run i+1 overlaps
+  the send of run i (three slots, one event each). Decode receives each chunk into a pinned slot,
+  copies it host-to-device on a stream and ``index_copy_``s it into its pages (two slots).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from pdruntime.disagg.wire import KVLayout, WireError
+
+STAGE_TARGET_BYTES = 16 << 20  # bytes per staged device run (CUDA); bounds pinned memory per transfer
+
+Chunk = tuple[int, int, int, int, list]  # (layer, kind, page_start, page_count, [memoryview, ...])
+
+
+def layout_of(kv, tp_rank: int = 0, tp_size: int = 1) -> KVLayout:
+    """The wire layout of a paged KV cache (``kv.k[layer]``: [num_blocks, page_size, Hkv, D]) on this rank."""
+    k0 = kv.k[0]
+    return KVLayout(dtype=str(k0.dtype).removeprefix("torch."), page_size=int(k0.shape[1]), num_layers=len(kv.k),
+                    num_kv_heads=int(k0.shape[2]), head_dim=int(k0.shape[3]), tp_rank=tp_rank, tp_size=tp_size)
+
+
+def page_rows(cache: torch.Tensor) -> torch.Tensor:
+    # cache: [num_blocks, page_size, Hkv, D] -> [num_blocks, page_bytes] uint8 (a view, never a copy)
+    assert cache.is_contiguous(), "KV cache tensors must be contiguous"
+    return cache.view(cache.shape[0], -1).view(torch.uint8)
+
+
+def page_spans(ids: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
+    """Pure: runs of consecutive page ids, in order, as (first_id, count). [3,4,5,9,2] -> [(3,3),(9,1),(2,1)]."""
+    a = np.asarray(ids, dtype=np.int64)
+    if a.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(a) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [a.size])))
+    return [(int(a[s]), int(c)) for s, c in zip(starts, counts)]
+
+
+def chunk_bounds(num_pages: int, per_chunk: int) -> list[tuple[int, int]]:
+    """Pure: (page_start, page_count) of each chunk of one (layer, kind) run."""
+    return [(p0, min(per_chunk, num_pages - p0)) for p0 in range(0, num_pages, per_chunk)]
+
+
+def segments(layer: int, kind: int, p0: int, n: int, num_pages: int) -> list[tuple[int, int, int, int]]:
+    """Pure: a chunk of ``n`` pages starting at (layer, kind, p0) in wire order (layer, then K before V,
+    pages ascending) split into its per-(layer, kind) pieces (layer, kind, page_start, count)."""
+    out = []
+    u = (2 * layer + kind) * num_pages + p0
+    end = u + n
+    while u < end:
+        lk, p = divmod(u, num_pages)
+        c = min(end - u, num_pages - p)
+        out.append((lk // 2, lk % 2, p, c))
+        u += c
+    return out
+
+
+def _cache_bytes(cache: torch.Tensor) -> memoryview:
+    return memoryview(page_rows(cache).numpy()).cast("B")
+
+
+def _span_views(mv: memoryview, spans: list[tuple[int, int]], page_bytes: int) -> list[memoryview]:
+    return [mv[b * page_bytes:(b + c) * page_bytes] for b, c in spans]
+
+
+class _SpanCache:
+    """page_spans of ids[ps:ps + c], memoised per transfer: every (layer, kind) run shares one page table,
+    so a transfer computes each distinct piece once instead of once per chunk and layer."""
+
+    def __init__(self, ids: np.ndarray) -> None:
+        self.ids = ids
+        self._memo: dict[tuple[int, int], list[tuple[int, int]]] = {}
+
+    def __call__(self, ps: int, c: int) -> list[tuple[int, int]]:
+        got = self._memo.get((ps, c))
+        if got is None:
+            got = self._memo[(ps, c)] = page_spans(self.ids[ps:ps + c])
+        return got
+
+
+def _layer_bytes(kv) -> list[list[memoryview]]:
+    """[layer][kind] -> the whole cache tensor as bytes (CPU)."""
+    return [[_cache_bytes(kv.k[layer]), _cache_bytes(kv.v[layer])] for layer in range(len(kv.k))]
+
+
+def _check_ids(block_ids: Sequence[int], kv) -> np.ndarray:
+    ids = np.asarray(list(block_ids), dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= kv.k[0].shape[0]):
+        raise ValueError(f"page ids outside the cache's {kv.k[0].shape[0]} pages")
+    return ids
+
+
+class ShardSource:
+    """One TP rank's pages of one request, read chunk by chunk for the wire (prefill side)."""
+
+    def __init__(self, kv, block_ids: Sequence[int], layout: KVLayout) -> None:
+        assert layout_of(kv, layout.tp_rank, layout.tp_size) == layout, "layout does not describe this cache"
+        self.kv, self.layout = kv, layout
+        self.ids = _check_ids(block_ids, kv)
+        self.device = kv.k[0].device
+
+    def _cache(self, layer: int, kind: int) -> torch.Tensor:
+        return self.kv.k[layer] if kind == 0 else self.kv.v[layer]
+
+    def chunks(self, num_pages: int, per_chunk: int) -> Iterator[Chunk]:
+        """Every chunk in wire order (layer, then K before V, pages ascending). A chunk's buffers stay
+        valid until the next chunk is requested."""
+        if num_pages > self.ids.size:
+            raise ValueError(f"{num_pages} pages requested, the request holds {self.ids.size}")
+        if num_pages == 0:
+            return
+        if self.device.type == "cuda":
+            yield from self._chunks_cuda(num_pages, per_chunk)
+            return
+        # CPU: chunks run across (layer, kind) boundaries, so every chunk is per_chunk pages however short
+        # the prompt; its buffers are views of the cache pages themselves
+        pb = self.layout.page_bytes
+        mvs = _layer_bytes(self.kv)
+        spans = _SpanCache(self.ids)
+        total = 2 * self.layout.num_layers * num_pages
+        for u in range(0, total, per_chunk):
+            lk, p = divmod(u, num_pages)
+            n = min(per_chunk, total - u)
+            bufs = []
+            for layer, kind, ps, c in segments(lk // 2, lk % 2, p, n, num_pages):
+                bufs += _span_views(mvs[layer][kind], spans(ps, c), pb)
+            yield lk // 2, lk % 2, p, n, bufs
+
+    def _chunks_cuda(self, num_pages: int, per_chunk: int) -> Iterator[Chunk]:
+        dev = self.device
+        pb = self.layout.page_bytes
+        per_run = max(1, min(num_pages, STAGE_TARGET_BYTES // pb))
+        runs = [(layer, kind, r0, min(per_run, num_pages - r0))
+                for layer in range(self.layout.num_layers) for kind in (0, 1) for r0 in range(0, num_pages, per_run)]
+        idx = torch.as_tensor(self.ids).to(dev, non_blocking=True)
+        stream = torch.cuda.Stream(device=dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))  # KV written on the engine's stream is complete
+        # slot i % 3: run i is being sent, run i+1 is being gathered and copied; the third is spare
+        dev_stage = [torch.empty((per_run, pb), dtype=torch.uint8, device=dev) for _ in range(3)]
+        host_stage = [torch.empty((per_run, pb), dtype=torch.uint8, pin_memory=True) for _ in range(3)]
+        done = [torch.cuda.Event() for _ in range(3)]
+
+        def launch(i: int) -> None:
+            layer, kind, r0, n = runs[i]
+            s = i % 3
+            with torch.cuda.stream(stream):
+                torch.index_select(page_rows(self._cache(layer, kind)), 0, idx[r0:r0 + n], out=dev_stage[s][:n])
+                host_stage[s][:n].copy_(dev_stage[s][:n], non_blocking=True)
+                done[s].record(stream)
+
+        launch(0)
+        for i, (layer, kind, r0, n) in enumerate(runs):
+            if i + 1 < len(runs):
+                launch(i + 1)  # device gather + D2H of the next run overlaps the send of this one
+            done[i % 3].synchronize()
+            mv = memoryview(host_stage[i % 3].numpy()).cast("B")
+            for p0, cnt in chunk_bounds(n, per_chunk):
+                yield layer, kind, r0 + p0, cnt, [mv[p0 * pb:(p0 + cnt) * pb]]
+        stream.synchronize()
+
+
+class ShardSink:
+    """One TP rank's reserved pages on decode: ``buffers()`` says where a chunk is received, ``commit()``
+    makes a verified chunk part of the pages, ``finish()`` waits for the last one."""
+
+    def __init__(self, kv, block_ids: Sequence[int], layout: KVLayout) -> None:
+        assert layout_of(kv, layout.tp_rank, layout.tp_size) == layout, "layout does not describe this cache"
+        self.kv, self.layout = kv, layout
+        self.ids = _check_ids(block_ids, kv)
+        self.device = kv.k[0].device
+        self._slot = 0
+        if self.device.type != "cuda":
+            self._mvs = _layer_bytes(kv)
+            self._spans = _SpanCache(self.ids)
+        else:
+            self._stream = torch.cuda.Stream(device=self.device)
+            self._idx = torch.as_tensor(self.ids).to(self.device)
+            self._host: list[torch.Tensor] = []
+            self._dev: list[torch.Tensor] = []
+            self._events = [torch.cuda.Event(), torch.cuda.Event()]
+            self._used = [False, False]
+
+    def _cache(self, layer: int, kind: int) -> torch.Tensor:
+        return self.kv.k[layer] if kind == 0 else self.kv.v[layer]
+
+    def check_capacity(self, num_pages: int) -> None:
+        if num_pages > self.ids.size:
+            raise WireError("mismatch", f"prefill sends {num_pages} pages, decode reserved {self.ids.size}")
+
+    def buffers(self, layer: int, kind: int, p0: int, n: int, num_pages: int) -> list[memoryview]:
+        """Where the next chunk (``n`` pages from (layer, kind, p0) in wire order, possibly running into the
+        next layers) is received: views of the destination pages themselves (CPU), or a pinned host slot
+        (CUDA). A chunk that fails its checksum leaves garbage in this request's own pages only, which the
+        failed request frees."""
+        pb = self.layout.page_bytes
+        if self.device.type != "cuda":
+            bufs = []
+            for lay, kd, ps, c in segments(layer, kind, p0, n, num_pages):
+                bufs += _span_views(self._mvs[lay][kd], self._spans(ps, c), pb)
+            return bufs
+        if not self._host or self._host[0].shape[0] < n:
+            self._stream.synchronize()
+            self._host = [torch.empty((n, pb), dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            self._dev = [torch.empty((n, pb), dtype=torch.uint8, device=self.device) for _ in range(2)]
+            self._used = [False, False]
+        s = self._slot
+        if self._used[s]:
+            self._events[s].synchronize()  # the H2D copy out of this pinned slot has finished
+        return [memoryview(self._host[s][:n].numpy()).cast("B")]
+
+    def commit(self, layer: int, kind: int, p0: int, n: int, num_pages: int) -> None:
+        """The chunk received into the last ``buffers()`` is verified (CPU: already in place)."""
+        if self.device.type != "cuda":
+            return
+        s = self._slot
+        with torch.cuda.stream(self._stream):
+            self._dev[s][:n].copy_(self._host[s][:n], non_blocking=True)
+            off = 0
+            for lay, kd, ps, c in segments(layer, kind, p0, n, num_pages):
+                page_rows(self._cache(lay, kd)).index_copy_(0, self._idx[ps:ps + c], self._dev[s][off:off + c])
+                off += c
+            self._events[s].record(self._stream)
+        self._used[s] = True
+        self._slot = 1 - s
+
+    def finish(self) -> None:
+        if self.device.type == "cuda":
+            self._stream.synchronize()
