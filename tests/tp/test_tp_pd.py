@@ -26,7 +26,7 @@ def cluster(tmp_path_factory):
     model = write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-tp-pd")))
     logs = str(tmp_path_factory.mktemp("tp-pd-logs"))
     env = base_env()
-    procs, urls, boot = [], {}, {}
+    procs, urls, boot, by_name = [], {}, {}, {}
 
     def worker(name: str, role: str, tp: int):
         port = free_port()
@@ -37,6 +37,7 @@ def cluster(tmp_path_factory):
         p = spawn(name, args, env, logs, port)
         procs.append(p)
         urls[name] = p.url
+        by_name[name] = p
 
     def router(name: str, prefill: str, decode: str):
         port = free_port()
@@ -52,7 +53,7 @@ def cluster(tmp_path_factory):
         router("r22", "p2", "d2")
         router("r21", "p2", "d1")
         wait_healthy(procs, timeout=240)
-        yield urls
+        yield {**urls, "procs": by_name}
     finally:
         for p in procs:
             p.stop()
@@ -92,22 +93,15 @@ def _metric(text: str, name: str) -> float:
                if line.startswith(name + "{") or line.startswith(name + " "))
 
 
-def test_a_dead_tp_follower_takes_its_worker_down_loudly(tmp_path_factory):
+def test_a_dead_tp_follower_takes_its_worker_down_loudly(cluster):
     """Rank 0 cannot serve without its peers: when a follower dies, the worker exits non-zero with one log line
-    naming the rank (so the pod restarts and the operator co-restarts the pair), instead of hanging."""
+    naming the rank (so the pod restarts and the operator co-restarts the pair), instead of hanging.
+    Runs last in this module: it takes the TP=2 decode worker down."""
     import signal
 
-    model = write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-tp-kill")))
-    port = free_port()
-    p = spawn("decode-tp2", ["--role", "decode", "--port", str(port), "--model", model, "--tensor-parallel-size", "2",
-                             *FLAGS], base_env(), str(tmp_path_factory.mktemp("tp-kill-logs")), port)
-    try:
-        wait_healthy([p], timeout=240)
-        pids = httpx.get(p.url + "/config", timeout=30).json()["engine"]["tp_follower_pids"]
-        assert len(pids) == 1
-        os.kill(pids[0], signal.SIGKILL)
-        code = p.popen.wait(60)  # generous deadline: a hang fails here
-        assert code == 3
-        assert f"tensor-parallel rank 1 (pid {pids[0]}) exited with code -9" in p.log_text()
-    finally:
-        p.stop()
+    proc = cluster["procs"]["d2"]
+    pids = httpx.get(cluster["d2"] + "/config", timeout=30).json()["engine"]["tp_follower_pids"]
+    assert len(pids) == 1
+    os.kill(pids[0], signal.SIGKILL)
+    assert proc.popen.wait(60) == 3  # generous deadline: a hang fails here
+    assert f"tensor-parallel rank 1 (pid {pids[0]}) exited with code -9" in proc.log_text()
