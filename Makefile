@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup run test test-slow test-all bench bench-gpu lint clean
+.PHONY: setup run test test-slow test-all bench bench-gpu gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,11 @@ bench: setup
 # GPU hosts: decode-attention bandwidth vs device copy bandwidth (< 5 min); exits cleanly without CUDA
 bench-gpu: setup
 	$(PY) bench/decode_attention_gpu.py
+
+# GPU hosts: the one prepared GPU check (gpu tests, bf16 vs fp32, decode tok/s vs HF and the HBM roofline,
+# attention bandwidth) in one table, < 8 min on one GPU; without CUDA it says so and exits 0
+gpu-check: setup
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

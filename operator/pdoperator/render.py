@@ -99,8 +99,8 @@ def worker_command(spec: PDSpec, owner: Owner, role: str) -> list[str]:
             cmd += ["--served-model-name", spec.model.served_name]
         if role == "prefill":
             cmd += ["--disaggregation-bootstrap-port", str(BOOTSTRAP_PORT)]
-        if r.gpus > 1:
-            cmd += ["--tp-size", str(r.gpus)]
+        if r.tp_size > 1:
+            cmd += ["--tp-size", str(r.tp_size)]
         return cmd + list(r.args)
     cmd = ["pdrt", "serve", "--role", role, "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
     if role == "prefill":
@@ -109,6 +109,7 @@ def worker_command(spec: PDSpec, owner: Owner, role: str) -> list[str]:
         cmd += ["--model", spec.model.source]
     if spec.model.served_name:
         cmd += ["--served-model-name", spec.model.served_name]
+    cmd += ["--device", r.device, "--dtype", spec.model.dtype, "--tensor-parallel-size", str(r.tp_size)]
     return cmd + list(r.args)
 
 

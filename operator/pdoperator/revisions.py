@@ -28,6 +28,8 @@ def _role_config(role: RoleSpec) -> dict[str, Any]:
         "args": list(role.args),
         "volumes": [dict(v) for v in role.volumes],
         "volumeMounts": [dict(v) for v in role.volume_mounts],
+        # only when set: a spec that leaves it out keeps its revision hash (the default derives from gpus)
+        **({"tensorParallelSize": role.tensor_parallel} if role.tensor_parallel is not None else {}),
     }
 
 
@@ -36,7 +38,8 @@ def effective_config(spec: PDSpec) -> dict[str, Any]:
     return {
         "engine": spec.engine,
         "image": spec.image,
-        "model": {"source": spec.model.source, "servedName": spec.model.served_name},
+        "model": {"source": spec.model.source, "servedName": spec.model.served_name,
+                  **({"dtype": spec.model.dtype} if spec.model.dtype != "auto" else {})},
         "prefill": _role_config(spec.prefill),
         "decode": _role_config(spec.decode),
         "placement": {

@@ -22,6 +22,7 @@ ENGINES = ("pdrt", "sglang")
 CO_RESTART_POLICIES = ("Pair", "Never")
 DRIFT_POLICIES = ("Report", "Revert")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")  # mirrors pdruntime.env.ATTENTION_BACKENDS
+DTYPES = ("auto", "bf16", "fp16", "fp32")  # mirrors pdruntime.engine.device.DTYPE_CHOICES
 GPU_RESOURCE = "nvidia.com/gpu"
 
 HTTP_PORT = 8000  # every pdrt/sglang server: HTTP API, /health, /metrics
@@ -58,6 +59,7 @@ class SpecError(ValueError):
 class ModelSpec:
     source: str | None = None  # path inside the image / mounted volume; None = runtime default model
     served_name: str | None = None
+    dtype: str = "auto"  # weights/activations/KV: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,17 @@ class RoleSpec:
     args: tuple[str, ...] = ()  # appended to the rendered command line
     volumes: tuple[Mapping[str, Any], ...] = ()
     volume_mounts: tuple[Mapping[str, Any], ...] = ()
+    tensor_parallel: int | None = None  # set explicitly; None = one rank per GPU (see tp_size)
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks of a worker: the spec's value, else one per GPU (1 without GPUs)."""
+        return self.tensor_parallel if self.tensor_parallel is not None else max(1, self.gpus)
+
+    @property
+    def device(self) -> str:
+        """The runtime's --device: cuda when the pod gets GPUs, else cpu."""
+        return "cuda" if self.gpus > 0 else "cpu"
 
 
 @dataclass(frozen=True)
@@ -236,6 +249,12 @@ def _role(r: _Reader, raw: Any, path: str, *, gpu_role: bool) -> RoleSpec:
             r.fail(f"{epath}.value", value, "a string")
             continue
         env.append((name, str(value)))
+    tp = None
+    if d.get("tensorParallelSize") is not None:
+        tp = r.int_(d, "tensorParallelSize", path, 1, 1, 64)
+        if gpus and tp > gpus:
+            r.problems.append(f"{path}.tensorParallelSize={tp} exceeds {path}.resources.gpus={gpus}; accepted: "
+                              f"at most one rank per GPU (1..{gpus})")
     args = d.get("args") or []
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         r.fail(f"{path}.args", args, "a list of strings")
@@ -249,6 +268,7 @@ def _role(r: _Reader, raw: Any, path: str, *, gpu_role: bool) -> RoleSpec:
         args=tuple(args),
         volumes=r.list_of_obj(d, "volumes", path),
         volume_mounts=r.list_of_obj(d, "volumeMounts", path),
+        tensor_parallel=tp,
     )
 
 
@@ -261,13 +281,18 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
     image = r.str_(d, "image", "spec", required=True) or ""
     engine = r.choice(d, "engine", "spec", "pdrt", ENGINES)
     m = r.obj(d.get("model"), "spec.model")
-    model = ModelSpec(source=r.str_(m, "source", "spec.model"), served_name=r.str_(m, "servedName", "spec.model"))
+    model = ModelSpec(source=r.str_(m, "source", "spec.model"), served_name=r.str_(m, "servedName", "spec.model"),
+                      dtype=r.choice(m, "dtype", "spec.model", "auto", DTYPES))
     if engine == "sglang" and not model.source:
         r.problems.append("spec.model.source is required with engine 'sglang'; accepted: a model path or HF id")
     pairs = r.int_(d, "pairs", "spec", 1, 0, 256)
     prefill = _role(r, d.get("prefill"), "spec.prefill", gpu_role=True)
     decode = _role(r, d.get("decode"), "spec.decode", gpu_role=True)
     router = _role(r, d.get("router"), "spec.router", gpu_role=False)
+    if prefill.tp_size != decode.tp_size:
+        r.problems.append(f"spec.prefill tensor-parallel size {prefill.tp_size} differs from spec.decode's "
+                          f"{decode.tp_size} (from tensorParallelSize, else resources.gpus); KV transfer moves one "
+                          "shard per rank, so accepted: equal sizes on both sides of a pair")
 
     p = r.obj(d.get("placement"), "spec.placement")
     placement = Placement(

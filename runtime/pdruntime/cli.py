@@ -26,6 +26,11 @@ def _add_generate(subparsers) -> None:
     g.add_argument("--weights", choices=("fp32", "int8"), default="fp32",
                    help="int8 = dynamic-quantised Linear layers (faster on CPU, not bit-exact)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--device", default="auto", help="auto (cuda:0 when CUDA is available, else cpu) | cpu | cuda | cuda:N")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on cpu) | bf16 | fp16 | fp32")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode CUDA graphs (default: on with CUDA)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks sharding heads and MLP")
     g.add_argument("--verbose", action="store_true", help="print timing and engine config to stderr")
     g.set_defaults(func=cmd_generate)
 
@@ -36,9 +41,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from pdruntime.engine import Engine, EngineConfig, InvalidRequest, SamplingParams
+    from pdruntime.engine import Engine, EngineConfig, InvalidRequest, SamplingParams, load_for
     from pdruntime.env import ConfigError, RuntimeEnv
-    from pdruntime.model import ModelLoadError, load_model
+    from pdruntime.model import ModelLoadError
 
     try:
         if args.threads:
@@ -47,7 +52,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                 top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
         env = RuntimeEnv.from_environ()
         t0 = time.perf_counter()
-        loaded = load_model(args.model or env.model, weights=args.weights)
+        config = EngineConfig.resolve(device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
+                                      max_num_seqs=1, tensor_parallel_size=args.tensor_parallel_size)
+        loaded = load_for(args.model or env.model, config, weights=args.weights, threads=args.threads, env=env)
         tok = loaded.tokenizer
         text = args.prompt
         if args.chat:
@@ -55,7 +62,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 {"role": "user", "content": text}]
             text = tok.apply_chat_template(msgs, add_generation_prompt=True)
         ids = tok.encode(text)
-        engine = Engine(loaded, EngineConfig(max_num_seqs=1))
+        engine = Engine(loaded, config)
         engine.add_request("cli", ids, params)
         t1 = time.perf_counter()
         n = 0
@@ -70,6 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"[pdrt] load {t1 - t0:.1f}s, {len(ids)} prompt tokens, {n} generated in {dt:.2f}s "
                   f"({n / dt:.1f} tok/s)", file=sys.stderr)
             print(json.dumps(engine.describe(), default=str), file=sys.stderr)
+        engine.shutdown()
         return 0
     except (ModelLoadError, InvalidRequest, ConfigError, ValueError) as exc:
         print(f"pdrt generate: error: {exc}", file=sys.stderr)

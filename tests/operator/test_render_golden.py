@@ -15,7 +15,7 @@ import yaml
 from pdoperator import cli
 from pdoperator.render import Owner, TopologyPair, topology_yaml, worker_pod
 from pdoperator.revisions import revision_hash
-from pdoperator.spec import parse_spec
+from pdoperator.spec import SpecError, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -87,7 +87,8 @@ def test_pdrt_command_lines_follow_the_runtime_convention():
     c = pod["spec"]["containers"][0]
     assert c["command"] == ["pdrt", "serve", "--role", "prefill", "--host", "0.0.0.0", "--port", "8000",
                             "--bootstrap-port", "8998", "--model", "/models/llama-3.1-8b-instruct",
-                            "--served-model-name", "llama-3.1-8b-instruct"]
+                            "--served-model-name", "llama-3.1-8b-instruct",
+                            "--device", "cuda", "--dtype", "auto", "--tensor-parallel-size", "4"]
     assert c["resources"]["requests"]["nvidia.com/gpu"] == "4" and c["resources"]["limits"]["nvidia.com/gpu"] == "4"
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["PDRT_KV_AUTH_TOKEN_FILE"] == "/etc/pdstack/kv-auth/token"
@@ -98,6 +99,29 @@ def test_pdrt_command_lines_follow_the_runtime_convention():
     assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.count": "8"}
     assert pod["spec"]["priorityClassName"] == "inference-critical"
     assert pod["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+def test_tensor_parallel_size_defaults_to_gpus_and_must_match_across_the_pair():
+    doc = yaml.safe_load((ROOT / "examples" / "gpu-8x-pairs.yaml").read_text())
+    raw = doc["spec"]
+    owner = Owner("llm", "inference", "u")
+
+    def cmd(spec, role):
+        return worker_pod(spec, owner, revision_hash(spec), 0, role, "abc")["spec"]["containers"][0]["command"]
+
+    base = parse_spec(raw, name="llm")
+    assert (base.prefill.tp_size, base.decode.tp_size) == (4, 4)
+    explicit = parse_spec({**raw, "model": {**raw["model"], "dtype": "fp16"},
+                           "prefill": {**raw["prefill"], "tensorParallelSize": 2},
+                           "decode": {**raw["decode"], "tensorParallelSize": 2}}, name="llm")
+    assert cmd(explicit, "decode")[-6:] == ["--device", "cuda", "--dtype", "fp16", "--tensor-parallel-size", "2"]
+    assert revision_hash(explicit) != revision_hash(base)  # an explicit TP size or dtype is a new revision
+    with pytest.raises(SpecError, match="spec.prefill tensor-parallel size 2 differs from spec.decode's 4"):
+        parse_spec({**raw, "prefill": {**raw["prefill"], "tensorParallelSize": 2}}, name="llm")
+    with pytest.raises(SpecError, match=r"spec.decode.tensorParallelSize=8 exceeds spec.decode.resources.gpus=4"):
+        parse_spec({**raw, "decode": {**raw["decode"], "tensorParallelSize": 8}}, name="llm")
+    with pytest.raises(SpecError, match="spec.model.dtype"):
+        parse_spec({**raw, "model": {**raw["model"], "dtype": "int4"}}, name="llm")
 
 
 def test_topology_file_format():

@@ -34,3 +34,27 @@ def test_every_rendered_pdrt_command_parses_with_pdrt_serve(example):
         env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
         RuntimeEnv.from_environ(env)  # raises ConfigError on a knob value the runtime would reject at start-up
     assert seen == {"prefill", "decode", "router"}
+
+
+@pytest.mark.parametrize("example, device, tp, resolved", [
+    ("cpu-demo.yaml", "cpu", 1, ("cpu", "fp32")),
+    ("gpu-8x-pairs.yaml", "cuda", 4, ("cuda:0", "bf16")),  # 4 GPUs per worker: TP=4 from resources.gpus
+])
+def test_workers_get_device_dtype_and_tp_the_runtime_resolves(example, device, tp, resolved):
+    """--device/--dtype/--tensor-parallel-size as rendered, resolved by the runtime's own EngineConfig on a
+    host like the pod's (8 GPUs for the GPU example): the example's TP fits its GPUs and both sides agree."""
+    from pdruntime.engine import EngineConfig
+
+    workers = 0
+    for name, c in _pdrt_containers(example):
+        args = build_parser().parse_args(c["command"][1:])
+        if args.role == "router":
+            continue
+        workers += 1
+        assert (args.device, args.dtype, args.tensor_parallel_size) == (device, "auto", tp), name
+        cuda = device == "cuda"
+        cfg = EngineConfig.resolve(device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
+                                   tensor_parallel_size=args.tensor_parallel_size, cuda_available=cuda,
+                                   cuda_count=8 if cuda else 0)
+        assert (cfg.device, cfg.dtype, cfg.tensor_parallel_size, cfg.cuda_graphs) == (*resolved, tp, cuda)
+    assert workers >= 2

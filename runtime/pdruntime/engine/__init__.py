@@ -2,8 +2,8 @@
 
 from .block_pool import BlockPool
 from .config import EngineConfig, InvalidRequest, OutOfBlocks, SamplingParams, StepOutput
-from .engine import Engine
+from .engine import Engine, load_for
 from .kv_cache import KVCache
 
 __all__ = ["BlockPool", "Engine", "EngineConfig", "InvalidRequest", "KVCache", "OutOfBlocks",
-           "SamplingParams", "StepOutput"]
+           "SamplingParams", "StepOutput", "load_for"]

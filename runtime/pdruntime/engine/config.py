@@ -6,6 +6,10 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
+from .device import DEFAULT_KV_MEMORY_FRACTION, DTYPES, resolve_device, resolve_dtype
+
 FinishReason = Literal["stop", "length", "abort", "prefill_done"]
 
 
@@ -19,12 +23,20 @@ class OutOfBlocks(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """What one engine runs with. Device, dtype and tensor parallelism have this one owner: the loader,
+    KV cache, sampler and kernels take them from here (``auto`` is resolved by :meth:`resolve`)."""
+
     block_size: int = 16  # tokens per KV page
-    num_blocks: int | None = None  # None = size from kv_cache_mib
+    num_blocks: int | None = None  # None = size from kv_cache_mib / kv_cache_memory_fraction
     max_num_seqs: int = 64  # sequences admitted at once (prefilling + decoding)
     max_prefill_tokens: int = 512  # prompt tokens processed per step (chunked-prefill chunk)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
-    kv_cache_mib: int = 512  # KV budget when num_blocks is None
+    kv_cache_mib: int | None = None  # KV budget, MiB; None = CPU: 512 MiB, CUDA: kv_cache_memory_fraction
+    device: str = "cpu"  # concrete: cpu | cuda:N (rank 0's device under TP; rank r uses cuda:N+r)
+    dtype: str = "fp32"  # concrete: fp32 | bf16 | fp16 (weights, activations, KV cache)
+    kv_cache_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION  # CUDA: share of free memory after weights
+    cuda_graphs: bool = False  # capture decode steps as CUDA graphs per batch bucket (CUDA only)
+    tensor_parallel_size: int = 1  # ranks sharding heads and MLP (one process and device each)
 
     def __post_init__(self) -> None:
         def positive(name: str, value, *, allow_none: bool = False) -> None:
@@ -39,7 +51,46 @@ class EngineConfig:
         positive("max_num_seqs", self.max_num_seqs)
         positive("max_prefill_tokens", self.max_prefill_tokens)
         positive("max_model_len", self.max_model_len, allow_none=True)
-        positive("kv_cache_mib", self.kv_cache_mib)
+        positive("kv_cache_mib", self.kv_cache_mib, allow_none=True)
+        positive("tensor_parallel_size", self.tensor_parallel_size)
+        dev = self.device
+        if not (dev == "cpu" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            raise ValueError(f"EngineConfig.device={dev!r} is invalid; accepted: cpu or cuda:N "
+                             "(resolve 'auto'/'cuda' with EngineConfig.resolve)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype={self.dtype!r} is invalid; accepted: {', '.join(DTYPES)}")
+        frac = self.kv_cache_memory_fraction
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
+            raise ValueError(f"EngineConfig.kv_cache_memory_fraction={frac!r} is invalid; accepted: a number in (0, 1]")
+        if self.cuda_graphs and dev == "cpu":
+            raise ValueError("EngineConfig.cuda_graphs=True needs a CUDA device; accepted on cpu: cuda_graphs=False")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @classmethod
+    def resolve(cls, *, device: str = "auto", dtype: str = "auto", cuda_graphs: bool | None = None,
+                cuda_available: bool | None = None, cuda_count: int | None = None, **kw) -> "EngineConfig":
+        """Build a config from user choices (``auto`` allowed). The only place that asks the host about CUDA
+        (unless the facts are passed in). cuda_graphs None = on for CUDA, off for CPU."""
+        if cuda_available is None:
+            cuda_available = torch.cuda.is_available()
+        if cuda_count is None:
+            cuda_count = torch.cuda.device_count() if cuda_available else 0
+        dev = resolve_device(device, cuda_available=cuda_available, cuda_count=cuda_count)
+        tp = kw.get("tensor_parallel_size", 1)
+        if dev != "cpu" and isinstance(tp, int) and tp > 1 and int(dev[5:]) + tp > cuda_count:
+            raise ValueError(f"tensor_parallel_size={tp} on {dev} needs devices {dev}..cuda:{int(dev[5:]) + tp - 1}, "
+                             f"but this host has {cuda_count}; accepted: tensor_parallel_size <= {cuda_count - int(dev[5:])}")
+        graphs = (dev != "cpu") if cuda_graphs is None else bool(cuda_graphs)
+        if graphs and dev == "cpu":
+            raise ValueError("--cuda-graphs needs a CUDA device; the engine runs on cpu")
+        return cls(device=dev, dtype=resolve_dtype(dtype, dev), cuda_graphs=graphs, **kw)
 
 
 @dataclass(frozen=True)

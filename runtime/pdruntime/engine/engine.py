@@ -18,6 +18,7 @@ from ..model import LoadedModel
 from ..model.llama import PrefillChunk
 from .block_pool import BlockPool
 from .config import EngineConfig, InvalidRequest, OutOfBlocks, SamplingParams, StepOutput
+from .device import cuda_graph_buckets, kv_cache_blocks
 from .kv_cache import KVCache
 from .sampler import sample_batch, sample_one
 from .scheduler import Scheduler
@@ -26,12 +27,38 @@ from .sequence import Sequence, Status
 log = logging.getLogger("pdruntime.engine")
 
 
-def _kernel_config() -> dict[str, Any] | None:
+def _kernel_config(model: Any) -> dict[str, Any] | None:
+    """The kernel configuration the model's decode attention is bound to (else the process-wide one)."""
+    cfg = getattr(getattr(model, "decode_attention", None), "keywords", {}).get("config")
+    if cfg is not None:
+        return cfg.as_dict()
     try:
         from pdruntime.kernels.decode_attention import kernel_config
     except ImportError:
         return None
     return kernel_config()
+
+
+def _weight_bytes(model: Any) -> int:
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def load_for(source: str | None, config: EngineConfig, *, weights: str = "fp32", threads: int | None = None,
+             env=None) -> LoadedModel:
+    """Load the model the way ``config`` says: its device and dtype, and with tensor_parallel_size > 1 the
+    follower ranks started and rank 0's shard loaded here (``Engine(loaded, config)`` then drives them)."""
+    if config.tensor_parallel_size > 1:
+        from . import tp
+
+        return tp.start(source, config, weights=weights, threads=threads, env=env)
+    from ..model import load_model
+
+    return load_model(source, dtype=config.torch_dtype, device=config.device, weights=weights, env=env)
 
 
 class Engine:
@@ -41,17 +68,36 @@ class Engine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.info = loaded.info
-        cfg = self.model.config
+        self.device = self.config.torch_device
+        model_dev = torch.device(getattr(self.model, "device", "cpu"))
+        if self.model.dtype != self.config.torch_dtype or model_dev.type != self.device.type \
+                or (self.device.index is not None and model_dev.index not in (None, self.device.index)):
+            raise ValueError(f"the model was loaded as {self.model.dtype} on {model_dev} but the engine is configured "
+                             f"for {self.config.torch_dtype} on {self.config.device}; load it with "
+                             "load_model(..., dtype=config.torch_dtype, device=config.device)")
+        cfg = self.model.config  # per-rank shape under tensor parallelism
         self.max_model_len = min(self.config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         bs = self.config.block_size
-        num_blocks = self.config.num_blocks
-        if num_blocks is None:
-            per_block = KVCache.bytes_per_block(cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim, self.model.dtype)
-            budget_blocks = (self.config.kv_cache_mib << 20) // per_block
-            useful = self.config.max_num_seqs * -(-self.max_model_len // bs)
-            num_blocks = max(1, min(budget_blocks, useful))
+        per_block = KVCache.bytes_per_block(cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim, self.model.dtype)
+        useful = self.config.max_num_seqs * -(-self.max_model_len // bs)
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        num_blocks, self.kv_budget_source = kv_cache_blocks(
+            per_block, useful_blocks=useful, num_blocks=self.config.num_blocks, kv_cache_mib=self.config.kv_cache_mib,
+            memory_fraction=self.config.kv_cache_memory_fraction, free_bytes=free)
+        self.tp_size = int(getattr(self.model, "tp_size", 1))
+        if self.tp_size > 1:
+            num_blocks = self.model.agree_num_blocks(num_blocks)  # the smallest any rank can hold
         self.pool = BlockPool(num_blocks)
-        self.kv = KVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=self.model.dtype)
+        graphs = self.config.cuda_graphs and self.device.type == "cuda"
+        # CUDA graphs: one extra page past the pool, written by the padding rows of a captured batch
+        self.kv = KVCache(cfg.num_layers, num_blocks + (1 if graphs else 0), bs, cfg.num_kv_heads, cfg.head_dim,
+                          dtype=self.model.dtype, device=self.device)
+        if self.tp_size > 1:
+            self.model.setup_kv(self.kv)
+        self.graphs = None
+        self.graphs_status = "off" if not self.config.cuda_graphs else "not captured"
+        if graphs:
+            self._capture_graphs(num_blocks)
         self.scheduler = Scheduler(self.config, self.pool)
         self._seqs: dict[str, Sequence] = {}  # every live request (any status but FINISHED)
         self._arrivals = itertools.count()
@@ -61,6 +107,40 @@ class Engine:
         self._eos = self.tokenizer.eos_token_ids
         self.num_preemptions = 0
         self.num_generated_tokens = 0
+        log.info("engine: device=%s dtype=%s tp=%d attention=%s cuda_graphs=%s weights=%.1f MiB; KV cache %d pages x %d "
+                 "tokens = %d tokens (%.1f MiB, %s): max context %d tokens x %d sequences%s",
+                 self.config.device, self.config.dtype, self.tp_size, self.model.attention_backend, self.graphs_status,
+                 _weight_bytes(self.model) / 2**20, num_blocks, bs, num_blocks * bs, self.kv.nbytes / 2**20,
+                 self.kv_budget_source, self.max_model_len, self.max_full_context_seqs,
+                 f"; {torch.cuda.memory_allocated(self.device) / 2**20:.0f} MiB allocated on {self.device}"
+                 if self.device.type == "cuda" else "")
+
+    def _capture_graphs(self, num_blocks: int) -> None:
+        """Capture decode CUDA graphs per batch bucket; on any failure run eagerly, with one log line."""
+        from .cuda_graphs import DecodeGraphs
+
+        if self.tp_size > 1:
+            self.graphs_status = "off (not captured with tensor parallelism: collectives run eagerly)"
+            log.info("CUDA graphs: %s", self.graphs_status)
+            return
+        try:
+            self.graphs = DecodeGraphs(self.model, self.kv, buckets=cuda_graph_buckets(self.config.max_num_seqs),
+                                       max_model_len=self.max_model_len, scratch_page=num_blocks)
+            self.graphs.capture()
+            self.graphs_status = f"on (buckets {list(self.graphs.buckets)})"
+            log.info("CUDA graphs: captured decode for batch sizes %s", list(self.graphs.buckets))
+        except Exception as exc:  # noqa: BLE001 - any capture failure means eager mode, never a crash
+            self.graphs = None
+            self.graphs_status = f"eager fallback (capture failed: {type(exc).__name__}: {exc})"
+            log.warning("CUDA graphs: capture failed, decoding eagerly: %s: %s", type(exc).__name__, exc)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+    @property
+    def max_full_context_seqs(self) -> int:
+        """Sequences of max_model_len tokens that the KV pool holds at once (at most max_num_seqs)."""
+        per_seq = -(-self.max_model_len // self.config.block_size)
+        return min(self.config.max_num_seqs, self.pool.num_total // per_seq)
 
     # -- requests --------------------------------------------------------------------------------
     def _validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
@@ -209,7 +289,11 @@ class Engine:
         for i, s in enumerate(seqs):
             table[i, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int32)
         seq_lens = (positions + 1).to(torch.int32)
-        logits = self.model.decode(tokens, positions, self.kv.k, self.kv.v, table, seq_lens)
+        logits = self.graphs.run(tokens, positions, table, seq_lens) if self.graphs is not None else None
+        if logits is None:
+            dev = self.device  # .to() of a cpu tensor to cpu is a no-op: nothing added to the CPU path
+            logits = self.model.decode(tokens.to(dev), positions.to(dev), self.kv.k, self.kv.v, table.to(dev),
+                                       seq_lens.to(dev))
         new = sample_batch(logits, [s.params for s in seqs], [s.generator or self._rng for s in seqs])
         out = []
         for s, tok in zip(seqs, new):
@@ -302,6 +386,31 @@ class Engine:
         self._seqs.pop(seq.request_id, None)
         return self._report(seq, len(seq.text), finished=True)
 
+    # -- tensor parallelism: KV pages of every rank (engine thread only: these are collectives) ----
+    def gather_pages(self, block_ids: list[int]) -> list:
+        """Every TP rank's KV pages ``block_ids`` on this host, one KV-like object per rank (k/v lists of
+        [n, page, Hkv_rank, D], pages renumbered 0..n-1), for a KV transfer to send rank by rank."""
+        if self.tp_size == 1:
+            raise RuntimeError("gather_pages is for tensor-parallel engines; send from engine.kv directly")
+        return self.model.gather_pages(list(block_ids))
+
+    def empty_pages(self, num_pages: int) -> list:
+        """Host staging for ``num_pages`` incoming pages per TP rank (like gather_pages' result)."""
+        if self.tp_size == 1:
+            raise RuntimeError("empty_pages is for tensor-parallel engines; receive into engine.kv directly")
+        return self.model.empty_pages(num_pages)
+
+    def scatter_pages(self, block_ids: list[int], staged: list) -> None:
+        """Write each TP rank's staged pages into that rank's KV cache at ``block_ids``."""
+        if self.tp_size == 1:
+            raise RuntimeError("scatter_pages is for tensor-parallel engines")
+        self.model.scatter_pages(list(block_ids), staged)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel followers (no-op for a single-process engine). Idempotent."""
+        if self.tp_size > 1:
+            self.model.shutdown()
+
     # -- introspection ---------------------------------------------------------------------------
     def _get(self, request_id: str) -> Sequence:
         seq = self._seqs.get(request_id)
@@ -330,18 +439,33 @@ class Engine:
 
     def describe(self) -> dict[str, Any]:
         """Effective configuration for /config."""
-        return {
+        out = {
             "model": asdict(self.info),
             "engine": asdict(self.config),
+            "device": self.config.device,
+            "tensor_parallel_size": self.tp_size,
+            "tp_follower_pids": list(getattr(self.model, "follower_pids", [])),
             "num_blocks": self.pool.num_total,
+            "kv_pages": self.pool.num_total,
+            "kv_budget": self.kv_budget_source,
             "max_model_len": self.max_model_len,
+            "max_full_context_seqs": self.max_full_context_seqs,
             "kv_cache_bytes": self.kv.nbytes,
+            "weight_bytes": _weight_bytes(self.model),
             "dtype": str(self.model.dtype).replace("torch.", ""),
             "weights": self.model.weight_format,
             "attention_backend": self.model.attention_backend,
-            "attention_kernel": _kernel_config(),
+            "attention_kernel": _kernel_config(self.model),
+            "cuda_graphs": self.graphs_status,
             "torch_threads": torch.get_num_threads(),
         }
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            out["device_memory"] = {"allocated_bytes": torch.cuda.memory_allocated(self.device),
+                                    "reserved_bytes": torch.cuda.memory_reserved(self.device),
+                                    "free_bytes": free, "total_bytes": total,
+                                    "name": torch.cuda.get_device_name(self.device)}
+        return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Blocking: run the prompts to completion, return each one's output token ids."""

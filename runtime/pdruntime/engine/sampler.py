@@ -11,6 +11,8 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     """logits: [V] fp32 -> token id. Greedy when temperature == 0 (or top_k == 1)."""
     if params.greedy:
         return int(torch.argmax(logits))
+    if logits.device.type != "cpu":
+        logits = logits.float().cpu()  # per-request generators live on the host: same draws on any device
     scaled = logits / params.temperature
     if params.top_k and params.top_k < scaled.shape[0]:
         vals, idx = torch.topk(scaled, params.top_k)
@@ -28,5 +30,5 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """logits: [B, V] fp32 -> B token ids. Greedy rows share one argmax."""
-    greedy = torch.argmax(logits, dim=-1).tolist()
+    greedy = torch.argmax(logits, dim=-1).tolist()  # one host read for the whole batch
     return [greedy[i] if p.greedy else sample_one(logits[i], p, generators[i]) for i, p in enumerate(params)]

@@ -4,7 +4,8 @@
 flash-decoding kernel (``triton_decode_attention.py``) where Triton can run, and the
 vectorised torch path (``reference.py``) otherwise:
 
-* ``PDRT_ATTENTION_BACKEND=auto`` (default): Triton on a CUDA device, torch on CPU.
+* ``PDRT_ATTENTION_BACKEND=auto`` (default): Triton when the engine's device is CUDA, torch on CPU
+  (the device comes from the engine configuration, never from ``torch.cuda.is_available()``).
   The Triton CPU interpreter is a test tool (orders of magnitude slower than torch), so
   ``auto`` never picks it, even when ``TRITON_INTERPRET=1`` is set.
 * ``PDRT_ATTENTION_BACKEND=triton``: Triton, also on CPU when Triton's interpreter is
@@ -57,7 +58,9 @@ def triton_interpreter_active() -> bool:
 
 
 def _default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    """The device when the caller names none: cpu. The engine always names its own device; the
+    host (``torch.cuda.is_available()``) is never asked which device to use."""
+    return torch.device("cpu")
 
 
 def select_backend(env: RuntimeEnv, device: torch.device | str | None = None) -> str:
@@ -150,7 +153,7 @@ def kernel_config() -> dict[str, Any]:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, *, num_splits: int | Sequence[int] | None = None,
                      sm_scale: float | None = None, config: KernelConfig | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, plan: Any = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged KV cache.
 
     q: [B, Hq, D]; k_cache, v_cache: [num_blocks, BLOCK_SIZE, Hkv, D];
@@ -162,6 +165,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     sm_scale: softmax scale, default ``1 / sqrt(D)``.
     config: overrides the process-wide ``active_config()`` (tests, benchmarks).
     out: [B, Hq, D] like q, written in place when given.
+    plan: a ``SplitPlan`` built ahead (CUDA graphs: its split counts hold for any lengths up to the
+        plan's, the kernel reads the real ``seq_lens`` on the device). Ignored by torch.
     """
     cfg = config if config is not None else active_config()
     if cfg.backend == TORCH:
@@ -171,7 +176,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                            "configure(device=...) with the engine's device")
     from pdruntime.kernels.triton_decode_attention import make_split_plan, triton_decode_attention
 
-    if num_splits is None:
+    if plan is not None:
+        pass
+    elif num_splits is None:
         plan = _step_plan(seq_lens, cfg, k_cache.shape[2])
     else:
         lens = seq_lens.tolist()

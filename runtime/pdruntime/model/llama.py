@@ -13,14 +13,16 @@ KV layout (shared with kernels/ and the PD transfer code): ``k[layer]: [num_bloc
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import LlamaConfig
+from .parallel import TPShard, all_reduce_fn, shard_config
 
 DecodeAttention = Callable[..., torch.Tensor]
 
@@ -53,20 +55,22 @@ def _torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(bsz, hq, d)
 
 
-def resolve_decode_attention() -> tuple[DecodeAttention, str]:
-    """Pick the decode-attention implementation: ``pdruntime.kernels.decode_attention`` (which chooses
-    Triton or its torch path from PDRT_ATTENTION_BACKEND) when importable, else the local reference.
+def resolve_decode_attention(device: torch.device | str = "cpu", env=None) -> tuple[DecodeAttention, str]:
+    """Pick the decode-attention implementation for the engine's ``device``:
+    ``pdruntime.kernels.decode_attention`` (Triton on CUDA, its torch path on CPU, or what
+    PDRT_ATTENTION_BACKEND forces) when importable, else the local reference. The backend follows the
+    device it is given, never what the host has (``torch.cuda.is_available()``).
 
-    Returns (callable, backend name for /config)."""
+    Returns (callable bound to that kernel configuration, backend name for /config)."""
     try:
-        from pdruntime.kernels.decode_attention import active_config, decode_attention
+        from pdruntime.kernels.decode_attention import configure, decode_attention
     except ImportError:
         return _torch_decode_attention, "torch-fallback(engine)"
     try:
-        backend = active_config().backend
+        cfg = configure(env, device)
     except Exception as exc:  # noqa: BLE001 - a bad PDRT_* knob must fail loudly, not fall back
         raise RuntimeError(f"decode attention cannot be configured: {exc}") from exc
-    return decode_attention, f"kernels.decode_attention[{backend}]"
+    return functools.partial(decode_attention, config=cfg), f"kernels.decode_attention[{cfg.backend}]"
 
 
 def rope_cos_sin(cfg: LlamaConfig, max_pos: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +132,20 @@ def _linear_fn(mod: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return mod
 
 
+def _reduced(fn: Callable[[torch.Tensor], torch.Tensor],
+             all_reduce: Callable[[torch.Tensor], None] | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """fn, followed by an in-place all-reduce of its output when the model is a TP shard (else fn itself)."""
+    if all_reduce is None:
+        return fn
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        out = fn(x)
+        all_reduce(out)
+        return out
+
+    return run
+
+
 class _DecodeLayer(NamedTuple):
     """One layer's weights as the decode step calls them (built once per set of weights)."""
 
@@ -147,53 +165,72 @@ class _Linear(nn.Linear):
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         super().__init__()
         h = cfg.hidden_size
-        self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
-        self.post_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
-        self.qkv = _Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=False, dtype=dtype)
-        self.o = _Linear(cfg.q_size, h, bias=False, dtype=dtype)
-        self.gate_up = _Linear(h, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
-        self.down = _Linear(cfg.intermediate_size, h, bias=False, dtype=dtype)
+        kw = {"dtype": dtype, "device": device}
+        self.input_norm = nn.Parameter(torch.ones(h, **kw), requires_grad=False)
+        self.post_norm = nn.Parameter(torch.ones(h, **kw), requires_grad=False)
+        self.qkv = _Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=False, **kw)
+        self.o = _Linear(cfg.q_size, h, bias=False, **kw)
+        self.gate_up = _Linear(h, 2 * cfg.intermediate_size, bias=False, **kw)
+        self.down = _Linear(cfg.intermediate_size, h, bias=False, **kw)
         for p in self.parameters():
             p.requires_grad_(False)
 
 
 class LlamaModel(nn.Module):
-    """Inference-only Llama. All parameters are frozen; call under ``torch.inference_mode()``."""
+    """Inference-only Llama. All parameters are frozen; call under ``torch.inference_mode()``.
 
-    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> None:
+    ``device`` and ``dtype`` come from the engine configuration; parameters are allocated there and
+    filled tensor by tensor (:meth:`load_hf_state`). With ``tp`` the model is one rank's shard:
+    ``config`` is the per-rank architecture (heads, KV heads, MLP width divided by the TP size),
+    ``full_config`` the checkpoint's, and o/down outputs are summed over the group."""
+
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 tp: TPShard | None = None) -> None:
         super().__init__()
+        self.full_config = cfg
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        cfg = shard_config(cfg, tp.size) if self.tp is not None else cfg
         self.config = cfg
         self.dtype = dtype
-        self.embed = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(LlamaLayer(cfg, dtype) for _ in range(cfg.num_layers))
-        self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.lm_head = _Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.device = torch.device(device)
+        self._all_reduce = all_reduce_fn(self.tp)
+        kw = {"dtype": dtype, "device": self.device}
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False)
+        self.layers = nn.ModuleList(LlamaLayer(cfg, dtype, self.device) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size, **kw), requires_grad=False)
+        self.lm_head = _Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **kw)
         self.lm_head.weight.requires_grad_(False)
         cos, sin = rope_cos_sin(cfg, cfg.max_position_embeddings)
-        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)  # [max_pos, D]
+        self.register_buffer("rope_cos", cos.to(**kw), persistent=False)  # [max_pos, D]
         half = cfg.head_dim // 2
         sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        self.register_buffer("rope_sin", sin_signed.to(dtype), persistent=False)  # [max_pos, D], sign-folded
+        self.register_buffer("rope_sin", sin_signed.to(**kw), persistent=False)  # [max_pos, D], sign-folded
         # rope_swap[k, j] = 1 where k == (j - D/2) mod D: x @ rope_swap == roll(x, D/2) (decode's RoPE matrix)
         d = cfg.head_dim
         swap = torch.zeros(d, d, dtype=dtype)
         swap[(torch.arange(d) - half) % d, torch.arange(d)] = 1
-        self.register_buffer("rope_swap", swap, persistent=False)  # [D, D]
-        self.register_buffer("rms_eps", torch.full((1, 1), cfg.rms_norm_eps, dtype=dtype), persistent=False)
+        self.register_buffer("rope_swap", swap.to(self.device), persistent=False)  # [D, D]
+        self.register_buffer("rms_eps", torch.full((1, 1), cfg.rms_norm_eps, **kw), persistent=False)
         self._decode_layers: tuple[list[_DecodeLayer], Callable] | None = None  # built by the first decode after (re)loading
         self.decode_attention: DecodeAttention = _torch_decode_attention
         self.attention_backend = "torch-fallback(engine)"
         self.weight_format = str(dtype).replace("torch.", "")
 
     # -- weights -------------------------------------------------------------------------------
-    def load_hf_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy HF-layout tensors (``model.layers.N.self_attn.q_proj.weight`` ...) into the fused layout."""
-        cfg = self.config
+    def load_hf_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy HF-layout tensors (``model.layers.N.self_attn.q_proj.weight`` ...) into the fused layout.
 
-        def take(name: str, shape: Sequence[int]) -> torch.Tensor:
+        Tensor by tensor: each is read (``tensors`` may load lazily), cut to this rank's shard, converted
+        to the model's dtype and copied to its device, so the host never holds more than one layer's
+        tensors in the target dtype (no full fp32 copy of a large model)."""
+        full, cfg = self.full_config, self.config
+        rank = self.tp.rank if self.tp is not None else 0
+
+        def take(name: str, shape: Sequence[int], dim: int | None = None, part: int = 0) -> torch.Tensor:
+            """The tensor, checked against its full shape; with ``dim``, this rank's ``part``-wide slice."""
             if name not in tensors:
                 from .config import ModelLoadError
                 raise ModelLoadError(f"checkpoint lacks tensor {name!r}")
@@ -201,37 +238,39 @@ class LlamaModel(nn.Module):
             if tuple(t.shape) != tuple(shape):
                 from .config import ModelLoadError
                 raise ModelLoadError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+            if dim is not None and part != shape[dim]:
+                t = t.narrow(dim, rank * part, part)
             return t.to(self.dtype)
 
-        h, i_sz = cfg.hidden_size, cfg.intermediate_size
+        h, i_full, i_sz = full.hidden_size, full.intermediate_size, cfg.intermediate_size
         with torch.no_grad():
-            self.embed.copy_(take("model.embed_tokens.weight", (cfg.vocab_size, h)))
+            self.embed.copy_(take("model.embed_tokens.weight", (full.vocab_size, h)))
             self.norm.copy_(take("model.norm.weight", (h,)))
-            if cfg.tie_word_embeddings or "lm_head.weight" not in tensors:
+            if full.tie_word_embeddings or "lm_head.weight" not in tensors:
                 self.lm_head.weight = self.embed  # tied: one tensor
             else:
-                self.lm_head.weight.copy_(take("lm_head.weight", (cfg.vocab_size, h)))
+                self.lm_head.weight.copy_(take("lm_head.weight", (full.vocab_size, h)))
             for n, layer in enumerate(self.layers):
                 p = f"model.layers.{n}."
                 layer.input_norm.copy_(take(p + "input_layernorm.weight", (h,)))
                 layer.post_norm.copy_(take(p + "post_attention_layernorm.weight", (h,)))
                 layer.qkv.weight.copy_(torch.cat([
-                    take(p + "self_attn.q_proj.weight", (cfg.q_size, h)),
-                    take(p + "self_attn.k_proj.weight", (cfg.kv_size, h)),
-                    take(p + "self_attn.v_proj.weight", (cfg.kv_size, h)),
+                    take(p + "self_attn.q_proj.weight", (full.q_size, h), 0, cfg.q_size),
+                    take(p + "self_attn.k_proj.weight", (full.kv_size, h), 0, cfg.kv_size),
+                    take(p + "self_attn.v_proj.weight", (full.kv_size, h), 0, cfg.kv_size),
                 ]))
-                layer.o.weight.copy_(take(p + "self_attn.o_proj.weight", (h, cfg.q_size)))
+                layer.o.weight.copy_(take(p + "self_attn.o_proj.weight", (h, full.q_size), 1, cfg.q_size))
                 layer.gate_up.weight.copy_(torch.cat([
-                    take(p + "mlp.gate_proj.weight", (i_sz, h)),
-                    take(p + "mlp.up_proj.weight", (i_sz, h)),
+                    take(p + "mlp.gate_proj.weight", (i_full, h), 0, i_sz),
+                    take(p + "mlp.up_proj.weight", (i_full, h), 0, i_sz),
                 ]))
-                layer.down.weight.copy_(take(p + "mlp.down_proj.weight", (h, i_sz)))
+                layer.down.weight.copy_(take(p + "mlp.down_proj.weight", (h, i_full), 1, i_sz))
         self._decode_layers = None
 
     def quantize_int8(self) -> None:
         """Opt-in: int8 dynamic-quantised Linear layers (fbgemm on x86). Changes numerics; fp32 only."""
-        if self.dtype != torch.float32:
-            raise ValueError(f"int8 weights need an fp32 model, got {self.dtype}")
+        if self.dtype != torch.float32 or self.device.type != "cpu":
+            raise ValueError(f"int8 weights need an fp32 model on cpu, got {self.dtype} on {self.device}")
         from torch.ao.nn.quantized.dynamic import Linear as QLinear
 
         def q(lin: nn.Linear) -> nn.Module:
@@ -258,7 +297,16 @@ class LlamaModel(nn.Module):
     def _mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
         gu = layer.gate_up(F.rms_norm(x, (x.shape[-1],), layer.post_norm, self.config.rms_norm_eps))
         g, u = gu.chunk(2, dim=-1)
-        return layer.down(F.silu(g) * u)
+        out = layer.down(F.silu(g) * u)
+        if self._all_reduce is not None:
+            self._all_reduce(out)  # row-parallel down: sum the ranks' partial outputs
+        return out
+
+    def _attn_out(self, layer: LlamaLayer, attn: torch.Tensor) -> torch.Tensor:
+        out = layer.o(attn)
+        if self._all_reduce is not None:
+            self._all_reduce(out)  # row-parallel o: sum the ranks' partial outputs
+        return out
 
     def _qkv(self, layer: LlamaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [T, H] -> q [T, Hq, D], k/v [T, Hkv, D] with RoPE applied to q and k (in one op chain)."""
@@ -290,6 +338,7 @@ class LlamaModel(nn.Module):
         (one pass over the weights), attention runs per chunk over its own cached prefix + the chunk.
         Returns per chunk the fp32 logits of its last token [V] (all tokens [T, V] with all_logits)."""
         cfg = self.config
+        dev = self.device
         block = k_cache[0].shape[1]
         hkv, d = cfg.num_kv_heads, cfg.head_dim
         plans = []  # (row offset, T, start, ctx pages or None, mask or None)
@@ -303,13 +352,13 @@ class LlamaModel(nn.Module):
             if c.start_pos == 0:
                 plans.append((row, t, end, None, None))
             else:  # queries at start_pos+i see keys 0..start_pos+i, partly cached by earlier chunks
-                pages = c.block_ids[: (end + block - 1) // block]
-                plans.append((row, t, end, pages, torch.arange(end)[None, :] <= pos[:, None]))
+                pages = c.block_ids[: (end + block - 1) // block].to(dev)
+                plans.append((row, t, end, pages, (torch.arange(end)[None, :] <= pos[:, None]).to(dev)))
             row += t
-        slot = torch.cat(slots)
-        positions = torch.cat(pos_all)
+        slot = torch.cat(slots).to(dev)
+        positions = torch.cat(pos_all).to(dev)
         cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
-        x = self.embed[torch.cat([c.token_ids for c in chunks])]
+        x = self.embed[torch.cat([c.token_ids for c in chunks]).to(dev)]
         for n, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             kc, vc = k_cache[n], v_cache[n]
@@ -326,18 +375,20 @@ class LlamaModel(nn.Module):
                     q[off: off + t].transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None],
                     attn_mask=mask, is_causal=mask is None, enable_gqa=True)  # [1, Hq, T, D]
                 outs.append(attn[0].transpose(0, 1).reshape(t, cfg.q_size))
-            x = x + layer.o(outs[0] if len(outs) == 1 else torch.cat(outs))
+            x = x + self._attn_out(layer, outs[0] if len(outs) == 1 else torch.cat(outs))
             x = x + self._mlp(layer, x)
         if all_logits:
             return [self.logits(x[off: off + t]) for off, t, *_ in plans]
-        last = torch.tensor([off + t - 1 for off, t, *_ in plans])
+        last = torch.tensor([off + t - 1 for off, t, *_ in plans], device=dev)
         return list(self.logits(x[last]).unbind(0))
 
     def _decode_weights(self) -> tuple[list[_DecodeLayer], Callable[[torch.Tensor], torch.Tensor]]:
         """(per-layer decode weights, lm_head fn), built once after the weights are loaded or quantised."""
         if self._decode_layers is None:
-            layers = [_DecodeLayer(l.input_norm, _linear_fn(l.qkv), _linear_fn(l.o), l.post_norm,
-                                   _linear_fn(l.gate_up), _linear_fn(l.down)) for l in self.layers]
+            red = self._all_reduce
+            layers = [_DecodeLayer(l.input_norm, _linear_fn(l.qkv), _reduced(_linear_fn(l.o), red),
+                                   l.post_norm, _linear_fn(l.gate_up), _reduced(_linear_fn(l.down), red))
+                      for l in self.layers]
             self._decode_layers = (layers, _linear_fn(self.lm_head))
         return self._decode_layers
 
@@ -350,9 +401,11 @@ class LlamaModel(nn.Module):
         return torch.diag_embed(cos).addcmul_(self.rope_swap, sin[:, None, :])
 
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, k_cache: Sequence[torch.Tensor],
-               v_cache: Sequence[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+               v_cache: Sequence[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor, *,
+               attn_plan=None) -> torch.Tensor:
         """One token per sequence. token_ids/positions: [B] int64; block_table: [B, max_blocks] int32;
-        seq_lens: [B] int32 = positions + 1. Returns fp32 logits [B, V].
+        seq_lens: [B] int32 = positions + 1, all on the model's device. Returns fp32 logits [B, V].
+        attn_plan: a prebuilt split plan for the Triton kernel (CUDA graphs: no host reads in the step).
 
         Everything that is the same for all layers (cache slots, RoPE matrix) is built once per step."""
         cfg = self.config
@@ -363,7 +416,7 @@ class LlamaModel(nn.Module):
         slots = block_table.long().gather(1, (pos // block)[:, None])[:, 0] * block + pos % block  # [B]
         rope = self._rope_rotation(pos)  # [B, D, D]
         eps, eps_t = cfg.rms_norm_eps, self.rms_eps
-        attend = self.decode_attention
+        attend = self.decode_attention if attn_plan is None else functools.partial(self.decode_attention, plan=attn_plan)
         layers, lm_head = self._decode_weights()
         x = self.embed[token_ids]  # [B, H], a fresh tensor: the residual adds below run in place
         for n, layer in enumerate(layers):

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -91,13 +92,17 @@ def _dtype(dtype) -> torch.dtype:
     raise ModelLoadError(f"dtype {dtype!r} is not accepted; accepted: float32, bfloat16, float16")
 
 
-def load_model(source: str | None = None, *, dtype=torch.float32, weights: str = "fp32") -> LoadedModel:
-    """Load a Llama checkpoint.
+def load_model(source: str | None = None, *, dtype=torch.float32, weights: str = "fp32",
+               device: str | torch.device = "cpu", tp=None, env=None) -> LoadedModel:
+    """Load a Llama checkpoint straight onto ``device`` in ``dtype`` (both from the engine configuration).
 
     source: GGUF file, or HF-layout directory (config.json + *.safetensors + tokenizer.json);
-    None = the default SmolLM2 GGUF. weights="int8" quantises Linear layers (opt-in, fp32 only).
+    None = the default SmolLM2 GGUF. weights="int8" quantises Linear layers (opt-in, fp32 on cpu only).
+    tp: a ``TPShard``: load only this rank's shard. Safetensors are read lazily, one tensor at a time,
+    so a large checkpoint never sits on the host whole (or in fp32).
     Raises ModelLoadError naming the path and the problem."""
     torch_dtype = _dtype(dtype)
+    device = torch.device(device)
     if weights not in WEIGHT_FORMATS:
         raise ModelLoadError(f"weights={weights!r} is not accepted; accepted: {', '.join(WEIGHT_FORMATS)}")
     path = default_model_path() if source is None else os.path.abspath(os.path.expanduser(str(source)))
@@ -114,12 +119,19 @@ def load_model(source: str | None = None, *, dtype=torch.float32, weights: str =
         meta, cfg, tensors = read_gguf(path)
         tokenizer = tokenizer_from_gguf(meta)
         files, name, fmt = [path], gguf_model_name(path), "gguf"
-    model = LlamaModel(cfg, dtype=torch_dtype)
+    from .parallel import shard_config
+
+    if tp is not None:
+        shard_config(cfg, tp.size)  # refuses an indivisible TP size before allocating anything
+    model = LlamaModel(cfg, dtype=torch_dtype, device=device, tp=tp)
     model.load_hf_state(tensors)
     del tensors
     if weights == "int8":
+        if torch_dtype != torch.float32 or device.type != "cpu":
+            raise ModelLoadError(f"weights='int8' needs dtype fp32 on cpu, got {torch_dtype} on {device}; "
+                                 "accepted: --weights fp32 with bf16/fp16 or CUDA")
         model.quantize_int8()
-    model.decode_attention, model.attention_backend = resolve_decode_attention()
+    model.decode_attention, model.attention_backend = resolve_decode_attention(device, env)
     model.eval()
     info = ModelInfo(
         name=name, path=path, sha256=_sha256(files), num_layers=cfg.num_layers, num_heads=cfg.num_heads,
@@ -129,9 +141,38 @@ def load_model(source: str | None = None, *, dtype=torch.float32, weights: str =
     return LoadedModel(model=model, tokenizer=tokenizer, info=info)
 
 
-def _read_hf_dir(path: str):
-    from safetensors.torch import load_file
+class _LazyTensors(Mapping):
+    """name -> tensor over *.safetensors files, read one tensor at a time on access (memory-mapped)."""
 
+    def __init__(self, files: list[str]) -> None:
+        from safetensors import safe_open
+
+        self._handles, self._where = [], {}
+        for f in files:
+            try:
+                h = safe_open(f, framework="pt", device="cpu")
+                names = list(h.keys())
+            except Exception as exc:  # noqa: BLE001 - any parse error means a bad file
+                raise ModelLoadError(f"{f}: cannot be read as safetensors ({exc}); the file may be truncated or corrupt") from None
+            self._handles.append((f, h))
+            for n in names:
+                self._where[n] = len(self._handles) - 1
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        f, h = self._handles[self._where[name]]
+        try:
+            return h.get_tensor(name)
+        except Exception as exc:  # noqa: BLE001 - a truncated file fails on the tensor past its end
+            raise ModelLoadError(f"{f}: tensor {name!r} cannot be read ({exc}); the file may be truncated or corrupt") from None
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def _read_hf_dir(path: str):
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(f"{path}: HF-layout directory lacks config.json")
@@ -147,12 +188,7 @@ def _read_hf_dir(path: str):
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights found")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            tensors.update(load_file(f))
-        except Exception as exc:  # noqa: BLE001 - any parse error means a bad file
-            raise ModelLoadError(f"{f}: cannot be read as safetensors ({exc}); the file may be truncated or corrupt") from None
+    tensors = _LazyTensors(files)
     tok_path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tok_path):
         raise ModelLoadError(f"{path}: HF-layout directory lacks tokenizer.json")

@@ -43,8 +43,11 @@ def build_tokenizer(vocab_size: int = 320):
 def write_tiny_checkpoint(path: str, *, seed: int = 0, num_layers: int = 2, hidden_size: int = 64, num_heads: int = 4,
                           num_kv_heads: int = 2, vocab_size: int = 320, max_position: int = 2048,
                           intermediate_size: int | None = None, tie_word_embeddings: bool = False,
-                          rope_theta: float = 10000.0) -> str:
-    """Write a random-weight Llama checkpoint in HF layout to `path` (created) and return `path`."""
+                          rope_theta: float = 10000.0, weight_std: float = 0.08) -> str:
+    """Write a random-weight Llama checkpoint in HF layout to `path` (created) and return `path`.
+
+    weight_std: standard deviation of the projection weights (embeddings: 0.5). 1/sqrt(hidden_size) keeps
+    activations at a steady scale through a deep or wide model, like a trained one."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
@@ -55,7 +58,7 @@ def write_tiny_checkpoint(path: str, *, seed: int = 0, num_layers: int = 2, hidd
     inter = intermediate_size or 3 * hidden_size
     g = torch.Generator().manual_seed(seed)
 
-    def w(*shape: int, std: float = 0.08) -> torch.Tensor:
+    def w(*shape: int, std: float = weight_std) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * std).contiguous()
 
     def norm() -> torch.Tensor:

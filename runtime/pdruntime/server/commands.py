@@ -20,6 +20,15 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prefill-tokens", type=int, default=512, help="chunked-prefill chunk, tokens")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker (shared CPUs: 1)")
+    g.add_argument("--device", default="auto", help="auto (cuda:0 when CUDA is available, else cpu) | cpu | cuda | cuda:N")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on cpu) | bf16 | fp16 | fp32")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                   help="CUDA: share of free device memory (after the weights load) for the KV cache, in (0, 1]; "
+                        "default 0.85; --kv-cache-mib / --num-blocks win")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture decode steps as CUDA graphs per batch bucket (default: on with CUDA, off on cpu)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks sharding attention heads and MLP (one process and one GPU each; gloo on cpu)")
     g.add_argument("--served-model-name", default=None,
                    help="model id clients send (default: the GGUF file name without its quant tag, or the HF dir name)")
 
@@ -60,13 +69,15 @@ def register(subparsers: Any) -> None:
 
 
 def _engine_config(args: argparse.Namespace):
+    """The engine configuration from the flags: the one place ``auto`` device and dtype are resolved."""
     from pdruntime.engine import EngineConfig
 
     kw: dict[str, Any] = {"block_size": args.block_size, "num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
-                          "max_prefill_tokens": args.max_prefill_tokens, "max_model_len": args.max_model_len}
-    if args.kv_cache_mib is not None:
-        kw["kv_cache_mib"] = args.kv_cache_mib
-    return EngineConfig(**kw)
+                          "max_prefill_tokens": args.max_prefill_tokens, "max_model_len": args.max_model_len,
+                          "kv_cache_mib": args.kv_cache_mib, "tensor_parallel_size": args.tensor_parallel_size}
+    if args.kv_cache_memory_fraction is not None:
+        kw["kv_cache_memory_fraction"] = args.kv_cache_memory_fraction
+    return EngineConfig.resolve(device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs, **kw)
 
 
 def _worker_args(args: argparse.Namespace) -> list[str]:
@@ -74,9 +85,13 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
            "--max-prefill-tokens", str(args.max_prefill_tokens)]
     for flag, v in (("--num-blocks", args.num_blocks), ("--kv-cache-mib", args.kv_cache_mib),
                     ("--max-model-len", args.max_model_len), ("--threads", args.threads),
-                    ("--served-model-name", args.served_model_name)):
+                    ("--served-model-name", args.served_model_name),
+                    ("--kv-cache-memory-fraction", args.kv_cache_memory_fraction)):
         if v is not None:
             out += [flag, str(v)]
+    out += ["--device", args.device, "--dtype", args.dtype, "--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.cuda_graphs is not None:
+        out.append("--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs")
     return out
 
 
@@ -95,15 +110,15 @@ def build_server(args: argparse.Namespace, env=None):
         router = Router(env, topology=topo, topology_file=args.topology_file,
                         config=RouterConfig(request_timeout_s=args.request_timeout_s), host=args.host, port=args.port)
         return router.build_app(), router
-    from pdruntime.engine import Engine
-    from pdruntime.model import load_model
+    from pdruntime.engine import Engine, load_for
 
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model or env.model)
-    engine = Engine(loaded, _engine_config(args))
+    config = _engine_config(args)
+    loaded = load_for(args.model or env.model, config, threads=args.threads, env=env)
+    engine = Engine(loaded, config)
     if args.role == "prefill":
         from pdruntime.server.prefill_app import PrefillWorker
 

@@ -61,7 +61,9 @@ class DecodeWorker(WorkerBase):
         self.model_sha = self.loaded.info.sha256 or ""
 
     async def start_role(self) -> None:
-        self.layout = transfer.layout_of(self.engine.kv)
+        tp = self.engine.tp_size  # one wire shard per tensor-parallel rank; every rank's cache has rank 0's shape
+        self.layouts = [transfer.layout_of(self.engine.kv, r, tp) for r in range(tp)]
+        self.layout = self.layouts[0]
         self.pages_freed = asyncio.Event()
 
     def role_config(self) -> dict:
@@ -129,7 +131,7 @@ class DecodeWorker(WorkerBase):
                               lambda d, r=req: self._fail(r, f"decode transfer timeout: no verified KV within "
                                                           f"{self.env.decode_transfer_timeout_s}s", cause="watchdog", status=504),
                               ids=f"rid={req.rid} room={req.room}")
-            expected = [self.layout]  # one shard per TP rank this connection carries
+            expected = self.layouts  # one shard per TP rank this connection carries
             att = wire.Attach(req.room, req.rid, len(req.prompt_ids), wire.prompt_crc(req.prompt_ids),
                               tp_size=self.layout.tp_size, tp_ranks=tuple(lay.tp_rank for lay in expected))
             conn = req.writer = await transfer.open_attach(req.bootstrap_host, req.bootstrap_port, self.kv_token, att)
@@ -143,7 +145,16 @@ class DecodeWorker(WorkerBase):
             try:
                 transfer.check_header(header, att, expected, self.model_sha)  # mismatch: both sides fail + free
                 req.status.advance(TransferState.TRANSFERRING, self.clock.now())
-                stats = await transfer.recv_kv(conn, header, [transfer.ShardSink(self.engine.kv, blocks, self.layout)])
+                if self.engine.tp_size > 1:  # host staging per rank, then rank 0 scatters to its peers
+                    if header.num_pages > len(blocks):
+                        raise WireError("mismatch", f"prefill sends {header.num_pages} pages, decode reserved {len(blocks)}")
+                    staged = self.engine.empty_pages(header.num_pages)
+                    sinks = [transfer.ShardSink(kv, range(header.num_pages), lay) for kv, lay in zip(staged, expected)]
+                else:
+                    sinks = [transfer.ShardSink(self.engine.kv, blocks, self.layout)]
+                stats = await transfer.recv_kv(conn, header, sinks)
+                if self.engine.tp_size > 1:
+                    await self.runner.call(lambda e, b=blocks[:header.num_pages], s=staged: e.scatter_pages(b, s))
             except WireError as exc:
                 if exc.reason not in ("closed", "timeout"):
                     await transfer.send_error(conn, exc.reason, exc.message)  # prefill fails with the same reason

@@ -55,7 +55,9 @@ class PrefillWorker(WorkerBase):
         self.model_sha = self.loaded.info.sha256 or ""
 
     async def start_role(self) -> None:
-        self.layout = transfer.layout_of(self.engine.kv)
+        tp = self.engine.tp_size  # one wire shard per tensor-parallel rank; every rank's cache has rank 0's shape
+        self.layouts = [transfer.layout_of(self.engine.kv, r, tp) for r in range(tp)]
+        self.layout = self.layouts[0]
         self._server = await transfer.BootstrapServer.start(self.bootstrap_host, self.bootstrap_port, self._on_connection)
         self.bootstrap_port = self._server.port
         if not self.kv_token:
@@ -207,8 +209,12 @@ class PrefillWorker(WorkerBase):
             self.watchdog.arm(req.rid, "transfer", self.env.transfer_timeout_s,
                               lambda d, r=req: self._on_watchdog(r, "transfer"), ids=f"rid={req.rid} room={req.room}")
             header = transfer.make_header(req.room, req.rid, ntok, first, wire.prompt_crc(req.prompt_ids),
-                                          self.model_sha, [self.layout], conn.attach.checksums)
-            sources = [transfer.ShardSource(self.engine.kv, blocks, self.layout)]
+                                          self.model_sha, self.layouts, conn.attach.checksums)
+            if self.engine.tp_size > 1:  # rank 0 gathers every rank's pages (a collective, on the engine thread)
+                shards = await self.runner.call(lambda e, b=blocks[:header.num_pages]: e.gather_pages(b))
+                sources = [transfer.ShardSource(kv, range(header.num_pages), lay) for kv, lay in zip(shards, self.layouts)]
+            else:
+                sources = [transfer.ShardSource(self.engine.kv, blocks, self.layout)]
             stats = await transfer.send_kv(conn, header, sources, corrupt_first_chunk=self.hooks.take("corrupt_kv_chunk"))
             req.bytes_sent = stats.bytes
             if req.status.state.terminal:
