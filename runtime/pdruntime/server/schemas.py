@@ -64,6 +64,11 @@ UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", 
                "logit_bias", "parallel_tool_calls", "best_of", "echo", "suffix", "audio", "modalities", "prediction",
                "service_tier", "store", "metadata", "reasoning_effort", "web_search_options")
 
+# SGLang's chat/completion extensions, which SGLang's router writes into every body it forwards (with these
+# defaults). pdrt behaves as these defaults say; a different value is rejected by name.
+SGLANG_DEFAULTS = {"no_stop_trim": False, "continue_final_message": False, "skip_special_tokens": True,
+                   "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False}
+
 
 class ApiError(Exception):
     """An error to return to the client as an OpenAI-style body."""
@@ -284,10 +289,20 @@ def _accepted(loc: str | None) -> str:
 def validate(model: type[BaseModel], body: dict) -> Any:
     """Validate ``body`` into ``model``; unsupported and unknown parameters and bad values become ApiError(400)
     naming the parameter, what was given, and what is accepted."""
+    body = dict(body)
     for name in UNSUPPORTED:
-        if name in body and body[name] not in (None, False):
-            raise ApiError(400, f"parameter {name!r} is not supported by pdrt; accepted parameters: "
-                           f"{', '.join(sorted(model.model_fields))}", param=name, code="unsupported_parameter")
+        if name in body:
+            if body[name] not in (None, False):
+                raise ApiError(400, f"parameter {name!r} is not supported by pdrt; accepted parameters: "
+                               f"{', '.join(sorted(model.model_fields))}", param=name, code="unsupported_parameter")
+            del body[name]  # "logprobs": false and the like ask for nothing
+    for name, default in SGLANG_DEFAULTS.items():
+        if name in body:
+            if body[name] != default:
+                raise ApiError(400, f"parameter {name!r}={json.dumps(body[name])[:40]} is not supported by pdrt; "
+                               f"accepted: {json.dumps(default)} (the default)", param=name,
+                               code="unsupported_parameter")
+            del body[name]
     try:
         return model.model_validate(body)
     except ValidationError as exc:
