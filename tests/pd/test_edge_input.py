@@ -109,6 +109,7 @@ def test_prompt_text_never_reaches_a_log_even_when_a_request_fails(stack, model_
     overflow) stays out of every log and out of the error body."""
     r = post(stack, chat(model_id, MARKER + " x" * 5000, max_tokens=4))
     assert r.status_code == 400 and MARKER not in r.text
+    assert r.json()["error"]["param"] == "messages"  # the worker's param reaches the client through the router
     time.sleep(0.5)
     for proc in (stack.router, stack.prefill, stack.decode):
         assert MARKER not in proc.log_text()

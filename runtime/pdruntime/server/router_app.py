@@ -266,7 +266,7 @@ class Router:
             except LegError as exc:
                 last = exc
                 if not exc.retryable:
-                    raise ApiError(exc.status, exc.message, code=exc.code,
+                    raise ApiError(exc.status, exc.message, code=exc.code, param=exc.param,
                                    type="invalid_request_error" if exc.status < 500 else "server_error") from None
                 outcome = Outcome.FAILURE
                 self.metrics.pair_failures.labels(state.pair.key, exc.leg).inc()
