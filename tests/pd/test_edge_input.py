@@ -104,12 +104,16 @@ def test_invalid_unicode_is_400_leaks_nothing_and_is_never_logged(stack, model_i
         assert MARKER not in proc.log_text(), f"prompt text in the {proc.name} log"
 
 
-def test_prompt_text_never_reaches_a_log_even_when_a_request_fails(stack, model_id):
-    """Guard (passed on the unfixed code too): prompt text of a request that fails on the worker (context
-    overflow) stays out of every log and out of the error body."""
-    r = post(stack, chat(model_id, MARKER + " x" * 5000, max_tokens=4))
-    assert r.status_code == 400 and MARKER not in r.text
-    assert r.json()["error"]["param"] == "messages"  # the worker's param reaches the client through the router
+def test_worker_4xx_is_neutral_for_the_breaker_and_its_prompt_never_reaches_a_log(stack, model_id):
+    """Guard (passed on the unfixed code too): a request the worker rejects (context overflow, a 4xx) is
+    neutral for the breaker, its prompt text stays out of every log and out of the error body."""
+    before = router_totals(stack)
+    for _ in range(4):  # more than the breaker threshold: a worker's 4xx is neutral for the breaker
+        r = post(stack, chat(model_id, MARKER + " x" * 5000, max_tokens=4))
+        assert r.status_code == 400 and MARKER not in r.text
+        assert r.json()["error"]["param"] == "messages"  # the worker's param reaches the client through the router
+    assert router_totals(stack) == (before[0], 0, 0)
+    assert post(stack, chat(model_id, max_tokens=2)).status_code == 200
     time.sleep(0.5)
     for proc in (stack.router, stack.prefill, stack.decode):
         assert MARKER not in proc.log_text()

@@ -45,7 +45,7 @@ class WorkerBase:
         self.hooks = TestHooks()
         self.kv_token = env.resolve_kv_auth_token()
         self.max_model_len = int(engine.config.max_model_len or loaded.info.max_position_embeddings)
-        self.prompts = PromptBuilder(loaded.tokenizer, self.max_model_len, loaded.info.vocab_size)
+        self.prompts = PromptBuilder(loaded.tokenizer, self.max_model_len, getattr(loaded.info, "vocab_size", None))
         self.runner: EngineRunner | None = None
         self.ready = False
         self.started_at = time.time()
