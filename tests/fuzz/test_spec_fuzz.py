@@ -15,7 +15,6 @@ import copy
 import glob
 import os
 
-import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

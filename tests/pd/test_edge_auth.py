@@ -67,7 +67,7 @@ async def test_config_redacts_every_secret():
 def test_api_key_file_parsing_names_lines_never_keys():
     keys = parse_api_keys(f"# comment\n\n{KEY_A} team-a\n{KEY_B}\n")
     assert keys[KEY_A] == "team-a" and keys[KEY_B].startswith("key-") and KEY_B not in keys[KEY_B]
-    for text, words in ((f"short x", "line 1"), (f"{KEY_A}\n{KEY_A}", "line 2"), ("# only\n", "no key"),
+    for text, words in (("short x", "line 1"), (f"{KEY_A}\n{KEY_A}", "line 2"), ("# only\n", "no key"),
                         (f"{KEY_A} bad/name", "line 1")):
         with pytest.raises(ValueError) as e:
             parse_api_keys(text)

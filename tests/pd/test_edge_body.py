@@ -8,7 +8,6 @@ came after 12 MiB had been offered (8 MiB limit plus socket buffers), router RSS
 
 from __future__ import annotations
 
-import os
 import select
 import socket
 import time

@@ -8,7 +8,6 @@ PYTHONPATH, same tests) and failed there, as its docstring says; all pass after 
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import httpx

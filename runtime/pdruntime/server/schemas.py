@@ -52,7 +52,7 @@ ACCEPTED = {
     "user": f"a string of at most {MAX_ID_CHARS} characters",
     "messages": f"a list of 1..{MAX_MESSAGES} messages {{role: system|user|assistant, content: text}}",
     "prompt": "a string, or a list of exactly one string",
-    "input_ids": f"a non-empty list of token ids in [0, vocabulary size)",
+    "input_ids": "a non-empty list of token ids in [0, vocabulary size)",
     "stream": "true or false",
     "stream_options": "{\"include_usage\": true|false}",
     "bootstrap_port": "an integer in [1, 65535]",
