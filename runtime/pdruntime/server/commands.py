@@ -45,6 +45,12 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--decode", action="append", default=[], help="router: decode worker URL (repeat per pair)")
     serve.add_argument("--bootstrap-ports", type=int, action="append", default=[], help="router: per-pair bootstrap port")
     serve.add_argument("--request-timeout-s", type=float, default=600.0, help="router: per-request deadline, seconds")
+    serve.add_argument("--api-key-file", default=None,
+                       help="router: API keys, one per line, optionally 'KEY NAME' (the name attributes the client)")
+    serve.add_argument("--admin-token-file", default=None,
+                       help="router: token for /config and /debug/* (without one they answer loopback clients only)")
+    serve.add_argument("--body-timeout-s", type=float, default=30.0, help="router: seconds to receive a request body")
+    serve.add_argument("--breaker-cooldown-s", type=float, default=5.0, help="router: seconds a tripped pair rests")
     serve.add_argument("--log-level", default="info")
     _engine_flags(serve)
     serve.set_defaults(func=cmd_serve, handler=cmd_serve)
@@ -107,8 +113,23 @@ def build_server(args: argparse.Namespace, env=None):
         topo = topology_from_flags(args.prefill, args.decode, args.bootstrap_ports) if args.prefill or args.decode else None
         if topo is None and not args.topology_file:
             raise SystemExit("pdrt serve --role router needs --topology-file FILE or --prefill URL --decode URL")
-        router = Router(env, topology=topo, topology_file=args.topology_file,
-                        config=RouterConfig(request_timeout_s=args.request_timeout_s), host=args.host, port=args.port)
+        from pdruntime.server.router_app import parse_api_keys
+
+        def secret_file(path: str, what: str) -> str:
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    return fh.read()
+            except OSError as exc:
+                raise ValueError(f"{what} {path!r} cannot be read: {exc.strerror}") from None
+
+        keys = parse_api_keys(secret_file(args.api_key_file, "--api-key-file"), args.api_key_file) \
+            if args.api_key_file else {}
+        admin = secret_file(args.admin_token_file, "--admin-token-file").strip() if args.admin_token_file else None
+        if admin == "":
+            raise ValueError(f"--admin-token-file {args.admin_token_file!r} is empty; accepted: a file holding the token")
+        cfg = RouterConfig(request_timeout_s=args.request_timeout_s, body_timeout_s=args.body_timeout_s,
+                           breaker_cooldown_s=args.breaker_cooldown_s, api_keys=keys, admin_token=admin)
+        router = Router(env, topology=topo, topology_file=args.topology_file, config=cfg, host=args.host, port=args.port)
         return router.build_app(), router
     from pdruntime.engine import Engine, load_for
 

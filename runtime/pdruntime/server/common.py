@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
+import traceback
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -23,15 +25,21 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Every error leaves as an OpenAI-style JSON body; unexpected exceptions are logged and become 500."""
+    """Every error leaves as an OpenAI-style JSON body; unexpected exceptions are logged and become 500.
+
+    Unexpected errors are logged and answered by type and location only, never with the exception's
+    message: messages of encoding, key and value errors quote the request's text, and prompt text never
+    goes to a log or to another client's error body."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(exc.status_code, str(exc.detail), code="http_error"), status_code=exc.status_code)
+        # keeps the exception's headers: 405 answers carry Allow
+        return JSONResponse(error_body(exc.status_code, str(exc.detail), code="http_error"), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -41,10 +49,19 @@ def install_error_handlers(app: FastAPI) -> None:
                                        code="invalid_value"), status_code=400)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error")
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error",
-                                       code="internal_error"), status_code=500)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        ref = uuid.uuid4().hex[:12]
+        log_unexpected(f"{request.method} {request.url.path} ref={ref}", exc)
+        return JSONResponse(error_body(500, f"internal error ({type(exc).__name__}); reference {ref} in the server log",
+                                       type="server_error", code="internal_error"), status_code=500)
+
+
+def log_unexpected(what: str, exc: BaseException) -> None:
+    """One ERROR line with the exception type and the frames that raised it, never the message (it can quote
+    request text: ``UnicodeEncodeError``, ``KeyError``, ``ValueError`` do)."""
+    frames = traceback.extract_tb(exc.__traceback__)[-4:]
+    where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
+    log.error("unexpected error in %s: %s at %s", what, type(exc).__name__, where or "?")
 
 
 def lifespan_app(title: str, start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]) -> FastAPI:
@@ -109,33 +126,32 @@ def client_of(request: Request) -> str:
 
 
 async def read_generate(request: Request) -> GenerateRequest:
-    from pdruntime.server.schemas import parse_body
-    from pydantic import ValidationError
+    from pdruntime.server.schemas import parse_body, validate_generate
 
-    body = parse_body(await request.body())
-    try:
-        return GenerateRequest.model_validate(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err.get("loc", ()))
-        raise ApiError(400, f"{loc + ': ' if loc else ''}{err.get('msg')}", param=loc or None, code="invalid_value") from None
+    return validate_generate(parse_body(await request.body()))
 
 
 class PromptBuilder:
     """Tokenizes a worker request the same way on prefill and decode, and derives SamplingParams."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.input_ids is not None:
             ids = list(req.input_ids)
+            if self.vocab_size is not None and (bad := next((i for i in ids if i >= self.vocab_size), None)) is not None:
+                raise ApiError(400, f"input_ids: token id {bad} is outside the vocabulary; accepted: token ids in "
+                               f"[0, {self.vocab_size})", param="input_ids", code="invalid_value")
         elif req.messages is not None:
             try:
-                text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
-            except Exception as exc:
-                raise ApiError(400, f"messages could not be rendered with the chat template: {exc}", param="messages",
+                text = self.tokenizer.apply_chat_template([m.model_dump() for m in req.messages],
+                                                          add_generation_prompt=True)
+            except Exception as exc:  # the template's own message may quote the conversation: type only
+                raise ApiError(400, f"messages could not be rendered with the chat template ({type(exc).__name__}); "
+                               "accepted: messages {role: system|user|assistant, content: text}", param="messages",
                                code="invalid_value") from None
             ids = self.tokenizer.encode(text)
         else:
@@ -188,3 +204,78 @@ def finish_reason_json(reason: str | None) -> dict | None:
 
 def now_s() -> float:
     return time.monotonic()
+
+
+# ---- request bodies: size and time limits enforced while the body streams in --------------------------
+
+BODY_TIMEOUT_S = 30.0  # seconds to receive a whole request body (slow-drip "slowloris" bodies are cut here)
+
+
+class BodyGuard:
+    """ASGI middleware: reads each HTTP request's body before the app runs, counting bytes as they arrive
+    (chunked bodies included), and answers 413 as soon as the count passes ``max_bytes`` and 408 when the
+    body has not fully arrived within ``timeout_s``. Memory per request is bounded by ``max_bytes``: the
+    rest of an oversized body is never read (the connection is closed). The app then sees the body as one
+    message; later ``receive()`` calls (disconnect watching) go to the server as before.
+
+    ``on_reject(scope, status)`` is called for each rejection (metrics)."""
+
+    def __init__(self, app: Any, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S,
+                 on_reject: Callable[[dict, int], None] | None = None) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        self.on_reject = on_reject
+
+    async def _reject(self, scope: dict, send: Callable, status: int, message: str, code: str) -> None:
+        if self.on_reject is not None:
+            self.on_reject(scope, status)
+        payload = json.dumps(error_body(status, message, code=code)).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": payload})
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = f"request body is larger than {self.max_bytes} bytes; accepted: up to {self.max_bytes} bytes"
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                try:
+                    declared = int(v)
+                except ValueError:
+                    return await self._reject(scope, send, 400, "Content-Length is not an integer", "invalid_header")
+                if declared > self.max_bytes:
+                    return await self._reject(scope, send, 413, too_large, "request_too_large")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            try:
+                msg = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return await self._reject(scope, send, 408, f"request body not received within {self.timeout_s:g}s "
+                                          f"({total} bytes arrived); accepted: a body sent within {self.timeout_s:g}s",
+                                          "body_timeout")
+            if msg["type"] != "http.request":  # http.disconnect: the client left while sending
+                return
+            body = msg.get("body", b"")
+            total += len(body)
+            if total > self.max_bytes:
+                return await self._reject(scope, send, 413, too_large, "request_too_large")
+            if body:
+                chunks.append(body)
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)

@@ -25,7 +25,8 @@ from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import WireError
 from pdruntime.server.common import (SSE_DONE, GuardedStream, client_of, finish_reason_json, read_generate,
                                      request_id, sse)
-from pdruntime.server.schemas import ApiError, error_body
+from pdruntime.server.openai_format import OpenAIShape
+from pdruntime.server.schemas import ApiError, GenerateRequest, error_body
 from pdruntime.server.worker_base import WorkerBase
 
 log = logging.getLogger("pdruntime.decode")
@@ -223,14 +224,18 @@ class DecodeWorker(WorkerBase):
 
     # ---- HTTP ----------------------------------------------------------------------------------
     async def generate(self, request: Request):
-        greq = await read_generate(request)
+        return await self.run_generate(await read_generate(request), client_of(request))
+
+    async def run_generate(self, greq: GenerateRequest, client: str, shape: OpenAIShape | None = None,
+                           include_usage: bool = False):
+        """One request, SGLang-shaped events (``shape`` None: /generate) or OpenAI-shaped (the /v1 routes)."""
         prompt = self.prompts.prompt_ids(greq)
         params = self.prompts.sampling(greq, len(prompt))
         pd = greq.bootstrap_room is not None
         if pd and (not greq.bootstrap_host or not greq.bootstrap_port):
             raise ApiError(400, "bootstrap_room needs bootstrap_host and bootstrap_port", param="bootstrap_host")
         now = self.clock.now()
-        req = DecodeRequest(rid=request_id(greq), room=int(greq.bootstrap_room or 0), client=client_of(request),
+        req = DecodeRequest(rid=request_id(greq), room=int(greq.bootstrap_room or 0), client=client,
                             prompt_ids=prompt, params=params, bootstrap_host=greq.bootstrap_host or "",
                             bootstrap_port=int(greq.bootstrap_port or 0), created_at=now, status=TransferStatus(now))
         try:
@@ -281,9 +286,15 @@ class DecodeWorker(WorkerBase):
 
         if greq.stream:
             async def body() -> AsyncIterator[bytes]:
+                first = True
                 try:
                     async for ev in events():
-                        yield sse(ev)
+                        if shape is None:
+                            yield sse(ev)
+                        else:
+                            for c in shape.stream_chunks(ev, first=first, include_usage=include_usage):
+                                yield sse(c)
+                        first = False
                 except DecodeFailed as exc:
                     err = error_body(exc.status, exc.reason, type="server_error", code="decode_failed")
                     err["error"]["status"] = exc.status  # the HTTP status this would have had (200 was already sent)
@@ -298,7 +309,7 @@ class DecodeWorker(WorkerBase):
             async for ev in events():
                 final = ev
             completed = True
-            return JSONResponse(final)
+            return JSONResponse(final if shape is None else shape.final(final["text"], final))
         except DecodeFailed as exc:
             return JSONResponse(error_body(exc.status, exc.reason, type="server_error", code="decode_failed"),
                                 status_code=exc.status)

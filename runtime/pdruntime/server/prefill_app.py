@@ -23,7 +23,8 @@ from pdruntime.disagg.prefill_queues import PrefillQueues, PrefillRequest
 from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import WireError
 from pdruntime.server.common import client_of, read_generate, request_id
-from pdruntime.server.schemas import ApiError, error_body
+from pdruntime.server.openai_format import OpenAIShape
+from pdruntime.server.schemas import ApiError, GenerateRequest, error_body
 from pdruntime.server.worker_base import WorkerBase
 
 log = logging.getLogger("pdruntime.prefill")
@@ -107,14 +108,19 @@ class PrefillWorker(WorkerBase):
 
     # ---- HTTP side ---------------------------------------------------------------------------
     async def generate(self, request: Request) -> JSONResponse:
-        greq = await read_generate(request)
+        return await self.run_generate(await read_generate(request), client_of(request))
+
+    async def run_generate(self, greq: GenerateRequest, client: str, shape: OpenAIShape | None = None,
+                           include_usage: bool = False) -> JSONResponse:
+        """Prefill one PD request; answers once decode has the KV (OpenAI-shaped with ``shape``: the /v1 routes,
+        whose body SGLang's router sends to both legs; it answers the client from decode's)."""
         if greq.bootstrap_room is None:
             raise ApiError(400, "a prefill worker serves only PD requests; accepted: a body with bootstrap_room "
                            "(and bootstrap_host/bootstrap_port) as sent by a PD router", param="bootstrap_room")
         prompt = self.prompts.prompt_ids(greq)
         params = self.prompts.sampling(greq, len(prompt))
         loop = asyncio.get_running_loop()
-        req = PrefillRequest(rid=request_id(greq), room=int(greq.bootstrap_room), client=client_of(request),
+        req = PrefillRequest(rid=request_id(greq), room=int(greq.bootstrap_room), client=client,
                              prompt_ids=prompt, params=params, created_at=self.clock.now(),
                              status=TransferStatus(self.clock.now()), done=loop.create_future())
         try:
@@ -138,9 +144,10 @@ class PrefillWorker(WorkerBase):
             self.metrics.requests.labels(self.role, self.metrics.clients.label(req.client), outcome).inc()
             self.metrics.e2e.labels(self.role).observe(self.clock.now() - req.created_at)
         first = req.first_token_id
-        return JSONResponse({"text": self.loaded.tokenizer.decode([first]) if first is not None else "",
-                             "meta_info": {"id": req.rid, "prompt_tokens": len(prompt), "completion_tokens": 1,
-                                           "kv_bytes": req.bytes_sent, "finish_reason": {"type": "prefill_done"}}})
+        text = self.loaded.tokenizer.decode([first]) if first is not None else ""
+        result = {"text": text, "meta_info": {"id": req.rid, "prompt_tokens": len(prompt), "completion_tokens": 1,
+                                              "kv_bytes": req.bytes_sent, "finish_reason": {"type": "prefill_done"}}}
+        return JSONResponse(result if shape is None else shape.final(text, result))
 
     def add_routes(self, app: FastAPI) -> None:
         app.post("/generate")(self.generate)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
+import ipaddress
 import logging
 import os
 import time
@@ -21,12 +23,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pdruntime.env import RuntimeEnv
-from pdruntime.server.common import SSE_DONE, GuardedStream, lifespan_app, metrics_response, sse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdruntime.server.common import (SSE_DONE, BodyGuard, GuardedStream, lifespan_app, metrics_response,
+                                     sse)
 from pdruntime.server.metrics import Metrics
+from pdruntime.server.openai_format import OpenAIShape, finish_reason
 from pdruntime.server.router_legs import LegError, Legs
-from pdruntime.server.router_policy import PairPicker, PairState
-from pdruntime.server.schemas import (ApiError, ChatCompletionRequest, CompletionRequest, error_body, parse_body,
-                                      validate)
+from pdruntime.server.router_policy import Outcome, PairPicker, PairState
+from pdruntime.server.schemas import (MAX_BODY_BYTES, ApiError, ChatCompletionRequest, CompletionRequest, error_body,
+                                      openapi_components, parse_body, validate)
 from pdruntime.server.topology import Topology, TopologyWatcher
 
 log = logging.getLogger("pdruntime.router")
@@ -35,16 +41,74 @@ MAX_ATTEMPTS = 3  # pairs tried per request (retries happen only before the firs
 DEBUG_FETCH_TIMEOUT_S = 2.0
 
 
+def _bearer(headers: Any) -> str | None:
+    auth = headers.get("authorization", "")
+    if auth.lower().startswith("bearer ") and auth[7:].strip():
+        return auth[7:].strip()
+    return None
+
+
+def key_name(key: str) -> str:
+    """The attribution name of an API key without a name: a hash prefix, never the key."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
 def client_identity(request: Request) -> str:
-    """Who sent a request: the X-Client-Id header, else a name derived from the API key (a hash prefix,
-    never the key), else "anonymous". Metric labels built from it have bounded cardinality."""
+    """Who sent a request (no API keys configured): the X-Client-Id header, else a name derived from the
+    bearer token (a hash prefix, never the token), else "anonymous". Metric labels built from it have
+    bounded cardinality."""
     explicit = request.headers.get("x-client-id")
     if explicit:
         return explicit[:64]
-    auth = request.headers.get("authorization", "")
-    if auth.lower().startswith("bearer ") and auth[7:].strip():
-        return "key-" + hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:12]
-    return "anonymous"
+    token = _bearer(request.headers)
+    return key_name(token) if token else "anonymous"
+
+
+MIN_API_KEY_CHARS = 16
+
+
+def parse_api_keys(text: str, source: str = "api key file") -> dict[str, str]:
+    """``--api-key-file`` contents -> {key: client name}. One key per line, optionally followed by a name
+    (``KEY NAME``); blank lines and ``#`` comments are skipped. Errors name the line, never the key."""
+    keys: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split(None, 1)
+        key, name = parts[0], (parts[1].strip() if len(parts) > 1 else "")
+        if len(key) < MIN_API_KEY_CHARS:
+            raise ValueError(f"{source} line {n}: the key is {len(key)} characters; accepted: keys of at least "
+                             f"{MIN_API_KEY_CHARS} characters")
+        if key in keys:
+            raise ValueError(f"{source} line {n}: the key repeats an earlier line; accepted: each key once")
+        if name and not all(c.isalnum() or c in "-_.@:" for c in name) or len(name) > 64:
+            raise ValueError(f"{source} line {n}: name {name[:64]!r} is not accepted; accepted: up to 64 of "
+                             "letters, digits and -_.@:")
+        keys[key] = name or key_name(key)
+    if not keys:
+        raise ValueError(f"{source} holds no key; accepted: one key per line, optionally followed by a name")
+    return keys
+
+
+def match_api_key(keys: dict[str, str], token: str | None) -> str | None:
+    """The name of ``token``'s key, or None. Compares against every key in constant time per key (digests of
+    equal length), so neither the match position nor a common prefix shows in the timing."""
+    if token is None:
+        return None
+    probe = hashlib.sha256(token.encode()).digest()
+    found: str | None = None
+    for key, name in keys.items():
+        if hmac.compare_digest(hashlib.sha256(key.encode()).digest(), probe):
+            found = name
+    return found
+
+
+def _is_loopback(host: str | None) -> bool:
+    try:
+        return host is not None and ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -52,7 +116,12 @@ class RouterConfig:
     request_timeout_s: float = 600.0  # per-request deadline, seconds (client may lower it with X-Request-Timeout)
     breaker_threshold: int = 3
     breaker_cooldown_s: float = 5.0
+    breaker_trial_timeout_s: float = 30.0  # a half-open trial unresolved this long lets another through
     topology_poll_s: float = 1.0
+    body_timeout_s: float = 30.0  # seconds to receive a request body (slow-drip bodies get 408)
+    max_body_bytes: int = MAX_BODY_BYTES
+    api_keys: dict[str, str] = field(default_factory=dict, repr=False)  # key -> client name; empty: no auth
+    admin_token: str | None = field(default=None, repr=False)  # /config, /debug/*: None = loopback clients only
 
 
 @dataclass(eq=False)
@@ -76,7 +145,7 @@ class Router:
         self.topology_file = topology_file
         self.host, self.port = host, port
         self.metrics = Metrics("router")
-        self.picker = PairPicker(self.cfg.breaker_threshold, self.cfg.breaker_cooldown_s)
+        self.picker = PairPicker(self.cfg.breaker_threshold, self.cfg.breaker_cooldown_s, self.cfg.breaker_trial_timeout_s)
         self.live: dict[str, LiveRequest] = {}
         self.models: dict[str, dict] = {}  # model id -> /get_model_info of a worker
         self.client: httpx.AsyncClient | None = None
@@ -168,7 +237,10 @@ class Router:
         return time.monotonic() + timeout
 
     async def _dispatch(self, live: LiveRequest, body: dict, headers: dict, deadline: float) -> tuple[Legs, PairState, dict]:
-        """Try pairs until one yields a first token. Raises ApiError."""
+        """Try pairs until one yields a first token. Raises ApiError.
+
+        Every dispatch resolves its pair's breaker exactly once (success, failure or neutral), whatever ends
+        it: a first token, a leg error, our deadline, the client leaving (cancellation), or a bug."""
         tried: set[int] = set()
         last: LegError | None = None
         while len(tried) < MAX_ATTEMPTS:
@@ -183,34 +255,41 @@ class Router:
             live.attempts += 1
             live.stage = "waiting_first_token"
             state.outstanding += 1
-            state.breaker.on_dispatch(now)
+            trial = state.breaker.on_dispatch(now)
             self.metrics.pair_outstanding.labels(state.pair.key).set(state.outstanding)
-            legs = Legs(self.client, state.pair, live.rid, body, headers, deadline)
+            outcome = Outcome.NEUTRAL  # client gone, 4xx, deadline, unexpected error: says nothing about the pair
             try:
+                legs = Legs(self.client, state.pair, live.rid, body, headers, deadline)
                 first = await legs.first_event()
-                state.breaker.record_success()
-                self.metrics.circuit_open.labels(state.pair.key).set(0)
+                outcome = Outcome.SUCCESS
                 return legs, state, first
-            except asyncio.CancelledError:
-                self._release(state)
-                raise
             except LegError as exc:
-                self._release(state)
                 last = exc
-                if exc.retryable:
-                    self.metrics.pair_failures.labels(state.pair.key, exc.leg).inc()
-                    state.breaker.record_failure(time.monotonic())
-                    if state.breaker.state(time.monotonic()) != "closed":
-                        self.metrics.circuit_open.labels(state.pair.key).set(1)
-                    log.warning("rid=%s pair=%d %s leg failed: %s", live.rid, state.pair.index, exc.leg, exc.message)
-                    continue
-                raise ApiError(exc.status, exc.message, type="invalid_request_error" if exc.status < 500 else "server_error",
-                               code=exc.code) from None
+                if not exc.retryable:
+                    raise ApiError(exc.status, exc.message, code=exc.code, param=exc.param,
+                                   type="invalid_request_error" if exc.status < 500 else "server_error") from None
+                outcome = Outcome.FAILURE
+                self.metrics.pair_failures.labels(state.pair.key, exc.leg).inc()
+                log.warning("rid=%s pair=%d %s leg failed: %s", live.rid, state.pair.index, exc.leg, exc.message)
+            finally:
+                state.breaker.record(outcome, time.monotonic(), trial=trial)
+                self.metrics.circuit_open.labels(state.pair.key).set(int(state.breaker.state(time.monotonic()) != "closed"))
+                if outcome is not Outcome.SUCCESS:
+                    self._release(state)
         if last is not None:
             raise ApiError(502, f"every PD pair tried failed; last: {last.leg} leg: {last.message}", type="server_error",
                            code="upstream_failed")
-        raise ApiError(503, "no ready PD pair (topology has none ready, or every circuit breaker is open)",
-                       type="server_error", code="no_ready_pair")
+        raise self._no_pair_error()
+
+    def _no_pair_error(self) -> ApiError:
+        now = time.monotonic()
+        at = self.picker.reopens_at(now)
+        if at is None:
+            return ApiError(503, "no ready PD pair (the topology has none ready)", type="server_error",
+                            code="no_ready_pair")
+        wait = max(1, int(at - now + 0.999))
+        return ApiError(503, f"no ready PD pair: every ready pair's circuit breaker is open after failures; the next "
+                        f"trial is in {wait}s", type="server_error", code="no_ready_pair", headers={"Retry-After": str(wait)})
 
     async def _dispatch_unless_gone(self, request: Request, live: LiveRequest, body: dict, headers: dict,
                                     deadline: float) -> tuple[Legs, PairState, dict]:
@@ -240,34 +319,70 @@ class Router:
         state.outstanding = max(0, state.outstanding - 1)
         self.metrics.pair_outstanding.labels(state.pair.key).set(state.outstanding)
 
+    def authenticate(self, request: Request) -> str:
+        """The client a request is attributed to. With API keys configured: the name of the caller's key
+        (401 without a valid one); else client_identity()."""
+        if not self.cfg.api_keys:
+            return client_identity(request)
+        name = match_api_key(self.cfg.api_keys, _bearer(request.headers))
+        if name is None:
+            raise ApiError(401, "missing or unknown API key; accepted: an 'Authorization: Bearer <key>' header with a "
+                           "key from the router's --api-key-file", type="authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+        return name
+
+    def require_admin(self, request: Request) -> None:
+        """/config and /debug/*: the admin token when one is configured, else loopback clients only."""
+        if self.cfg.admin_token is not None:
+            token = _bearer(request.headers) or ""
+            if not hmac.compare_digest(hashlib.sha256(token.encode()).digest(),
+                                       hashlib.sha256(self.cfg.admin_token.encode()).digest()):
+                raise ApiError(401, f"{request.url.path} needs the admin token; accepted: 'Authorization: Bearer "
+                               "<admin token>' (the router's --admin-token-file)", type="authentication_error",
+                               code="admin_token_required", headers={"WWW-Authenticate": "Bearer"})
+        elif not _is_loopback(request.client.host if request.client else None):
+            raise ApiError(403, f"{request.url.path} is served only to loopback clients when the router has no admin "
+                           "token; accepted: a request from 127.0.0.1/::1, or start the router with --admin-token-file "
+                           "and send 'Authorization: Bearer <admin token>'", type="permission_error",
+                           code="admin_only")
+
+    def count_rejection(self, client: str, status: int) -> None:
+        """A request the router answered itself with an error (before or instead of any worker)."""
+        self.metrics.requests.labels("router", self.metrics.clients.label(client),
+                                     "client_error" if status < 500 else "failed").inc()
+
     async def completions(self, request: Request, chat: bool):
         t0 = time.monotonic()
-        body = parse_body(await request.body())
-        oreq = validate(ChatCompletionRequest if chat else CompletionRequest, body)
-        model = await self._check_model(oreq.model)
-        deadline = self._deadline(request)
-        client = client_identity(request)
+        client = "unauthenticated"
+        try:
+            client = self.authenticate(request)
+            oreq = validate(ChatCompletionRequest if chat else CompletionRequest, parse_body(await request.body()))
+            model = await self._check_model(oreq.model)
+            deadline = self._deadline(request)
+        except ApiError as exc:
+            self.count_rejection(client, exc.status)
+            raise
         client_label = self.metrics.clients.label(client)
         conversation = oreq.user or request.headers.get("x-session-id")
         rid = uuid.uuid4().hex
-        worker_body: dict[str, Any] = {"sampling_params": oreq.sampling_params()}
-        if chat:
-            worker_body["messages"] = [{"role": m.role, "content": m.text()} for m in oreq.messages]
-        else:
-            worker_body["text"] = oreq.prompt_text()
+        worker_body: dict[str, Any] = {"sampling_params": oreq.sampling_params(), **oreq.worker_input()}
         headers = {"x-client-id": client, "x-request-id": rid}
         live = LiveRequest(rid, client, conversation, t0)
         self.live[rid] = live
         try:
             legs, state, first = await self._dispatch_unless_gone(request, live, worker_body, headers, deadline)
-        except ApiError as exc:
-            del self.live[rid]
-            self.metrics.requests.labels("router", client_label, "client_error" if exc.status < 500 else "failed").inc()
+        except BaseException as exc:  # rejected, cancelled or a bug: the live entry never outlives its request
+            self.live.pop(rid, None)
+            if isinstance(exc, ApiError):
+                self.count_rejection(client, exc.status)
+            elif isinstance(exc, asyncio.CancelledError):
+                self.metrics.requests.labels("router", client_label, "aborted").inc()
+            else:
+                self.count_rejection(client, 500)
             raise
         live.stage = "streaming"
         self.metrics.ttft.labels("router").observe(time.monotonic() - t0)
-        oid = ("chatcmpl-" if chat else "cmpl-") + rid
-        created = int(time.time())
+        shape = OpenAIShape(chat, ("chatcmpl-" if chat else "cmpl-") + rid, model, int(time.time()))
         include_usage = bool(oreq.stream_options and oreq.stream_options.include_usage)
         outcome = {"v": "aborted"}
         last_tok = [time.monotonic()]
@@ -301,48 +416,16 @@ class Router:
             self.metrics.requests.labels("router", client_label, outcome["v"]).inc()
             self.metrics.e2e.labels("router").observe(time.monotonic() - t0)
 
-        def usage(ev: dict) -> dict:
-            mi = ev.get("meta_info", {})
-            p, c = int(mi.get("prompt_tokens", 0)), int(mi.get("completion_tokens", 0))
-            return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-        def finish_reason(ev: dict) -> str | None:
-            fr = (ev.get("meta_info") or {}).get("finish_reason")
-            if not fr:
-                return None
-            t = fr.get("type") if isinstance(fr, dict) else str(fr)
-            return "length" if t == "length" else "stop"
-
         if oreq.stream:
-            def chunk(ev: dict | None, *, role: bool = False, reason: str | None = None, use: dict | None = None) -> dict:
-                delta = ev.get("delta", "") if ev else ""
-                if chat:
-                    d: dict = {"content": delta} if ev else {}
-                    if role:
-                        d = {"role": "assistant", **d}
-                    choice = {"index": 0, "delta": d, "finish_reason": reason}
-                    obj = {"id": oid, "object": "chat.completion.chunk", "created": created, "model": model,
-                           "choices": [choice]}
-                else:
-                    obj = {"id": oid, "object": "text_completion", "created": created, "model": model,
-                           "choices": [{"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}]}
-                if use is not None:
-                    obj["usage"] = use
-                return obj
-
             async def stream() -> AsyncIterator[bytes]:
-                role = True
+                first_chunk = True
                 try:
                     async for ev in token_events():
                         count(ev)
-                        reason = finish_reason(ev)
-                        yield sse(chunk(ev, role=role, reason=reason, use=usage(ev) if reason else None))
-                        role = False
-                        if reason:
-                            if include_usage:
-                                u = chunk(None, use=usage(ev))
-                                u["choices"] = []
-                                yield sse(u)
+                        for c in shape.stream_chunks(ev, first=first_chunk, include_usage=include_usage):
+                            yield sse(c)
+                        first_chunk = False
+                        if finish_reason(ev):
                             break
                 except LegError as exc:
                     outcome["v"] = "failed"
@@ -370,15 +453,7 @@ class Router:
                            type="server_error", code=exc.code) from None
         finally:
             await finish(completed)
-        reason = finish_reason(last_ev) or "stop"
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-            obj = "text_completion"
-        return JSONResponse({"id": oid, "object": obj, "created": created, "model": model, "choices": [choice],
-                             "usage": usage(last_ev)})
+        return JSONResponse(shape.final(text, last_ev))
 
     # ---- observability -----------------------------------------------------------------------------
     async def debug_requests(self) -> dict:
@@ -409,25 +484,58 @@ class Router:
                 "verdict": verdict}
 
     def config(self) -> dict:
+        """Effective configuration; secrets appear only as whether they are set (API keys: their names)."""
         return {"role": "router", "env": self.env.as_config(), "topology": self.topology.as_dict(),
                 "topology_file": self.topology_file, "topology_error": self.topology_error,
                 "router": {"request_timeout_s": self.cfg.request_timeout_s, "breaker_threshold": self.cfg.breaker_threshold,
-                           "breaker_cooldown_s": self.cfg.breaker_cooldown_s, "max_attempts": MAX_ATTEMPTS},
+                           "breaker_cooldown_s": self.cfg.breaker_cooldown_s,
+                           "breaker_trial_timeout_s": self.cfg.breaker_trial_timeout_s, "max_attempts": MAX_ATTEMPTS,
+                           "body_timeout_s": self.cfg.body_timeout_s, "max_body_bytes": self.cfg.max_body_bytes,
+                           "api_keys": {"enabled": bool(self.cfg.api_keys), "clients": sorted(set(self.cfg.api_keys.values()))},
+                           "admin": "token" if self.cfg.admin_token is not None else "loopback-only"},
                 "models": sorted(self.models)}
+
+    def _reject_scope(self, scope: dict, status: int) -> None:
+        """BodyGuard rejections (413, 408) counted like the router's other own answers."""
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        token = _bearer(headers)
+        if self.cfg.api_keys:
+            client = match_api_key(self.cfg.api_keys, token) or "unauthenticated"
+        else:
+            client = (headers.get("x-client-id") or "")[:64] or (key_name(token) if token else "anonymous")
+        self.count_rejection(client, status)
 
     def build_app(self) -> FastAPI:
         app = lifespan_app("pdrt router", self.start, self.stop)
+        app.add_middleware(BodyGuard, max_bytes=self.cfg.max_body_bytes, timeout_s=self.cfg.body_timeout_s,
+                           on_reject=self._reject_scope)
 
-        @app.post("/v1/chat/completions")
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+            # unknown paths (404) and wrong methods (405, with Allow) are the router's own 4xx answers too
+            self.count_rejection(client_identity(request) if not self.cfg.api_keys else "unauthenticated", exc.status_code)
+            return JSONResponse(error_body(exc.status_code, str(exc.detail), code="http_error"),
+                                status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+        def body_of(model: str) -> dict:
+            return {"requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model}"}}}}}
+
+        @app.post("/v1/chat/completions", openapi_extra=body_of("ChatCompletionRequest"))
         async def chat_completions(request: Request):
             return await self.completions(request, chat=True)
 
-        @app.post("/v1/completions")
+        @app.post("/v1/completions", openapi_extra=body_of("CompletionRequest"))
         async def completions(request: Request):
             return await self.completions(request, chat=False)
 
         @app.get("/v1/models")
-        async def models():
+        async def models(request: Request):
+            try:
+                self.authenticate(request)
+            except ApiError as exc:
+                self.count_rejection("unauthenticated", exc.status)
+                raise
             if not self.models:
                 await self.refresh_models()
             return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "pdstack",
@@ -437,8 +545,12 @@ class Router:
         async def health():
             now = time.monotonic()
             ok = bool(self.picker.eligible(now))
-            return JSONResponse({"status": "ok" if ok else "no ready pair", "pairs": len(self.topology.pairs),
-                                 "revision": self.topology.revision}, status_code=200 if ok else 503)
+            body = {"status": "ok" if ok else "no ready pair", "pairs": len(self.topology.pairs),
+                    "revision": self.topology.revision}
+            at = None if ok else self.picker.reopens_at(now)
+            if at is not None:
+                body["next_trial_in_s"] = round(at - now, 3)
+            return JSONResponse(body, status_code=200 if ok else 503)
 
         @app.get("/metrics")
         async def metrics():
@@ -446,11 +558,23 @@ class Router:
             return metrics_response(self.metrics.render())
 
         @app.get("/config")
-        async def config():
+        async def config(request: Request):
+            self.require_admin(request)
             return self.config()
 
         @app.get("/debug/requests")
-        async def debug_requests():
+        async def debug_requests(request: Request):
+            self.require_admin(request)
             return await self.debug_requests()
 
+        def openapi() -> dict:
+            if app.openapi_schema is None:
+                from fastapi.openapi.utils import get_openapi
+
+                schema = get_openapi(title=app.title, version="0.1.0", routes=app.routes)
+                schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_components())
+                app.openapi_schema = schema
+            return app.openapi_schema
+
+        app.openapi = openapi
         return app

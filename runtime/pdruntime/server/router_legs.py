@@ -21,8 +21,10 @@ class LegError(Exception):
     """A leg failed. ``retryable`` is True for failures of the pair itself (connection, 5xx), False for
     request errors (4xx, which another pair would reject too) and for an expired deadline."""
 
-    def __init__(self, status: int, message: str, *, leg: str, retryable: bool, code: str = "upstream_error") -> None:
+    def __init__(self, status: int, message: str, *, leg: str, retryable: bool, code: str = "upstream_error",
+                 param: str | None = None) -> None:
         super().__init__(message)
+        self.param = param  # the worker's "param" of a 4xx: passed on to the client
         self.status = status
         self.message = message
         self.leg = leg
@@ -30,11 +32,14 @@ class LegError(Exception):
         self.code = code
 
 
-def _error_message(resp_json: Any, fallback: str) -> tuple[str, str]:
+def _error_message(resp_json: Any, fallback: str) -> tuple[str, str, str | None]:
+    """(message, code, param) of a worker's OpenAI-style error body."""
     if isinstance(resp_json, dict) and isinstance(resp_json.get("error"), dict):
         err = resp_json["error"]
-        return str(err.get("message", fallback)), str(err.get("code") or "upstream_error")
-    return fallback, "upstream_error"
+        param = err.get("param")
+        return (str(err.get("message", fallback)), str(err.get("code") or "upstream_error"),
+                param if isinstance(param, str) else None)
+    return fallback, "upstream_error", None
 
 
 class Legs:
@@ -70,10 +75,10 @@ class Legs:
                 payload = resp.json()
             except ValueError:
                 payload = None
-            msg, code = _error_message(payload, f"prefill answered HTTP {resp.status_code}")
+            msg, code, param = _error_message(payload, f"prefill answered HTTP {resp.status_code}")
             st = resp.status_code
             raise LegError(st if 400 <= st < 500 and st != 499 else 502, msg, leg="prefill",
-                           retryable=st >= 500 or st == 499, code=code)
+                           retryable=st >= 500 or st == 499, code=code, param=param)
 
     # ---- decode leg ----------------------------------------------------------------------------
     async def _open_decode(self) -> dict:
@@ -91,9 +96,9 @@ class Legs:
             except ValueError:
                 payload = None
             st = self.decode_resp.status_code
-            msg, code = _error_message(payload, f"decode answered HTTP {st}")
+            msg, code, param = _error_message(payload, f"decode answered HTTP {st}")
             raise LegError(st if 400 <= st < 500 and st != 499 else 502, msg, leg="decode",
-                           retryable=st >= 500 or st == 499, code=code)
+                           retryable=st >= 500 or st == 499, code=code, param=param)
         self._lines = self.decode_resp.aiter_lines()
         ev = await self._next_event()
         if ev is None:
@@ -111,13 +116,13 @@ class Legs:
                     return None
                 ev = json.loads(data)
                 if "error" in ev:
-                    msg, code = _error_message(ev, "decode failed")
+                    msg, code, param = _error_message(ev, "decode failed")
                     st = ev["error"].get("status") if isinstance(ev["error"], dict) else None
                     st = st if isinstance(st, int) else 502
                     # before the first token a pair failure may be retried elsewhere (Legs.first_event's caller
                     # decides); a request error (4xx) would fail on every pair
                     raise LegError(st if 400 <= st < 500 and st != 499 else 502, msg, leg="decode",
-                                   retryable=st >= 500 or st == 499, code=code)
+                                   retryable=st >= 500 or st == 499, code=code, param=param)
                 return ev
         except httpx.HTTPError as exc:
             raise LegError(502, f"decode stream broke: {type(exc).__name__} {exc}", leg="decode", retryable=False) from None

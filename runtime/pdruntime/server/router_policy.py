@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -10,16 +11,37 @@ from pdruntime.server.topology import Pair
 STICKY_CAPACITY = 65536  # conversation keys remembered (LRU)
 
 
+class Outcome(enum.Enum):
+    """How one dispatched request ended, as far as its pair's health is concerned."""
+
+    SUCCESS = "success"  # decode produced a first token: the pair works
+    FAILURE = "failure"  # the pair itself failed (connection refused/reset, 5xx, stream broken before a token)
+    NEUTRAL = "neutral"  # says nothing about the pair: the client left first, a 4xx (bad input), our own deadline
+
+
 @dataclass
 class CircuitBreaker:
-    """closed -> (``threshold`` consecutive failures) -> open for ``cooldown_s`` -> half-open (one trial)
-    -> closed on success / open again on failure. Times are caller-supplied seconds."""
+    """Per-pair breaker. Pure: every method takes the caller's clock (seconds) and returns data.
+
+    ::
+
+        closed --(threshold consecutive FAILUREs)--> open --(cooldown_s)--> half_open
+        half_open --dispatch--> one trial in flight (others wait)
+        trial SUCCESS -> closed      trial FAILURE -> open (cooldown restarts)
+        trial NEUTRAL -> half_open, re-armed (the next request is the trial)
+        trial unresolved after trial_timeout_s -> half_open, re-armed (a lost trial cannot hold the pair)
+
+    Invariant (tested exhaustively in tests/pd/test_breaker.py): with no new failure, a pair that is
+    excluded now is eligible again by ``now + cooldown_s + trial_timeout_s`` at the latest: the breaker
+    always recovers within its window plus one trial. ``reopens_at`` names that timer.
+    """
 
     threshold: int = 3
     cooldown_s: float = 5.0
+    trial_timeout_s: float = 30.0  # seconds a half-open trial may stay unresolved before another is let through
     failures: int = 0
     opened_at: float | None = None
-    trial_in_flight: bool = False
+    trial_started: float | None = None  # set while a half-open trial is in flight
 
     def state(self, now: float) -> str:
         if self.opened_at is None:
@@ -28,24 +50,47 @@ class CircuitBreaker:
             return "half_open"
         return "open"
 
+    def _trial_pending(self, now: float) -> bool:
+        return self.trial_started is not None and now - self.trial_started < self.trial_timeout_s
+
     def allows(self, now: float) -> bool:
         st = self.state(now)
-        return st == "closed" or (st == "half_open" and not self.trial_in_flight)
+        return st == "closed" or (st == "half_open" and not self._trial_pending(now))
 
-    def on_dispatch(self, now: float) -> None:
+    def reopens_at(self, now: float) -> float | None:
+        """When an excluded pair becomes eligible again without any new event (None: it is eligible now)."""
+        if self.allows(now):
+            return None
+        if self.state(now) == "open":
+            return self.opened_at + self.cooldown_s
+        return self.trial_started + self.trial_timeout_s
+
+    def on_dispatch(self, now: float) -> bool:
+        """A request goes to this pair; True if it is the half-open trial (pass it back to ``record``)."""
         if self.state(now) == "half_open":
-            self.trial_in_flight = True
+            self.trial_started = now
+            return True
+        return False
 
-    def record_success(self) -> None:
-        self.failures = 0
-        self.opened_at = None
-        self.trial_in_flight = False
+    def record(self, outcome: Outcome, now: float, *, trial: bool) -> None:
+        """Resolve one dispatched request. Every dispatch must end in exactly one ``record``."""
+        if trial:
+            self.trial_started = None  # resolved: success closes, failure re-opens, neutral re-arms
+        if outcome is Outcome.SUCCESS:
+            self.failures = 0
+            self.opened_at = None
+        elif outcome is Outcome.FAILURE:
+            self.failures += 1
+            if self.opened_at is not None or self.failures >= self.threshold:
+                self.opened_at = now
+                self.trial_started = None  # a new cooldown; the next trial starts after it
+
+    # the pre-outcome API, kept for callers that only know success and failure
+    def record_success(self, now: float = 0.0) -> None:
+        self.record(Outcome.SUCCESS, now, trial=self.trial_started is not None)
 
     def record_failure(self, now: float) -> None:
-        self.trial_in_flight = False
-        self.failures += 1
-        if self.opened_at is not None or self.failures >= self.threshold:
-            self.opened_at = now
+        self.record(Outcome.FAILURE, now, trial=self.trial_started is not None)
 
 
 @dataclass
@@ -59,11 +104,12 @@ class PairPicker:
     """Chooses a pair per request. Sticky by conversation key so a multi-round agent keeps its pair
     (its prefix stays warm and its requests stay ordered); otherwise least outstanding requests."""
 
-    def __init__(self, threshold: int = 3, cooldown_s: float = 5.0) -> None:
+    def __init__(self, threshold: int = 3, cooldown_s: float = 5.0, trial_timeout_s: float = 30.0) -> None:
         self.states: dict[int, PairState] = {}
         self.sticky: OrderedDict[str, int] = OrderedDict()
         self.threshold = threshold
         self.cooldown_s = cooldown_s
+        self.trial_timeout_s = trial_timeout_s
 
     def set_pairs(self, pairs: tuple[Pair, ...]) -> None:
         """Install a new topology; keeps outstanding counts and breakers of pairs whose endpoints are unchanged."""
@@ -75,13 +121,18 @@ class PairPicker:
                 old.pair = p
                 new[p.index] = old
             else:
-                new[p.index] = PairState(p, 0, CircuitBreaker(self.threshold, self.cooldown_s))
+                new[p.index] = PairState(p, 0, CircuitBreaker(self.threshold, self.cooldown_s, self.trial_timeout_s))
                 if old is not None:
                     new[p.index].outstanding = old.outstanding
         self.states = new
 
     def eligible(self, now: float, exclude: set[int] = frozenset()) -> list[PairState]:
         return [s for s in self.states.values() if s.pair.ready and s.pair.index not in exclude and s.breaker.allows(now)]
+
+    def reopens_at(self, now: float) -> float | None:
+        """The earliest time a ready pair that is excluded by its breaker becomes eligible (None: none waits)."""
+        times = [t for s in self.states.values() if s.pair.ready and (t := s.breaker.reopens_at(now)) is not None]
+        return min(times) if times else None
 
     def choose(self, now: float, key: str | None, exclude: set[int] = frozenset()) -> PairState | None:
         cands = self.eligible(now, exclude)

@@ -74,7 +74,10 @@ class LocalStack:
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         logf = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
         cmd = [sys.executable, "-m", "pdruntime.server", "serve", *args]
-        return subprocess.Popen(cmd, env=self.env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        env = self.env
+        if name == "router":  # each process gets only the secrets it uses: the router never touches KV
+            env = {k: v for k, v in env.items() if k not in ("PDRT_KV_AUTH_TOKEN", "PDRT_KV_AUTH_TOKEN_FILE")}
+        return subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
 
     def _start_pair(self, pp: PairProcs) -> None:
         base = ["--host", self.host, *self.worker_args]

@@ -15,10 +15,13 @@ from fastapi.responses import JSONResponse
 from pdruntime.disagg.watchdog import Clock, OffsetClock, Watchdog
 from pdruntime.engine import InvalidRequest
 from pdruntime.env import RuntimeEnv
-from pdruntime.server.common import TestHooks, lifespan_app, metrics_response, PromptBuilder
+from pdruntime.server.common import (BodyGuard, PromptBuilder, TestHooks, client_of, lifespan_app, log_unexpected,
+                                     metrics_response, request_id)
 from pdruntime.server.engine_runner import EngineRunner
 from pdruntime.server.metrics import Metrics
-from pdruntime.server.schemas import ApiError, parse_body
+from pdruntime.server.openai_format import OpenAIShape
+from pdruntime.server.schemas import (MAX_BODY_BYTES, ApiError, WorkerChatRequest, WorkerCompletionRequest,
+                                      generate_from_openai, parse_body, validate)
 
 log = logging.getLogger("pdruntime.worker")
 
@@ -42,7 +45,7 @@ class WorkerBase:
         self.hooks = TestHooks()
         self.kv_token = env.resolve_kv_auth_token()
         self.max_model_len = int(engine.config.max_model_len or loaded.info.max_position_embeddings)
-        self.prompts = PromptBuilder(loaded.tokenizer, self.max_model_len)
+        self.prompts = PromptBuilder(loaded.tokenizer, self.max_model_len, getattr(loaded.info, "vocab_size", None))
         self.runner: EngineRunner | None = None
         self.ready = False
         self.started_at = time.time()
@@ -109,8 +112,8 @@ class WorkerBase:
         if isinstance(exc, InvalidRequest):
             self._fail(req, f"engine rejected the request: {exc}", status=400)
         else:
-            log.exception("%s of rid=%s crashed", what, req.rid)
-            self._fail(req, f"internal error: {type(exc).__name__}: {exc}", status=500)
+            log_unexpected(f"{what} of rid={req.rid}", exc)  # type and frames only: messages can quote the prompt
+            self._fail(req, f"internal error ({type(exc).__name__}) in {what}", status=500)
 
     async def abort(self, rid: str, cause: str) -> bool:
         """Fail a live request (HTTP 499 to its handler) and free what it holds; False if unknown."""
@@ -123,6 +126,7 @@ class WorkerBase:
     # ---- app -------------------------------------------------------------------------------
     def build_app(self) -> FastAPI:
         app = lifespan_app(f"pdrt {self.role} worker", self.start, self.stop)
+        app.add_middleware(BodyGuard, max_bytes=MAX_BODY_BYTES)
         info = self.loaded.info
 
         @app.get("/health")
@@ -187,8 +191,41 @@ class WorkerBase:
                 return {"clock": self.clock.now(), "step_delay_s": self.runner.step_delay_s if self.runner else 0,
                         "stall_transfers": self.hooks.stall_transfers, "stall_prefill": self.hooks.stall_prefill}
 
+        @app.post("/v1/chat/completions")
+        async def v1_chat(request: Request):
+            return await self.openai(request, chat=True)
+
+        @app.post("/v1/completions")
+        async def v1_completions(request: Request):
+            return await self.openai(request, chat=False)
+
+        @app.get("/v1/models")
+        async def v1_models():
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": int(self.started_at),
+                                                "owned_by": "pdstack", "root": info.path,
+                                                "max_model_len": self.max_model_len}]}
+
         self.add_routes(app)
         return app
+
+    # ---- OpenAI routes (as SGLang workers serve them; a PD router sends each to both workers) -----------
+    async def openai(self, request: Request, chat: bool):
+        oreq = validate(WorkerChatRequest if chat else WorkerCompletionRequest, parse_body(await request.body()))
+        self._check_model(oreq.model)
+        greq = generate_from_openai(oreq, oreq)
+        shape = OpenAIShape(chat, ("chatcmpl-" if chat else "cmpl-") + request_id(greq), self.model_name, int(time.time()))
+        include_usage = bool(oreq.stream_options and oreq.stream_options.include_usage)
+        return await self.run_generate(greq, client_of(request), shape, include_usage)
+
+    def _check_model(self, model: str) -> None:
+        path = str(self.loaded.info.path or "")
+        base = os.path.basename(path.rstrip("/"))
+        if model not in (self.model_name, path, base, os.path.splitext(base)[0]):
+            raise ApiError(404, f"model {model!r} does not exist here; accepted: {self.model_name}", param="model",
+                           code="model_not_found")
+
+    async def run_generate(self, greq: Any, client: str, shape: Any = None, include_usage: bool = False):
+        raise NotImplementedError
 
     def add_routes(self, app: FastAPI) -> None:
         raise NotImplementedError
