@@ -81,6 +81,11 @@ class Metrics:
                                       "(bootstrap, transfer, decode_transfer)", ["role", "phase"], registry=r)
         self.aborts = Counter("pdrt_aborted_requests_total", "Requests aborted, by role and cause "
                               "(client_disconnect, abort_request, watchdog, peer_failure)", ["role", "cause"], registry=r)
+        self.engine_step_errors = Counter("pdrt_engine_step_errors_total", "Engine steps that raised, by verdict "
+                                          "of their retry in parts (request, transient, step, oom)",
+                                          ["role", "verdict"], registry=r)
+        self.engine_healthy = Gauge("pdrt_engine_healthy", "1 while the engine runs; 0 once too many consecutive "
+                                    "steps failed (the process then exits)", ["role"], registry=r)
         # router
         self.pair_outstanding = Gauge("pdrt_router_pair_outstanding_requests", "Requests outstanding per pair",
                                       ["pair"], registry=r)

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pdruntime.env import RuntimeEnv
+from pdruntime.server.health_probe import HealthProber, instance_id
 from pdruntime.server.common import SSE_DONE, GuardedStream, lifespan_app, metrics_response, sse
 from pdruntime.server.metrics import Metrics
 from pdruntime.server.router_legs import LegError, Legs
@@ -82,6 +83,8 @@ class Router:
         self.client: httpx.AsyncClient | None = None
         self.watcher: TopologyWatcher | None = None
         self.topology_error: str | None = None
+        self.prober: HealthProber | None = None  # worker /health polling: stale (frozen) workers' pairs are skipped
+        self.instance_id = instance_id(env)
         self._set_topology(self.topology)
 
     # ---- topology --------------------------------------------------------------------------------
@@ -128,9 +131,16 @@ class Router:
             self.watcher = TopologyWatcher(self.topology_file, self._on_reload, self._on_reload_error, self.cfg.topology_poll_s)
             self.watcher.load_now()
             self.watcher.start()
+        self.prober = HealthProber(self.client, lambda: self.topology.pairs)
+        self.prober.start()
         await self.refresh_models()
 
+    def stale_pairs(self) -> set[int]:
+        return self.prober.stale() if self.prober is not None else set()
+
     async def stop(self) -> None:
+        if self.prober is not None:
+            await self.prober.stop()
         if self.watcher is not None:
             await self.watcher.stop()
         if self.client is not None:
@@ -173,7 +183,7 @@ class Router:
         last: LegError | None = None
         while len(tried) < MAX_ATTEMPTS:
             now = time.monotonic()
-            state = self.picker.choose(now, live.conversation, exclude=tried)
+            state = self.picker.choose(now, live.conversation, exclude=tried | self.stale_pairs())
             if state is None:
                 break
             if tried:
@@ -413,7 +423,8 @@ class Router:
                 "topology_file": self.topology_file, "topology_error": self.topology_error,
                 "router": {"request_timeout_s": self.cfg.request_timeout_s, "breaker_threshold": self.cfg.breaker_threshold,
                            "breaker_cooldown_s": self.cfg.breaker_cooldown_s, "max_attempts": MAX_ATTEMPTS},
-                "models": sorted(self.models)}
+                "models": sorted(self.models),
+                "worker_health": self.prober.snapshot() if self.prober is not None else []}
 
     def build_app(self) -> FastAPI:
         app = lifespan_app("pdrt router", self.start, self.stop)
@@ -436,9 +447,11 @@ class Router:
         @app.get("/health")
         async def health():
             now = time.monotonic()
-            ok = bool(self.picker.eligible(now))
+            stale = self.stale_pairs()
+            ok = bool(self.picker.eligible(now, exclude=stale))
             return JSONResponse({"status": "ok" if ok else "no ready pair", "pairs": len(self.topology.pairs),
-                                 "revision": self.topology.revision}, status_code=200 if ok else 503)
+                                 "stale_pairs": sorted(stale), "revision": self.topology.revision,
+                                 "instance": self.instance_id}, status_code=200 if ok else 503)
 
         @app.get("/metrics")
         async def metrics():
