@@ -59,3 +59,71 @@ def test_defect2_tiny_temperature_request_is_served_and_does_not_freeze_concurre
     assert "Traceback" not in s.prefill.log_text()
     p, d = s.wait_idle()
     assert p["pool"]["free"] == p["pool"]["total"] and d["pool"]["free"] == d["pool"]["total"]
+
+
+def test_poisoned_request_fails_alone_with_422_and_clean_concurrent_requests_are_served(own_stack):
+    # a request that makes every step it runs in raise (test hook): isolated by the retry in parts
+    s = own_stack
+    model_id = _model_id(s)
+    s.hooks(s.prefill, poison_seed=4242)
+    s.hooks(s.decode, poison_seed=4242)
+    with cf.ThreadPoolExecutor(5) as pool:
+        bad = pool.submit(httpx.post, s.router.url + "/v1/chat/completions",
+                          json=chat(model_id, "poisoned prompt", seed=4242, temperature=0.7), timeout=120)
+        clean = [pool.submit(httpx.post, s.router.url + "/v1/chat/completions",
+                             json=chat(model_id, f"clean {i}", temperature=0.7, seed=i), timeout=120) for i in range(4)]
+        results = [f.result() for f in clean]
+        bad = bad.result()
+    assert all(r.status_code == 200 for r in results), [r.text for r in results]
+    assert bad.status_code == 422, bad.text
+    msg = bad.json()["error"]["message"]
+    assert "alone" in msg and "seed=4242" in msg, msg
+    assert s.metric(s.prefill, "pdrt_engine_step_errors_total", {"verdict": "request"}) >= 1
+    assert "isolated to rid=" in s.prefill.log_text()
+    # not a pair failure: the breaker stays closed, the router stays healthy, the next request is served
+    assert httpx.get(s.router.url + "/health", timeout=5).status_code == 200
+    assert s.metric(s.router, "pdrt_router_leg_failures_total") == 0
+    assert httpx.post(s.router.url + "/v1/chat/completions", json=chat(model_id), timeout=60).status_code == 200
+    p, d = s.wait_idle()
+    assert p["pool"]["free"] == p["pool"]["total"] and d["pool"]["free"] == d["pool"]["total"]
+
+
+def test_out_of_memory_in_a_step_rejects_with_a_clear_503_and_the_worker_keeps_serving(own_stack):
+    s = own_stack
+    # monolithic requests on the decode worker (no bootstrap fields): its engine runs prefill and decode
+    s.hooks(s.decode, inject_step_errors=10**6, inject_oom=True)
+    for i in range(6):  # more than PDRT_ENGINE_MAX_STEP_FAILURES=4: OOM never counts towards the exit
+        r = httpx.post(s.decode.url + "/generate", json={"text": f"hi {i}", "sampling_params": {"max_new_tokens": 4}},
+                       timeout=60)
+        assert r.status_code == 503, r.text
+        assert "out of device memory" in r.json()["error"]["message"]
+    assert httpx.get(s.decode.url + "/health", timeout=5).status_code == 200
+    assert s.metric(s.decode, "pdrt_engine_step_errors_total", {"verdict": "oom"}) == 6
+    s.hooks(s.decode, inject_step_errors=0, inject_oom=False)
+    r = httpx.post(s.decode.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert s.decode.popen.poll() is None
+
+
+def test_step_failures_fail_requests_then_after_n_in_a_row_health_is_503_and_the_worker_exits_70(tiny_model, tmp_path):
+    s = start_stack(str(tmp_path), tiny_model, env_extra={"PDRT_ENGINE_MAX_STEP_FAILURES": "3",
+                                                          "PDRT_ENGINE_FAILURE_EXIT_GRACE_S": "6"})
+    try:
+        s.hooks(s.decode, inject_step_errors=10**6)
+        t0 = time.monotonic()
+        for i in range(3):
+            r = httpx.post(s.decode.url + "/generate", json={"text": f"hi {i}", "sampling_params": {"max_new_tokens": 4}},
+                           timeout=60)
+            assert r.status_code == 500, r.text  # a clear error reaches the client
+            assert "engine step failed" in r.json()["error"]["message"]
+        h = httpx.get(s.decode.url + "/health", timeout=5)
+        assert h.status_code == 503 and "3 consecutive engine steps failed" in h.json()["reason"], h.text
+        cfg = httpx.get(s.decode.url + "/config", timeout=5).json()["engine_health"]
+        assert cfg["healthy"] is False and cfg["reason"] == h.json()["reason"]
+        assert s.metric(s.decode, "pdrt_engine_step_errors_total", {"verdict": "step"}) == 3
+        assert s.metric(s.decode, "pdrt_engine_healthy") == 0
+        assert s.decode.popen.wait(60) == 70  # exits non-zero so the pod (or pdrt up) restarts the pair
+        assert time.monotonic() - t0 < 60
+        assert "worker unhealthy" in s.decode.log_text()
+    finally:
+        s.stop()

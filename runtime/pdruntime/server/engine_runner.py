@@ -298,6 +298,9 @@ class EngineRunner:
             return outputs
         self.consecutive_failures += 1
         if self.consecutive_failures >= self.policy.max_consecutive:
+            # this round's failures reach their clients first (with the step's own error), then the rest
+            self.loop.call_soon_threadsafe(self._dispatch, outputs, self.engine.stats(), 0)
+            outputs = []
             self._give_up(f"{self.consecutive_failures} consecutive engine steps failed, not tied to one request; "
                           f"last: {self.last_error}")
             return outputs

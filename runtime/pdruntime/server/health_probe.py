@@ -41,6 +41,7 @@ class WorkerHealth:
     last_ok: float | None = None
     last_error: str | None = None
     instance: str | None = None
+    timed_out: bool = False  # the last probe got no answer in time (a frozen process), not a refused connection
     stale: bool = False  # as of the last evaluation (for transitions in the log)
 
     def as_dict(self, now: float) -> dict:
@@ -49,8 +50,12 @@ class WorkerHealth:
 
 
 def is_stale(h: WorkerHealth, now: float, stale_after_s: float) -> bool:
-    """Stale: no 200 within ``stale_after_s`` (counted from the first probe when there was none yet)."""
-    return now - (h.last_ok if h.last_ok is not None else h.since) > stale_after_s
+    """Stale: no 200 within ``stale_after_s`` of the last one. A worker never seen healthy is stale only once
+    its probes time out for that long (frozen); a refused connection means it is not up yet (or gone), and
+    dispatching there fails fast, so it is left to the breaker."""
+    if h.last_ok is None:
+        return h.timed_out and now - h.since > stale_after_s
+    return now - h.last_ok > stale_after_s
 
 
 def stale_pairs(pairs: Iterable[Any], health: dict[str, WorkerHealth], now: float, stale_after_s: float) -> set[int]:
@@ -90,7 +95,9 @@ class HealthProber:
             r = await self.client.get(url + "/health", timeout=httpx.Timeout(self.interval_s * 2, connect=self.interval_s))
         except httpx.HTTPError as exc:
             h.last_error = f"{type(exc).__name__} {exc}".strip()
+            h.timed_out = isinstance(exc, httpx.TimeoutException)
         else:
+            h.timed_out = False
             body = _json(r)
             if r.status_code == 200:
                 instance = body.get("instance")
