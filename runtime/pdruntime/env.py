@@ -93,6 +93,7 @@ class RuntimeEnv:
 
     # identity reported in /health (set per process by `pdrt up`; default: pid + random)
     instance_id: str | None = None
+    parent_pid: int = 0  # set by `pdrt up`: exit when this parent is gone (0 = no parent watch)
 
     # test-only: enables POST /debug/test on workers (advance the watchdog clock, stall transfers)
     test_hooks: bool = False
@@ -120,6 +121,7 @@ class RuntimeEnv:
             engine_max_step_failures=_int(env, "ENGINE_MAX_STEP_FAILURES", 5, lo=1, hi=100000),
             engine_failure_exit_grace_s=_float(env, "ENGINE_FAILURE_EXIT_GRACE_S", 2.0, lo=0.0, hi=600.0),
             instance_id=_opt_str(env, "INSTANCE_ID"),
+            parent_pid=_int(env, "PARENT_PID", 0, lo=0, hi=(1 << 31) - 1),
             test_hooks=_choice(env, "TEST_HOOKS", "0", ("0", "1")) == "1",
         )
 
