@@ -155,15 +155,19 @@ def worker_ports(base: int, pairs: int) -> list[tuple[str, int]]:
     return [(f"{role}-{i}", base + 3 * i + off) for i in range(pairs) for role, off in (("prefill", 0), ("decode", 1))]
 
 
-def leaks(base: int, pairs: int, timeout_s: float = 60.0) -> tuple[int, int, list[dict]]:
-    """(live requests, KV pages held) over every worker once idle, and the per-worker rows."""
+def leaks(base: int, pairs: int, timeout_s: float = 120.0) -> tuple[int, int, list[dict]]:
+    """(live requests, KV pages held) over every worker once idle, and the per-worker rows. Waits for
+    workers that are still restarting; one that never answers counts as a leak (-1 rows)."""
     deadline = time.monotonic() + timeout_s
     while True:
         rows = []
         for name, port in worker_ports(base, pairs):
-            d = httpx.get(f"http://127.0.0.1:{port}/debug/requests", timeout=10).json()
-            rows.append({"worker": name, "live": d["live"], "free": d["pool"]["free"], "total": d["pool"]["total"]})
-        live = sum(r["live"] for r in rows)
+            try:
+                d = httpx.get(f"http://127.0.0.1:{port}/debug/requests", timeout=10).json()
+                rows.append({"worker": name, "live": d["live"], "free": d["pool"]["free"], "total": d["pool"]["total"]})
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                rows.append({"worker": name, "live": -1, "free": 0, "total": 0, "unreachable": True})
+        live = sum(abs(r["live"]) for r in rows)
         held = sum(r["total"] - r["free"] for r in rows)
         if (live == 0 and held == 0) or time.monotonic() > deadline:
             return live, held, rows
