@@ -218,3 +218,66 @@ def test_step_backoff_doubles_from_base_up_to_the_cap(n, want):
 ])
 def test_isolation_verdict_table(suspects, culprits, parts_ok, oom, want):
     assert isolation_verdict(suspects, culprits, parts_ok, oom) == want
+
+
+# ---- the real engine: step(only=...) and per-request sampling failures keep its accounting exact ----------
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    from pdruntime.engine import Engine, EngineConfig
+    from pdruntime.model import load_model
+
+    return lambda: Engine(load_model(tiny_model), EngineConfig(num_blocks=64, block_size=16))
+
+
+def test_a_request_whose_sampling_fails_is_finished_alone_and_its_batch_goes_on(engine, monkeypatch):
+    from pdruntime.engine import SamplingParams, engine as engine_mod, sampler
+
+    eng = engine()
+    real = sampler.sample_one
+
+    def sample_one(row, params, gen):
+        if params.seed == 13:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(row, params, gen)
+
+    monkeypatch.setattr(engine_mod, "sample_one", sample_one)
+    monkeypatch.setattr(sampler, "sample_one", sample_one)  # what sample_batch calls
+    for rid, seed in (("a", 1), ("bad", 13), ("b", 2)):
+        eng.add_request(rid, [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.8, seed=seed, ignore_eos=True))
+    outs: dict[str, list] = {}
+    while eng.has_work():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert [o.finish_reason for o in outs["bad"]] == ["error"] and "inf, nan" in outs["bad"][0].error
+    assert sum(len(o.new_token_ids) for o in outs["a"]) == 4 and outs["a"][-1].finish_reason == "length"
+    assert sum(len(o.new_token_ids) for o in outs["b"]) == 4
+    eng.check_accounting()
+    assert eng.pool.num_free == eng.pool.num_total
+
+
+def test_step_only_runs_the_named_requests_and_a_failed_step_loses_nothing(engine, monkeypatch):
+    from pdruntime.engine import SamplingParams
+
+    eng = engine()
+    p = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    eng.add_request("a", [5, 6, 7], p)
+    eng.add_request("b", [9, 10, 11], p)
+    outs = eng.step(only={"a"})  # admits and prefills "a" alone
+    assert {o.request_id for o in outs} == {"a"}
+    assert eng.step_request_ids() == ["a", "b"]  # "b" still waits
+    eng.add_request("c", [1, 2, 3], p)
+    eng.abort("c")  # its abort output is pending
+    boom = RuntimeError("device lost")
+    monkeypatch.setattr(eng.model, "decode", lambda *a, **k: (_ for _ in ()).throw(boom))
+    with pytest.raises(RuntimeError):
+        eng.step()
+    monkeypatch.undo()
+    outs = eng.step()
+    assert "c" in {o.request_id for o in outs if o.finish_reason == "abort"}  # the pending output survived
+    while eng.has_work():
+        outs += eng.step()
+    got = {r: sum(len(o.new_token_ids) for o in outs if o.request_id == r) for r in ("a", "b")}
+    assert got["b"] == 3 and got["a"] == 2  # "a" had its first token from the isolated step
+    eng.check_accounting()
+    assert eng.pool.num_free == eng.pool.num_total
