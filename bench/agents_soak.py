@@ -75,6 +75,7 @@ class Stats:
     errors: dict = field(default_factory=dict)  # "status: message prefix" -> count
     latencies: list = field(default_factory=list)  # seconds per completed round (successful attempt)
     max_context_chars: int = 0
+    gave_up: int = 0  # agents stopped by a request error (4xx)
 
     def error(self, key: str) -> None:
         self.errors[key] = self.errors.get(key, 0) + 1
@@ -87,7 +88,7 @@ def tool_output(agent: int, rnd: int, rng: random.Random) -> str:
     """A tool-call-like result that grows with the round: what agents paste back into their context."""
     tool = TOOLS[(agent + rnd) % len(TOOLS)]
     lines = [f"src/module_{rng.randint(0, 99)}.py:{rng.randint(1, 400)}: def fn_{rng.randint(0, 999)}()"
-             for _ in range(2 + rnd)]
+             for _ in range(1 + rnd // 2)]
     return json.dumps({"tool_call_id": f"call_{agent}_{rnd}", "tool": tool, "exit_code": 0, "output": lines})
 
 
@@ -141,6 +142,9 @@ async def run_agent(i: int, url: str, model: str, args, stats: Stats, stop_at: f
                 continue  # the round is retried (the agent asks again)
             if err is not None or not done:
                 stats.error(err or "stream ended without [DONE]")
+                if err and err[:1] == "4" and not err.startswith("499"):
+                    stats.gave_up += 1  # a request error: asking again would fail the same way
+                    return
                 await asyncio.sleep(0.5 + rng.random())  # an agent's retry pause
                 continue
             stats.latencies.append(elapsed)
@@ -235,6 +239,7 @@ async def soak(args) -> dict:
         return {"agents": args.agents, "rounds_per_agent": args.rounds, "pairs": args.pairs,
                 "rounds_completed": stats.rounds, "rounds_expected": args.agents * args.rounds,
                 "attempts": stats.attempts, "client_aborts": stats.aborted, "hangs": stats.hangs,
+                "agents_gave_up": stats.gave_up,
                 "errors_surfaced": sum(stats.errors.values()), "errors": stats.errors,
                 "leaked_live_requests": live, "leaked_pages": held, "workers": rows,
                 "round_p50_s": round(pct(stats.latencies, 0.50), 3), "round_p99_s": round(pct(stats.latencies, 0.99), 3),
@@ -255,6 +260,7 @@ def table(r: dict) -> str:
             ("rounds completed", f"{r['rounds_completed']} / {r['rounds_expected']}"),
             ("attempts (client aborts)", f"{r['attempts']} ({r['client_aborts']})"),
             ("hangs", r["hangs"]), ("errors surfaced", r["errors_surfaced"]),
+            ("agents stopped by a 4xx", r["agents_gave_up"]),
             ("leaked pages (live requests)", f"{r['leaked_pages']} ({r['leaked_live_requests']})"),
             ("round latency p50 / p99 s", f"{r['round_p50_s']} / {r['round_p99_s']}"),
             ("largest context, chars", r["max_context_chars"]),
@@ -277,7 +283,7 @@ def parse(argv: list[str] | None = None):
     p.add_argument("--kill-at", type=float, default=0.4, help="share of all rounds after which decode 0 is killed; 1 = never")
     p.add_argument("--deadline-s", type=float, default=120.0, help="X-Request-Timeout per round attempt")
     p.add_argument("--max-run-s", type=float, default=1800.0)
-    p.add_argument("--num-blocks", type=int, default=2048)
+    p.add_argument("--num-blocks", type=int, default=8192, help="KV pages per worker (16 tokens each)")
     p.add_argument("--model", default=None, help="default: the tiny random-weight test model")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--json", default=None, help="also write the result here")
@@ -286,8 +292,9 @@ def parse(argv: list[str] | None = None):
     if args.model is None:
         from pdruntime.model.testing import write_tiny_checkpoint
 
-        args.model = str(write_tiny_checkpoint(os.path.join(args.log_dir, "tiny-model")))
-        args.model_label = "tiny random-weight test model (2 layers, hidden 64)"
+        # a 16k context: 10 rounds of growing tool output fit (the tokenizer is byte-level, ~1.5 chars a token)
+        args.model = str(write_tiny_checkpoint(os.path.join(args.log_dir, "tiny-model"), max_position=16384))
+        args.model_label = "tiny random-weight test model (2 layers, hidden 64, 16k context)"
     else:
         args.model_label = args.model
     return args
@@ -295,6 +302,8 @@ def parse(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
+    # SIGTERM ends the run through the finally blocks, so `pdrt up` (and with it every worker) is stopped
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     result = asyncio.run(soak(args))
     print(table(result), flush=True)
     if args.json:

@@ -21,9 +21,9 @@ def _soak_module():
     return mod
 
 
-def test_agents_soak_short_form_has_no_hang_no_leak_and_survives_a_decode_kill(tiny_model, tmp_path):
+def test_agents_soak_short_form_has_no_hang_no_leak_and_survives_a_decode_kill(tmp_path):
     soak = _soak_module()
-    r = soak.main(["--agents", "8", "--rounds", "10", "--model", tiny_model, "--log-dir", str(tmp_path),
+    r = soak.main(["--agents", "8", "--rounds", "10", "--log-dir", str(tmp_path),
                    "--kill-at", "0.4", "--abort-rate", "0.05", "--deadline-s", "60", "--max-run-s", "600"])
     assert r["hangs"] == 0
     assert r["leaked_pages"] == 0 and r["leaked_live_requests"] == 0, r["workers"]

@@ -180,6 +180,8 @@ class Legs:
         """Abort both legs: drop the decode stream, cancel the prefill call, and tell both workers."""
         if self.prefill_task is not None and not self.prefill_task.done():
             self.prefill_task.cancel()
+        elif self.prefill_task is not None and not self.prefill_task.cancelled():
+            self.prefill_task.exception()  # retrieved: its error was reported through the other leg (no log noise)
         await self.close()
         await asyncio.gather(self._post_abort(self.pair.prefill_url), self._post_abort(self.pair.decode_url))
 
