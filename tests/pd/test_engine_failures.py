@@ -23,9 +23,11 @@ def chat(model_id, content="hello there", **kw):
     return {"model": model_id, "messages": [{"role": "user", "content": content}], "max_tokens": 8, **kw}
 
 
-@pytest.fixture
-def own_stack(tiny_model, tmp_path):
-    s = start_stack(str(tmp_path), tiny_model, env_extra={"PDRT_ENGINE_MAX_STEP_FAILURES": "4"})
+@pytest.fixture(scope="module")
+def own_stack(tiny_model, tmp_path_factory):
+    """One stack for the tests that leave it idle and healthy (their hooks are reset)."""
+    s = start_stack(str(tmp_path_factory.mktemp("engine-failures")), tiny_model,
+                    env_extra={"PDRT_ENGINE_MAX_STEP_FAILURES": "4"})
     yield s
     s.stop()
 
@@ -55,7 +57,7 @@ def test_defect2_tiny_temperature_request_is_served_and_does_not_freeze_concurre
     greedy = httpx.post(s.router.url + "/v1/chat/completions",
                         json=chat(model_id, "tell me about the fox", temperature=0), timeout=60).json()
     assert bad.json()["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
-    assert s.metric(s.prefill, "pdrt_engine_step_errors_total") == 0
+    assert s.metric(s.prefill, "pdrt_engine_step_errors_total") == 0  # (this test runs first on the stack)
     assert "Traceback" not in s.prefill.log_text()
     p, d = s.wait_idle()
     assert p["pool"]["free"] == p["pool"]["total"] and d["pool"]["free"] == d["pool"]["total"]
@@ -65,6 +67,7 @@ def test_poisoned_request_fails_alone_with_422_and_clean_concurrent_requests_are
     # a request that makes every step it runs in raise (test hook): isolated by the retry in parts
     s = own_stack
     model_id = _model_id(s)
+    before_leg_failures = s.metric(s.router, "pdrt_router_leg_failures_total")
     s.hooks(s.prefill, poison_seed=4242)
     s.hooks(s.decode, poison_seed=4242)
     with cf.ThreadPoolExecutor(5) as pool:
@@ -82,8 +85,10 @@ def test_poisoned_request_fails_alone_with_422_and_clean_concurrent_requests_are
     assert "isolated to rid=" in s.prefill.log_text()
     # not a pair failure: the breaker stays closed, the router stays healthy, the next request is served
     assert httpx.get(s.router.url + "/health", timeout=5).status_code == 200
-    assert s.metric(s.router, "pdrt_router_leg_failures_total") == 0
+    assert s.metric(s.router, "pdrt_router_leg_failures_total") == before_leg_failures
     assert httpx.post(s.router.url + "/v1/chat/completions", json=chat(model_id), timeout=60).status_code == 200
+    s.hooks(s.prefill, poison_seed=None)
+    s.hooks(s.decode, poison_seed=None)
     p, d = s.wait_idle()
     assert p["pool"]["free"] == p["pool"]["total"] and d["pool"]["free"] == d["pool"]["total"]
 
@@ -99,6 +104,7 @@ def test_out_of_memory_in_a_step_rejects_with_a_clear_503_and_the_worker_keeps_s
         assert "out of device memory" in r.json()["error"]["message"]
     assert httpx.get(s.decode.url + "/health", timeout=5).status_code == 200
     assert s.metric(s.decode, "pdrt_engine_step_errors_total", {"verdict": "oom"}) == 6
+    assert s.metric(s.decode, "pdrt_engine_step_errors_total", {"verdict": "step"}) == 0
     s.hooks(s.decode, inject_step_errors=0, inject_oom=False)
     r = httpx.post(s.decode.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}}, timeout=60)
     assert r.status_code == 200, r.text

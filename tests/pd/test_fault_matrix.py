@@ -325,6 +325,8 @@ def test_sigstop_decode_during_transfer(fs):
         r = httpx.post(s.router.url + "/v1/chat/completions", json=chat(model_of(s)), timeout=30)
         assert r.status_code == 503 and time.monotonic() - t0 < 5, r.text  # refused at once, not sent to hang
         wait_for(lambda: log_has(s.router, "is stale", s.decode.url), 10, "the router's log line")
+        assert s.metric(s.router, "pdrt_router_worker_stale_total") >= 1
+        assert s.metric(s.router, "pdrt_router_pair_stale") == 1
     finally:
         os.kill(s.decode.popen.pid, signal.SIGCONT)
     next_request_succeeds(s)
@@ -347,6 +349,8 @@ def test_sigstop_decode_during_decode(fs):
         wait_for(lambda: httpx.get(s.router.url + "/health", timeout=5).status_code == 503, STALE_AFTER_S + 10,
                  "the router to notice the frozen decode")
         wait_for(lambda: log_has(s.router, "is stale", s.decode.url), 10, "the router's log line")
+        assert s.metric(s.router, "pdrt_router_worker_stale_total") >= 1
+        assert s.metric(s.router, "pdrt_router_pair_stale") == 1
     finally:
         os.kill(s.decode.popen.pid, signal.SIGCONT)
     s.hooks(s.decode, step_delay_s=0)
@@ -388,6 +392,8 @@ def test_sigstop_prefill(fs):
         wait_for(lambda: httpx.get(s.router.url + "/health", timeout=5).status_code == 503, STALE_AFTER_S + 10,
                  "the router to notice the frozen prefill")
         wait_for(lambda: log_has(s.router, "is stale", s.prefill.url), 10, "the router's log line")
+        assert s.metric(s.router, "pdrt_router_worker_stale_total") >= 1
+        assert s.metric(s.router, "pdrt_router_pair_stale") == 1
     finally:
         os.kill(s.prefill.popen.pid, signal.SIGCONT)
     next_request_succeeds(s)

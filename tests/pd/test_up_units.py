@@ -153,3 +153,17 @@ def test_pdeathsig_preexec_exits_when_the_parent_is_already_gone():
                          preexec_fn=supervisor._die_with_parent(-1))
     out, _ = p.communicate(timeout=30)
     assert p.returncode == 1 and out == b""
+
+
+def test_engine_max_step_failures_flag_reaches_the_workers_pdrt_up_starts():
+    import argparse
+
+    from pdruntime.server.commands import _worker_args, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["up", "--engine-max-step-failures", "7"])
+    out = _worker_args(args)
+    assert out[out.index("--engine-max-step-failures") + 1] == "7"
+    serve = parser.parse_args(["serve", "--role", "decode", "--engine-max-step-failures", "7"])
+    assert serve.engine_max_step_failures == 7

@@ -93,6 +93,10 @@ class Metrics:
                                      ["pair", "leg"], registry=r)
         self.circuit_open = Gauge("pdrt_router_circuit_open", "1 while a pair's circuit breaker is open", ["pair"],
                                   registry=r)
+        self.pair_stale = Gauge("pdrt_router_pair_stale", "1 while a pair is skipped because a worker's /health "
+                                "went unanswered (frozen) or unhealthy for the stale period", ["pair"], registry=r)
+        self.worker_stale = Counter("pdrt_router_worker_stale_total", "Times a worker's /health went stale "
+                                    "(frozen, unhealthy or gone after answering)", registry=r)
         self.retries = Counter("pdrt_router_retries_total", "Requests retried on another pair before the first "
                                "token", registry=r)
         self.disconnects = Counter("pdrt_router_client_disconnects_total", "Clients that went away mid-request",

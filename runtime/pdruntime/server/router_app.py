@@ -131,7 +131,8 @@ class Router:
             self.watcher = TopologyWatcher(self.topology_file, self._on_reload, self._on_reload_error, self.cfg.topology_poll_s)
             self.watcher.load_now()
             self.watcher.start()
-        self.prober = HealthProber(self.client, lambda: self.topology.pairs)
+        self.prober = HealthProber(self.client, lambda: self.topology.pairs,
+                                   on_change=lambda url, stale: stale and self.metrics.worker_stale.inc())
         self.prober.start()
         await self.refresh_models()
 
@@ -456,6 +457,9 @@ class Router:
         @app.get("/metrics")
         async def metrics():
             self.metrics.live.labels("router").set(len(self.live))
+            stale = self.stale_pairs()
+            for p in self.topology.pairs:
+                self.metrics.pair_stale.labels(p.key).set(int(p.index in stale))
             return metrics_response(self.metrics.render())
 
         @app.get("/config")
