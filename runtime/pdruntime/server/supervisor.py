@@ -224,6 +224,8 @@ class LocalStack:
         logf = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
         cmd = [sys.executable, "-m", "pdruntime.server", "serve", *args]
         env = {**self.env, "PDRT_INSTANCE_ID": instance}
+        if name == "router":  # each process gets only the secrets it uses: the router never touches KV
+            env = {k: v for k, v in env.items() if k not in ("PDRT_KV_AUTH_TOKEN", "PDRT_KV_AUTH_TOKEN_FILE")}
         proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_die_with_parent(os.getpid()))
         logf.close()
