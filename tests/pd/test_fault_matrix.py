@@ -404,12 +404,8 @@ def test_sigstop_prefill(fs):
 @pytest.mark.parametrize("mode", ["drop", "corrupt"])
 def test_kv_connection_dropped_or_corrupted_mid_stream(tiny_model, tmp_path, mode):
     # the router sends decode to the proxy's port; the proxy forwards to prefill's real bootstrap port
-    bp_proxy_holder = {}
     s = None
-    target = free_port()
-
-    proxy = KVProxy(target, mode)
-    bp_proxy_holder["proxy"] = proxy
+    proxy = KVProxy(0, mode)  # its target is set once prefill's bootstrap port is known (connections come later)
     try:
         s = start_fault_stack(str(tmp_path), tiny_model, bootstrap_port_for_router=proxy.port)
         proxy.target = s.bootstrap_port
