@@ -301,8 +301,11 @@ def parse(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     # SIGTERM ends the run through the finally blocks, so `pdrt up` (and with it every worker) is stopped
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    result = asyncio.run(soak(args))
+    old = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        result = asyncio.run(soak(args))
+    finally:
+        signal.signal(signal.SIGTERM, old)
     print(table(result), flush=True)
     if args.json:
         with open(args.json, "w") as fh:
