@@ -93,6 +93,14 @@ def test_poisoned_request_fails_alone_with_422_and_clean_concurrent_requests_are
     assert p["pool"]["free"] == p["pool"]["total"] and d["pool"]["free"] == d["pool"]["total"]
 
 
+def test_a_seed_the_generator_cannot_take_is_a_400_at_admission_not_a_500(own_stack):
+    s = own_stack
+    r = httpx.post(s.decode.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2,
+                                                                                        "seed": 2 ** 64}}, timeout=30)
+    assert r.status_code == 400 and "[0, 2**64)" in r.json()["error"]["message"], r.text
+    assert s.metric(s.decode, "pdrt_engine_step_errors_total") == 0
+
+
 def test_out_of_memory_in_a_step_rejects_with_a_clear_503_and_the_worker_keeps_serving(own_stack):
     s = own_stack
     # monolithic requests on the decode worker (no bootstrap fields): its engine runs prefill and decode

@@ -103,6 +103,8 @@ def test_pdrt_up_co_restarts_a_pair_whose_engine_gave_up_and_its_children_die_wh
             return new if ok and all(new[k] and new[k] != old[k] for k in old) else None
 
         wait_for(restarted, 120, "the pair to be co-restarted after the engine exited 70")
+        assert any("decode exit=70" in l and "restarting the pair together in 1.0s (restart 1 in a row)" in l
+                   for l in lines), lines[-10:]  # the exit status is reported and the restart backs off
         body = {"model": httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"],
                 "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
         assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
