@@ -294,9 +294,14 @@ class EngineRunner:
             self.consecutive_failures = 0
             return outputs
         if verdict == "oom":
+            log.warning("engine out of device memory (%s): rejected the requests that did not fit even alone; "
+                        "the worker keeps serving", self.last_error)
             _empty_device_cache()
             return outputs
         self.consecutive_failures += 1
+        log.warning("engine step failed (%s), not tied to one request: its requests failed; %d/%d failing steps in "
+                    "a row; backing off %.2fs", self.last_error, self.consecutive_failures, self.policy.max_consecutive,
+                    step_backoff(self.consecutive_failures, self.policy))
         if self.consecutive_failures >= self.policy.max_consecutive:
             # this round's failures reach their clients first (with the step's own error), then the rest
             self.loop.call_soon_threadsafe(self._dispatch, outputs, self.engine.stats(), 0)
