@@ -87,6 +87,14 @@ class RuntimeEnv:
     kv_auth_token: str | None = field(default=None, repr=False)
     kv_auth_token_file: str | None = None
 
+    # engine failure containment (server/engine_runner.py)
+    engine_max_step_failures: int = 5  # consecutive failing steps (not tied to a request) before exit
+    engine_failure_exit_grace_s: float = 2.0  # unhealthy (/health 503) -> process exit
+
+    # identity reported in /health (set per process by `pdrt up`; default: pid + random)
+    instance_id: str | None = None
+    parent_pid: int = 0  # set by `pdrt up`: exit when this parent is gone (0 = no parent watch)
+
     # test-only: enables POST /debug/test on workers (advance the watchdog clock, stall transfers)
     test_hooks: bool = False
 
@@ -110,6 +118,10 @@ class RuntimeEnv:
             watchdog_tick_s=_float(env, "WATCHDOG_TICK_S", 0.5, lo=0.001, hi=60.0),
             kv_auth_token=_opt_str(env, "KV_AUTH_TOKEN"),
             kv_auth_token_file=_opt_str(env, "KV_AUTH_TOKEN_FILE"),
+            engine_max_step_failures=_int(env, "ENGINE_MAX_STEP_FAILURES", 5, lo=1, hi=100000),
+            engine_failure_exit_grace_s=_float(env, "ENGINE_FAILURE_EXIT_GRACE_S", 2.0, lo=0.0, hi=600.0),
+            instance_id=_opt_str(env, "INSTANCE_ID"),
+            parent_pid=_int(env, "PARENT_PID", 0, lo=0, hi=(1 << 31) - 1),
             test_hooks=_choice(env, "TEST_HOOKS", "0", ("0", "1")) == "1",
         )
 

@@ -10,7 +10,12 @@ import torch
 
 from .device import DEFAULT_KV_MEMORY_FRACTION, DTYPES, resolve_device, resolve_dtype
 
-FinishReason = Literal["stop", "length", "abort", "prefill_done"]
+FinishReason = Literal["stop", "length", "abort", "prefill_done", "error"]
+
+# temperatures below this sample greedily: softmax(logits / T) tends to argmax as T -> 0, and logits / T
+# overflows fp32 to inf (NaN probabilities) below ~1e-38, which used to make every step of a batch raise
+MIN_TEMPERATURE = 1e-5
+SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed accepts [0, 2**64)
 
 
 class InvalidRequest(ValueError):
@@ -112,8 +117,9 @@ class SamplingParams:
             raise InvalidRequest(f"top_k={self.top_k!r} is invalid; accepted: an integer >= 0 (0 = off)")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p={self.top_p!r} is invalid; accepted: a number in (0, 1]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidRequest(f"seed={self.seed!r} is invalid; accepted: an integer >= 0 or None")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < SEED_LIMIT):
+            raise InvalidRequest(f"seed={self.seed!r} is invalid; accepted: an integer in [0, 2**64) or None")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if not isinstance(self.stop, (tuple, list)) or not all(isinstance(s, str) and s for s in self.stop):
@@ -122,7 +128,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
 @dataclass(frozen=True)
@@ -132,3 +138,4 @@ class StepOutput:
     text_delta: str
     finished: bool
     finish_reason: FinishReason | None = None
+    error: str | None = None  # finish_reason == "error": why the engine failed this request alone

@@ -267,18 +267,61 @@ class Engine:
 
     # -- the loop --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self) -> list[StepOutput]:
-        """One scheduler iteration: decode every running sequence by one token, prefill within budget."""
+    def step(self, only: set[str] | None = None) -> list[StepOutput]:
+        """One scheduler iteration: decode every running sequence by one token, prefill within budget.
+
+        If it raises, no request is left half-advanced and nothing reported is lost, so the caller may retry with
+        ``only`` a subset of :meth:`step_request_ids` (failure isolation). A request whose own sampling
+        fails is finished alone with ``finish_reason="error"``; the rest of the step goes on."""
         outputs, self._pending = self._pending, []
-        plan = self.scheduler.schedule()
-        self.num_preemptions += len(plan.preempted)
-        for seq in plan.preempted:
-            log.info("preempted %s (KV pages exhausted); it will be recomputed", seq.request_id)
-        if plan.decode:
-            outputs.extend(self._run_decode(plan.decode))
-        if plan.prefill:
-            outputs.extend(self._run_prefill(plan.prefill))
+        try:
+            plan = self.scheduler.schedule(only)
+            self.num_preemptions += len(plan.preempted)
+            for seq in plan.preempted:
+                log.info("preempted %s (KV pages exhausted); it will be recomputed", seq.request_id)
+            if plan.decode:
+                outputs.extend(self._run_decode(plan.decode))
+            if plan.prefill:
+                outputs.extend(self._run_prefill(plan.prefill))
+        except BaseException:
+            self._pending = outputs + self._pending  # reported with the next step that succeeds
+            raise
         return outputs
+
+    def step_request_ids(self) -> list[str]:
+        """Ids of the requests a step may run (prefilling or decoding, then waiting for admission), oldest first."""
+        return [s.request_id for s in self.scheduler.active] + [s.request_id for s in self.scheduler.waiting]
+
+    def fail_request(self, request_id: str, reason: str) -> bool:
+        """Finish a request with ``finish_reason="error"`` and free its pages (failure isolation)."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        for q in (self.scheduler.active, self.scheduler.waiting):
+            if seq in q:
+                q.remove(seq)
+        self.scheduler.free_pages(seq)
+        seq.status = Status.FINISHED
+        del self._seqs[request_id]
+        self._pending.append(StepOutput(request_id, [], "", True, "error", error=reason))
+        return True
+
+    def _sample_each(self, seqs: list[Sequence], rows: torch.Tensor) -> list[int | None]:
+        """One token per row; a row whose sampling raises fails its own request (None) and no other."""
+        try:
+            return sample_batch(rows, [s.params for s in seqs], [s.generator or self._rng for s in seqs])
+        except Exception:
+            pass
+        out: list[int | None] = []
+        for s, row in zip(seqs, rows):
+            try:
+                out.append(sample_one(row, s.params, s.generator or self._rng))
+            except Exception as exc:
+                log.warning("sampling failed for rid=%s alone (%s: %s); failing that request", s.request_id,
+                            type(exc).__name__, exc)
+                self.fail_request(s.request_id, f"sampling failed: {type(exc).__name__}: {exc}")
+                out.append(None)
+        return out
 
     def _run_decode(self, seqs: list[Sequence]) -> list[StepOutput]:
         n = len(seqs)
@@ -294,9 +337,11 @@ class Engine:
             dev = self.device  # .to() of a cpu tensor to cpu is a no-op: nothing added to the CPU path
             logits = self.model.decode(tokens.to(dev), positions.to(dev), self.kv.k, self.kv.v, table.to(dev),
                                        seq_lens.to(dev))
-        new = sample_batch(logits, [s.params for s in seqs], [s.generator or self._rng for s in seqs])
-        out = []
+        new = self._sample_each(seqs, logits)
+        out = self.take_pending()
         for s, tok in zip(seqs, new):
+            if tok is None:
+                continue
             s.num_cached = s.num_tokens
             out.append(self._emit(s, tok))
         return out
@@ -306,12 +351,16 @@ class Engine:
         batch = [PrefillChunk(torch.tensor(seq.tokens[start:end], dtype=torch.int64), start,
                               torch.tensor(seq.blocks, dtype=torch.int64)) for seq, start, end in chunks]
         logits = self.model.prefill_batch(batch, self.kv.k, self.kv.v)
-        out = []
-        for (seq, _start, end), row in zip(chunks, logits):
+        done = [i for i, (seq, _s, end) in enumerate(chunks) if end >= seq.num_tokens]
+        toks = dict(zip(done, self._sample_each([chunks[i][0] for i in done], torch.stack([logits[i] for i in done])))) if done else {}
+        out = self.take_pending()
+        for i, ((seq, _start, end), row) in enumerate(zip(chunks, logits)):
+            if i in toks and toks[i] is None:
+                continue  # failed alone by _sample_each
             seq.num_cached = end
             if end < seq.num_tokens:
                 continue  # more chunks to go
-            tok = sample_one(row, seq.params, seq.generator or self._rng)
+            tok = toks[i]
             if seq.prefill_only:
                 seq.output_ids.append(tok)
                 seq.num_emitted = 1
@@ -326,6 +375,11 @@ class Engine:
         return out
 
     # -- outputs ---------------------------------------------------------------------------------
+    def take_pending(self) -> list[StepOutput]:
+        """Outputs produced outside a step (abort, fail_request), to deliver now rather than with the next step."""
+        out, self._pending = self._pending, []
+        return out
+
     def _append_token(self, seq: Sequence, tok: int) -> None:
         """Record a sampled token and decide whether the request finished (EOS, stop string, length)."""
         seq.output_ids.append(tok)

@@ -51,12 +51,15 @@ class Scheduler:
         self.waiting.appendleft(victim)
         plan.preempted.append(victim)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, only: set[str] | None = None) -> StepPlan:
+        """The next step's plan. ``only`` (failure isolation) restricts it to those request ids."""
         plan = StepPlan()
         bs = self.config.block_size
         # 1. decode: each running sequence needs a page for position num_tokens - 1
         for seq in list(self.active):
             if seq.status is not Status.RUNNING or seq not in self.active:
+                continue
+            if only is not None and seq.request_id not in only:
                 continue
             need = seq.blocks_needed(seq.num_tokens, bs)
             while need and not self.pool.can_allocate(need):
@@ -71,7 +74,17 @@ class Scheduler:
             plan.decode.append(seq)
         plan.decode = [s for s in plan.decode if s in self.active]
         # 2. admit waiting sequences (FIFO) when slots and prompt pages are available
-        while self.waiting and len(self.active) < self.config.max_num_seqs:
+        for seq in list(self.waiting) if only is not None else ():  # isolation step: admit only those named
+            if len(self.active) >= self.config.max_num_seqs or seq.request_id not in only:
+                continue
+            need = seq.blocks_needed(seq.num_tokens, bs)
+            if not self.pool.can_allocate(need):
+                break
+            self.waiting.remove(seq)
+            seq.blocks.extend(self.pool.allocate(need))
+            seq.status = Status.PREFILLING
+            self.active.append(seq)
+        while only is None and self.waiting and len(self.active) < self.config.max_num_seqs:
             seq = self.waiting[0]
             need = seq.blocks_needed(seq.num_tokens, bs)
             if not self.pool.can_allocate(need):
@@ -85,7 +98,7 @@ class Scheduler:
         for seq in self.active:
             if budget <= 0:
                 break
-            if seq.status is Status.PREFILLING:
+            if seq.status is Status.PREFILLING and (only is None or seq.request_id in only):
                 start = seq.num_cached
                 end = min(seq.num_tokens, start + budget)
                 plan.prefill.append((seq, start, end))

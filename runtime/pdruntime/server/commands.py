@@ -29,6 +29,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="capture decode steps as CUDA graphs per batch bucket (default: on with CUDA, off on cpu)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks sharding attention heads and MLP (one process and one GPU each; gloo on cpu)")
+    g.add_argument("--engine-max-step-failures", type=int, default=None,
+                   help="consecutive failing engine steps (not tied to one request) before the worker reports 503 "
+                        "and exits 70 (default: PDRT_ENGINE_MAX_STEP_FAILURES, else 5)")
     g.add_argument("--served-model-name", default=None,
                    help="model id clients send (default: the GGUF file name without its quant tag, or the HF dir name)")
 
@@ -92,7 +95,8 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
     for flag, v in (("--num-blocks", args.num_blocks), ("--kv-cache-mib", args.kv_cache_mib),
                     ("--max-model-len", args.max_model_len), ("--threads", args.threads),
                     ("--served-model-name", args.served_model_name),
-                    ("--kv-cache-memory-fraction", args.kv_cache_memory_fraction)):
+                    ("--kv-cache-memory-fraction", args.kv_cache_memory_fraction),
+                    ("--engine-max-step-failures", args.engine_max_step_failures)):
         if v is not None:
             out += [flag, str(v)]
     out += ["--device", args.device, "--dtype", args.dtype, "--tensor-parallel-size", str(args.tensor_parallel_size)]
@@ -106,6 +110,10 @@ def build_server(args: argparse.Namespace, env=None):
     from pdruntime.env import RuntimeEnv
 
     env = env or RuntimeEnv.from_environ()
+    if getattr(args, "engine_max_step_failures", None) is not None:
+        if args.engine_max_step_failures < 1:
+            raise ValueError(f"--engine-max-step-failures={args.engine_max_step_failures}; accepted: an integer >= 1")
+        env = env.replace(engine_max_step_failures=args.engine_max_step_failures)
     if args.role == "router":
         from pdruntime.server.router_app import Router, RouterConfig
         from pdruntime.server.topology import topology_from_flags
@@ -158,6 +166,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
+    from pdruntime.env import RuntimeEnv
+    from pdruntime.server.supervisor import watch_parent
+
+    parent = RuntimeEnv.from_environ().parent_pid
+    if parent:
+        watch_parent(parent)  # started by `pdrt up`: die with it (PR_SET_PDEATHSIG covers the same on Linux)
     try:
         app, _ = build_server(args)
     except Exception as exc:  # the router must not import torch just to name ModelLoadError
@@ -172,10 +186,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from pdruntime.server.supervisor import LocalStack
+    from pdruntime.server.supervisor import PORTS_IN_USE_EXIT, LocalStack
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # health polls
+    stack = LocalStack(pairs=args.pairs, host=args.host, port=args.port, base_port=args.base_port, model=args.model,
+                       worker_args=_worker_args(args))
+    busy = stack.check_ports()
+    if busy:  # never run over orphans or strangers: their health checks would pass for ours
+        for msg in busy:
+            print(f"pdrt up: {msg}", file=sys.stderr)
+        print("pdrt up: refusing to start; stop those processes or choose other ports (--port, --base-port)",
+              file=sys.stderr)
+        return PORTS_IN_USE_EXIT
     if args.model is None:
         from pdruntime.model import default_model_path
 
@@ -184,8 +207,6 @@ def cmd_up(args: argparse.Namespace) -> int:
         except Exception as exc:  # ModelLoadError names the path and the pip command
             print(f"pdrt up: {exc}", file=sys.stderr)
             return 2
-    stack = LocalStack(pairs=args.pairs, host=args.host, port=args.port, base_port=args.base_port, model=args.model,
-                       worker_args=_worker_args(args))
     print(f"pdrt up: starting a router and {args.pairs} PD pair(s); logs in {stack.log_dir}", flush=True)
     stack.start()
     try:

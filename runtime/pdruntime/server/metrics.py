@@ -87,6 +87,11 @@ class Metrics:
                                       "(bootstrap, transfer, decode_transfer)", ["role", "phase"], registry=r)
         self.aborts = Counter("pdrt_aborted_requests_total", "Requests aborted, by role and cause "
                               "(client_disconnect, abort_request, watchdog, peer_failure)", ["role", "cause"], registry=r)
+        self.engine_step_errors = Counter("pdrt_engine_step_errors_total", "Engine steps that raised, by verdict "
+                                          "of their retry in parts (request, transient, step, oom)",
+                                          ["role", "verdict"], registry=r)
+        self.engine_healthy = Gauge("pdrt_engine_healthy", "1 while the engine runs; 0 once too many consecutive "
+                                    "steps failed (the process then exits)", ["role"], registry=r)
         # router
         self.pair_outstanding = Gauge("pdrt_router_pair_outstanding_requests", "Requests outstanding per pair",
                                       ["pair"], registry=r)
@@ -94,6 +99,10 @@ class Metrics:
                                      ["pair", "leg"], registry=r)
         self.circuit_open = Gauge("pdrt_router_circuit_open", "1 while a pair's circuit breaker is open", ["pair"],
                                   registry=r)
+        self.pair_stale = Gauge("pdrt_router_pair_stale", "1 while a pair is skipped because a worker's /health "
+                                "went unanswered (frozen) or unhealthy for the stale period", ["pair"], registry=r)
+        self.worker_stale = Counter("pdrt_router_worker_stale_total", "Times a worker's /health went stale "
+                                    "(frozen, unhealthy or gone after answering)", registry=r)
         self.retries = Counter("pdrt_router_retries_total", "Requests retried on another pair before the first "
                                "token", registry=r)
         self.disconnects = Counter("pdrt_router_client_disconnects_total", "Clients that went away mid-request",

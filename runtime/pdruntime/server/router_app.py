@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdruntime.server.common import (SSE_DONE, BodyGuard, GuardedStream, lifespan_app, metrics_response,
                                      sse)
+from pdruntime.server.health_probe import HealthProber, instance_id
 from pdruntime.server.metrics import Metrics
 from pdruntime.server.openai_format import OpenAIShape, finish_reason
 from pdruntime.server.router_legs import LegError, Legs
@@ -151,6 +152,8 @@ class Router:
         self.client: httpx.AsyncClient | None = None
         self.watcher: TopologyWatcher | None = None
         self.topology_error: str | None = None
+        self.prober: HealthProber | None = None  # worker /health polling: stale (frozen) workers' pairs are skipped
+        self.instance_id = instance_id(env)
         self._set_topology(self.topology)
 
     # ---- topology --------------------------------------------------------------------------------
@@ -197,9 +200,17 @@ class Router:
             self.watcher = TopologyWatcher(self.topology_file, self._on_reload, self._on_reload_error, self.cfg.topology_poll_s)
             self.watcher.load_now()
             self.watcher.start()
+        self.prober = HealthProber(self.client, lambda: self.topology.pairs,
+                                   on_change=lambda url, stale: stale and self.metrics.worker_stale.inc())
+        self.prober.start()
         await self.refresh_models()
 
+    def stale_pairs(self) -> set[int]:
+        return self.prober.stale() if self.prober is not None else set()
+
     async def stop(self) -> None:
+        if self.prober is not None:
+            await self.prober.stop()
         if self.watcher is not None:
             await self.watcher.stop()
         if self.client is not None:
@@ -245,7 +256,7 @@ class Router:
         last: LegError | None = None
         while len(tried) < MAX_ATTEMPTS:
             now = time.monotonic()
-            state = self.picker.choose(now, live.conversation, exclude=tried)
+            state = self.picker.choose(now, live.conversation, exclude=tried | self.stale_pairs())
             if state is None:
                 break
             if tried:
@@ -493,7 +504,8 @@ class Router:
                            "body_timeout_s": self.cfg.body_timeout_s, "max_body_bytes": self.cfg.max_body_bytes,
                            "api_keys": {"enabled": bool(self.cfg.api_keys), "clients": sorted(set(self.cfg.api_keys.values()))},
                            "admin": "token" if self.cfg.admin_token is not None else "loopback-only"},
-                "models": sorted(self.models)}
+                "models": sorted(self.models),
+                "worker_health": self.prober.snapshot() if self.prober is not None else []}
 
     def _reject_scope(self, scope: dict, status: int) -> None:
         """BodyGuard rejections (413, 408) counted like the router's other own answers."""
@@ -544,9 +556,10 @@ class Router:
         @app.get("/health")
         async def health():
             now = time.monotonic()
-            ok = bool(self.picker.eligible(now))
+            stale = self.stale_pairs()
+            ok = bool(self.picker.eligible(now, exclude=stale))
             body = {"status": "ok" if ok else "no ready pair", "pairs": len(self.topology.pairs),
-                    "revision": self.topology.revision}
+                    "stale_pairs": sorted(stale), "revision": self.topology.revision, "instance": self.instance_id}
             at = None if ok else self.picker.reopens_at(now)
             if at is not None:
                 body["next_trial_in_s"] = round(at - now, 3)
@@ -555,6 +568,9 @@ class Router:
         @app.get("/metrics")
         async def metrics():
             self.metrics.live.labels("router").set(len(self.live))
+            stale = self.stale_pairs()
+            for p in self.topology.pairs:
+                self.metrics.pair_stale.labels(p.key).set(int(p.index in stale))
             return metrics_response(self.metrics.render())
 
         @app.get("/config")

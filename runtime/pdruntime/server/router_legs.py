@@ -15,6 +15,7 @@ import httpx
 from pdruntime.server.topology import Pair
 
 ABORT_TIMEOUT_S = 2.0  # seconds for the best-effort /abort_request calls
+PREFILL_VERDICT_WAIT_S = 1.0  # seconds a failed decode leg waits for prefill's answer (it may name a 4xx cause)
 
 
 class LegError(Exception):
@@ -141,12 +142,25 @@ class Legs:
                     raise LegError(504, f"deadline expired before the first token (pair {self.pair.index})",
                                    leg="router", retryable=False, code="deadline_exceeded")
                 if decode_task in done:
+                    if decode_task.exception() is not None:
+                        await self._prefer_prefill_verdict(decode_task.exception())
                     return decode_task.result()  # raises LegError
                 self.prefill_task.result()  # raises LegError; success means: keep waiting for decode
         except BaseException:
             decode_task.cancel()
             await self.abort()
             raise
+
+    async def _prefer_prefill_verdict(self, decode_exc: BaseException) -> None:
+        """When prefill fails a request for a request error (4xx), decode's KV connection drops first and its
+        leg fails as a retryable 502. Prefill's own answer names the cause: wait briefly for it and raise it."""
+        if not isinstance(decode_exc, LegError) or not decode_exc.retryable or self.prefill_task is None:
+            return
+        await asyncio.wait({self.prefill_task}, timeout=min(PREFILL_VERDICT_WAIT_S, self.remaining()))
+        if self.prefill_task.done() and not self.prefill_task.cancelled():
+            exc = self.prefill_task.exception()
+            if isinstance(exc, LegError) and not exc.retryable:
+                raise exc
 
     async def events(self) -> AsyncIterator[dict]:
         """Decode events after the first, each within the deadline. Raises LegError."""
@@ -171,6 +185,8 @@ class Legs:
         """Abort both legs: drop the decode stream, cancel the prefill call, and tell both workers."""
         if self.prefill_task is not None and not self.prefill_task.done():
             self.prefill_task.cancel()
+        elif self.prefill_task is not None and not self.prefill_task.cancelled():
+            self.prefill_task.exception()  # retrieved: its error was reported through the other leg (no log noise)
         await self.close()
         await asyncio.gather(self._post_abort(self.pair.prefill_url), self._post_abort(self.pair.decode_url))
 

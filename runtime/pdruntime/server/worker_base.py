@@ -17,7 +17,8 @@ from pdruntime.engine import InvalidRequest
 from pdruntime.env import RuntimeEnv
 from pdruntime.server.common import (BodyGuard, PromptBuilder, TestHooks, client_of, lifespan_app, log_unexpected,
                                      metrics_response, request_id)
-from pdruntime.server.engine_runner import EngineRunner
+from pdruntime.server.engine_runner import EngineRunner, FailurePolicy
+from pdruntime.server.health_probe import instance_id
 from pdruntime.server.metrics import Metrics
 from pdruntime.server.openai_format import OpenAIShape
 from pdruntime.server.schemas import (MAX_BODY_BYTES, ApiError, WorkerChatRequest, WorkerCompletionRequest,
@@ -50,10 +51,16 @@ class WorkerBase:
         self.ready = False
         self.started_at = time.time()
         self.model_name = served_model_name or loaded.info.name
+        self.instance_id = instance_id(env)  # in /health: supervisors check the server they reach is theirs
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        self.runner = EngineRunner(self.engine, asyncio.get_running_loop(), on_step=self._on_step)
+        policy = FailurePolicy(max_consecutive=self.env.engine_max_step_failures,
+                               exit_grace_s=self.env.engine_failure_exit_grace_s)
+        self.runner = EngineRunner(self.engine, asyncio.get_running_loop(), on_step=self._on_step, policy=policy,
+                                   on_request_error=self._on_engine_error, on_fatal=self._on_engine_fatal,
+                                   on_step_error=lambda v: self.metrics.engine_step_errors.labels(self.role, v).inc())
+        self.metrics.engine_healthy.labels(self.role).set(1)
         self.runner.start()
         self.metrics.update_pool(self.runner.last_stats)
         self.watchdog.start()
@@ -73,6 +80,18 @@ class WorkerBase:
     async def start_role(self) -> None: ...
 
     async def stop_role(self) -> None: ...
+
+    def _on_engine_error(self, rid: str, message: str, status: int) -> None:
+        """The engine failed one request (alone, or with its whole step): the client gets ``status``."""
+        req = self.queues.get(rid)
+        if req is not None:
+            self._fail(req, message, cause="engine_error", status=status)
+
+    def _on_engine_fatal(self, reason: str) -> None:
+        """Too many failing steps: /health turns 503 and every live request fails now (the process exits soon)."""
+        self.metrics.engine_healthy.labels(self.role).set(0)
+        for _, req in list(self.queues.items()):
+            self._fail(req, f"worker unhealthy: {reason}", cause="engine_error", status=503)
 
     def _on_step(self, stats: dict, batch: int) -> None:
         self.metrics.running_batch.labels(self.role).set(stats.get("num_running", 0))
@@ -101,6 +120,7 @@ class WorkerBase:
 
     def config(self) -> dict:
         return {"role": self.role, "engine": _jsonable(self.engine.describe()), "env": self.env.as_config(),
+                "engine_health": self.runner.health() if self.runner is not None else None,
                 "server": {"host": self.host, "port": self.port, "pid": os.getpid()},
                 "kv_auth": "enabled" if self.kv_token else "disabled", **self.role_config()}
 
@@ -131,8 +151,12 @@ class WorkerBase:
 
         @app.get("/health")
         async def health() -> JSONResponse:
-            ok = self.ready and self.runner is not None and self.runner._thread.is_alive()
-            return JSONResponse({"status": "ok" if ok else "starting", "role": self.role}, status_code=200 if ok else 503)
+            if self.runner is not None and self.runner.fatal_reason is not None:
+                return JSONResponse({"status": "unhealthy", "reason": self.runner.fatal_reason, "role": self.role,
+                                     "instance": self.instance_id}, status_code=503)
+            ok = self.ready and self.runner is not None and self.runner.alive()
+            return JSONResponse({"status": "ok" if ok else "starting", "role": self.role, "instance": self.instance_id},
+                                status_code=200 if ok else 503)
 
         @app.get("/metrics")
         async def metrics():
@@ -185,6 +209,9 @@ class WorkerBase:
                     self.clock.advance(float(body["advance_clock_s"]))
                 if "step_delay_s" in body and self.runner is not None:
                     self.runner.step_delay_s = float(body["step_delay_s"])
+                for name in ("inject_step_errors", "inject_oom", "poison_seed"):  # make engine steps raise
+                    if name in body and self.runner is not None:
+                        setattr(self.runner, name, body[name])
                 for name in ("stall_transfers", "stall_prefill", "corrupt_kv_chunk"):
                     if name in body:
                         setattr(self.hooks, name, int(body[name]))

@@ -1,0 +1,143 @@
+"""Integration: engine-step failures on real workers (tiny model, real processes on loopback).
+
+* defect 2 of issue 13: a request whose numbers pass validation but used to make every engine step raise;
+* a request that poisons every step it takes part in (test hook) fails alone; its neighbours are served;
+* errors not tied to one request fail the step's requests with a client-visible error, and after N
+  consecutive failing steps the worker reports 503 on /health (reason also in /config) and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import httpx
+import pytest
+
+from pd_harness import start_stack
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def chat(model_id, content="hello there", **kw):
+    return {"model": model_id, "messages": [{"role": "user", "content": content}], "max_tokens": 8, **kw}
+
+
+@pytest.fixture(scope="module")
+def own_stack(tiny_model, tmp_path_factory):
+    """One stack for the tests that leave it idle and healthy (their hooks are reset)."""
+    s = start_stack(str(tmp_path_factory.mktemp("engine-failures")), tiny_model,
+                    env_extra={"PDRT_ENGINE_MAX_STEP_FAILURES": "4"})
+    yield s
+    s.stop()
+
+
+def _model_id(s) -> str:
+    return httpx.get(s.router.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def test_defect2_tiny_temperature_request_is_served_and_does_not_freeze_concurrent_prefills(own_stack):
+    # Defect 2 (issue 13). Ran against the unfixed code (commit 1c0b2fc): FAILED — the temperature=1e-40
+    # request made every prefill step raise ("probability tensor contains either inf, nan ..."), the clean
+    # requests of the same steps got no token until decode's transfer watchdog killed the poisoned one
+    # (~6 s here, 600 s by default), and prefill logged one traceback per step.
+    s = own_stack
+    model_id = _model_id(s)
+    with cf.ThreadPoolExecutor(5) as pool:
+        poisoned = pool.submit(httpx.post, s.router.url + "/v1/chat/completions",
+                               json=chat(model_id, "tell me about the fox", temperature=1e-40), timeout=120)
+        clean = [pool.submit(httpx.post, s.router.url + "/v1/chat/completions",
+                             json=chat(model_id, f"clean request {i}", temperature=0), timeout=120) for i in range(4)]
+        results = [f.result() for f in clean]
+        bad = poisoned.result()
+    for r in results:
+        assert r.status_code == 200, r.text
+    # temperature below 1e-5 samples greedily (the limit of softmax(logits / T) as T -> 0), like vLLM
+    assert bad.status_code == 200, bad.text
+    greedy = httpx.post(s.router.url + "/v1/chat/completions",
+                        json=chat(model_id, "tell me about the fox", temperature=0), timeout=60).json()
+    assert bad.json()["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
+    assert s.metric(s.prefill, "pdrt_engine_step_errors_total") == 0  # (this test runs first on the stack)
+    assert "Traceback" not in s.prefill.log_text()
+    p, d = s.wait_idle()
+    assert p["pool"]["free"] == p["pool"]["total"] and d["pool"]["free"] == d["pool"]["total"]
+
+
+def test_poisoned_request_fails_alone_with_422_and_clean_concurrent_requests_are_served(own_stack):
+    # a request that makes every step it runs in raise (test hook): isolated by the retry in parts
+    s = own_stack
+    model_id = _model_id(s)
+    before_leg_failures = s.metric(s.router, "pdrt_router_leg_failures_total")
+    s.hooks(s.prefill, poison_seed=4242)
+    s.hooks(s.decode, poison_seed=4242)
+    with cf.ThreadPoolExecutor(5) as pool:
+        bad = pool.submit(httpx.post, s.router.url + "/v1/chat/completions",
+                          json=chat(model_id, "poisoned prompt", seed=4242, temperature=0.7), timeout=120)
+        clean = [pool.submit(httpx.post, s.router.url + "/v1/chat/completions",
+                             json=chat(model_id, f"clean {i}", temperature=0.7, seed=i), timeout=120) for i in range(4)]
+        results = [f.result() for f in clean]
+        bad = bad.result()
+    assert all(r.status_code == 200 for r in results), [r.text for r in results]
+    assert bad.status_code == 422, bad.text
+    msg = bad.json()["error"]["message"]
+    assert "alone" in msg and "seed=4242" in msg, msg
+    assert s.metric(s.prefill, "pdrt_engine_step_errors_total", {"verdict": "request"}) >= 1
+    assert "isolated to rid=" in s.prefill.log_text()
+    # not a pair failure: the breaker stays closed, the router stays healthy, the next request is served
+    assert httpx.get(s.router.url + "/health", timeout=5).status_code == 200
+    assert s.metric(s.router, "pdrt_router_leg_failures_total") == before_leg_failures
+    assert httpx.post(s.router.url + "/v1/chat/completions", json=chat(model_id), timeout=60).status_code == 200
+    s.hooks(s.prefill, poison_seed=None)
+    s.hooks(s.decode, poison_seed=None)
+    p, d = s.wait_idle()
+    assert p["pool"]["free"] == p["pool"]["total"] and d["pool"]["free"] == d["pool"]["total"]
+
+
+def test_a_seed_the_generator_cannot_take_is_a_400_at_admission_not_a_500(own_stack):
+    s = own_stack
+    r = httpx.post(s.decode.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2,
+                                                                                        "seed": 2 ** 64}}, timeout=30)
+    assert r.status_code == 400 and "[0, 2**64)" in r.json()["error"]["message"], r.text
+    assert s.metric(s.decode, "pdrt_engine_step_errors_total") == 0
+
+
+def test_out_of_memory_in_a_step_rejects_with_a_clear_503_and_the_worker_keeps_serving(own_stack):
+    s = own_stack
+    # monolithic requests on the decode worker (no bootstrap fields): its engine runs prefill and decode
+    s.hooks(s.decode, inject_step_errors=10**6, inject_oom=True)
+    for i in range(6):  # more than PDRT_ENGINE_MAX_STEP_FAILURES=4: OOM never counts towards the exit
+        r = httpx.post(s.decode.url + "/generate", json={"text": f"hi {i}", "sampling_params": {"max_new_tokens": 4}},
+                       timeout=60)
+        assert r.status_code == 503, r.text
+        assert "out of device memory" in r.json()["error"]["message"]
+    assert httpx.get(s.decode.url + "/health", timeout=5).status_code == 200
+    assert s.metric(s.decode, "pdrt_engine_step_errors_total", {"verdict": "oom"}) == 6
+    assert s.metric(s.decode, "pdrt_engine_step_errors_total", {"verdict": "step"}) == 0
+    s.hooks(s.decode, inject_step_errors=0, inject_oom=False)
+    r = httpx.post(s.decode.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert s.decode.popen.poll() is None
+
+
+def test_step_failures_fail_requests_then_after_n_in_a_row_health_is_503_and_the_worker_exits_70(tiny_model, tmp_path):
+    s = start_stack(str(tmp_path), tiny_model, env_extra={"PDRT_ENGINE_MAX_STEP_FAILURES": "3",
+                                                          "PDRT_ENGINE_FAILURE_EXIT_GRACE_S": "6"})
+    try:
+        s.hooks(s.decode, inject_step_errors=10**6)
+        t0 = time.monotonic()
+        for i in range(3):
+            r = httpx.post(s.decode.url + "/generate", json={"text": f"hi {i}", "sampling_params": {"max_new_tokens": 4}},
+                           timeout=60)
+            assert r.status_code == 500, r.text  # a clear error reaches the client
+            assert "engine step failed" in r.json()["error"]["message"]
+        h = httpx.get(s.decode.url + "/health", timeout=5)
+        assert h.status_code == 503 and "3 consecutive engine steps failed" in h.json()["reason"], h.text
+        cfg = httpx.get(s.decode.url + "/config", timeout=5).json()["engine_health"]
+        assert cfg["healthy"] is False and cfg["reason"] == h.json()["reason"]
+        assert s.metric(s.decode, "pdrt_engine_step_errors_total", {"verdict": "step"}) == 3
+        assert s.metric(s.decode, "pdrt_engine_healthy") == 0
+        assert s.decode.popen.wait(60) == 70  # exits non-zero so the pod (or pdrt up) restarts the pair
+        assert time.monotonic() - t0 < 60
+        assert "worker unhealthy" in s.decode.log_text()
+    finally:
+        s.stop()
