@@ -88,6 +88,11 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str, container: str
     fail(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})", container)
 
 
+def docker_logs(container: str) -> str:
+    out = subprocess.run(["docker", "logs", container], capture_output=True, text=True)
+    return out.stdout + out.stderr
+
+
 def fail(msg: str, container: str | None = None) -> None:
     if container:
         logs = subprocess.run(["docker", "logs", "--tail", "80", container], capture_output=True, text=True)
@@ -129,11 +134,14 @@ def smoke_runtime(image: str) -> None:
     docker_run(name, image, ["pdrt", "up", "--host", "127.0.0.1", "--port", str(port), "--base-port", str(base),
                              "--ready-timeout-s", str(int(READY_TIMEOUT_S))])
     try:
-        wait_for(lambda: http("GET", url + "/v1/models", timeout=5)[0] == 200, READY_TIMEOUT_S,
-                 "the router's /v1/models", name)
+        wait_for(lambda: "pdrt up: ready at" in docker_logs(name), READY_TIMEOUT_S, "`pdrt up: ready at`", name)
         print(f"smoke: runtime: pdrt up ready in {time.monotonic() - t0:.0f}s")
+        status, raw = http("GET", url + "/v1/models", timeout=30)
+        if status != 200:
+            fail(f"/v1/models answered {status}: {raw[:300]!r}", name)
+        model = json.loads(raw)["data"][0]["id"]
         status, raw = http("POST", url + "/v1/chat/completions",
-                           {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                           {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                             "max_tokens": 12, "temperature": 0}, timeout=300)
         if status != 200:
             fail(f"chat completion answered {status}: {raw[:300]!r}", name)
@@ -141,7 +149,7 @@ def smoke_runtime(image: str) -> None:
         text = out["choices"][0]["message"]["content"]
         if out.get("object") != "chat.completion" or not text.strip():
             fail(f"not a chat completion with content: {out}", name)
-        print(f"smoke: runtime: chat completion {text!r} usage={out.get('usage')}")
+        print(f"smoke: runtime: chat completion from {model}: {text!r} usage={out.get('usage')}")
         status, raw = http("GET", url + "/metrics", timeout=30)
         if status != 200 or b"pdrt_requests_total" not in raw:
             fail("router /metrics has no pdrt_requests_total", name)
