@@ -38,8 +38,9 @@ apt_install() {
 command -v dockerd >/dev/null || apt_install docker.io
 command -v docker >/dev/null || apt_install docker.io
 if ! docker info >/dev/null 2>&1; then
-    log "starting dockerd (log: /tmp/pdstack-dockerd.log)"
+    log "starting dockerd (log: /tmp/pdstack-dockerd.log, pid: /tmp/pdstack-dockerd.pid)"
     nohup dockerd >/tmp/pdstack-dockerd.log 2>&1 &
+    echo $! >/tmp/pdstack-dockerd.pid
     for _ in $(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
     docker info >/dev/null 2>&1 || { tail -20 /tmp/pdstack-dockerd.log >&2; echo "images: dockerd did not start" >&2; exit 1; }
 fi
