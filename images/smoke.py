@@ -153,12 +153,36 @@ def smoke_runtime(image: str) -> None:
         status, raw = http("GET", url + "/metrics", timeout=30)
         if status != 200 or b"pdrt_requests_total" not in raw:
             fail("router /metrics has no pdrt_requests_total", name)
+        helm_test_hook(name, url)
         who = subprocess.run(["docker", "exec", name, "id", "-u"], capture_output=True, text=True).stdout.strip()
         if who != UID:
             fail(f"processes run as uid {who}, expected {UID}", name)
         print(f"smoke: runtime OK ({time.monotonic() - t0:.0f}s, uid {who}, read-only root)")
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+
+
+def helm_test_hook(container: str, url: str) -> None:
+    """Run the chart's `helm test` pod script (rendered by helm) in the runtime image against this router."""
+    import shutil
+
+    import yaml
+
+    helm = ROOT / ".tools" / "bin" / "helm"
+    helm = str(helm) if helm.exists() else shutil.which("helm")
+    if helm is None:
+        print("smoke: runtime: helm not installed (`make tools`): the chart's test hook was not run")
+        return
+    out = subprocess.run([helm, "template", "pd", str(ROOT / "charts" / "pdstack"), "--show-only",
+                          "templates/tests/test-chat-completion.yaml"], capture_output=True, text=True, check=True)
+    (c,) = yaml.safe_load(out.stdout)["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    env["ROUTER_URL"] = url
+    cmd = ["docker", "exec"] + [a for k, v in env.items() for a in ("-e", f"{k}={v}")] + [container] + c["command"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if run.returncode != 0 or "chat completion OK" not in run.stdout:
+        fail(f"the chart's helm test script failed ({run.returncode}): {run.stdout}{run.stderr}", container)
+    print(f"smoke: runtime: chart's helm-test hook script passed: {run.stdout.strip()}")
 
 
 # ---------------------------------------------------------------- operator
