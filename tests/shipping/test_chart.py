@@ -7,6 +7,7 @@ the Kubernetes 1.29 and 1.33 schemas, the example PDDeployment against the CRD a
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -259,3 +260,22 @@ def test_notes_render() -> None:
                "-f", str(CHART / "ci/monitoring-values.yaml")])
     assert out.returncode == 0, out.stderr
     assert "kubectl" in out.stdout and "port-forward svc/demo-router" in out.stdout
+
+
+def test_monitoring_objects_validate_against_prometheus_operator_schemas() -> None:
+    """PodMonitor, ServiceMonitor and PrometheusRule against validators generated from the Prometheus
+    Operator's CRDs (@kubernetes-models/prometheus-operator, installed by `make tools`)."""
+    node_dir = ROOT / ".tools" / "node"
+    if not (node_dir / "node_modules" / "@kubernetes-models" / "prometheus-operator").exists() or not shutil.which("node"):
+        pytest.skip("node or @kubernetes-models/prometheus-operator missing: `make tools` installs the models")
+    script = node_dir / "validate_monitoring.mjs"
+    shutil.copy(Path(__file__).with_name("validate_monitoring.mjs"), script)
+    for values in VALUES_FILES:
+        objs = [o for o in render(values, *ALL_ON) if o["apiVersion"] == "monitoring.coreos.com/v1"]
+        assert {o["kind"] for o in objs} == {"PodMonitor", "ServiceMonitor", "PrometheusRule"}
+        out = run(["node", str(script)], input=json.dumps(objs), cwd=node_dir)
+        assert out.returncode == 0, f"{values_id(values)}: invalid Prometheus Operator objects:\n{out.stdout}{out.stderr}"
+    # the validator does reject a wrong type (so a pass above means something)
+    bad = [dict(objs[0], spec={"selector": {}, "podMetricsEndpoints": [{"port": 8000}]}, kind="PodMonitor")]
+    out = run(["node", str(script)], input=json.dumps(bad), cwd=node_dir)
+    assert out.returncode == 1 and "port must be string" in out.stdout, out.stdout + out.stderr
