@@ -7,6 +7,7 @@ the Kubernetes 1.29 and 1.33 schemas, the example PDDeployment against the CRD a
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -259,7 +260,11 @@ def test_notes_render() -> None:
     out = run([tool("helm"), "install", "pd", str(CHART), "--dry-run", "--namespace", "x",
                "-f", str(CHART / "ci/monitoring-values.yaml")])
     assert out.returncode == 0, out.stderr
-    assert "kubectl" in out.stdout and "port-forward svc/demo-router" in out.stdout
+    notes = out.stdout[out.stdout.index("NOTES:"):]
+    assert "port-forward svc/demo-router" in notes and "helm test pd -n x" in notes
+    # the curl it prints is a request the router accepts: it names the model (the router requires it)
+    body = json.loads(re.search(r"-d '(\{.*\})'", notes).group(1))
+    assert body["model"] == "SmolLM2-135M-Instruct" and body["messages"][0]["role"] == "user"
 
 
 def test_monitoring_objects_validate_against_prometheus_operator_schemas() -> None:
