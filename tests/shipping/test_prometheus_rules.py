@@ -160,3 +160,25 @@ def test_metric_name_resolution_rejects_typos() -> None:
     assert resolve("pdrt_requests_total", known) == "pdrt_requests_total"
     assert resolve("pdrt_requests_total_bucket", known) is None  # a counter has no buckets
     assert resolve("pdrt_watchdog_fire_total", known) is None
+
+
+def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
+    """Every panel query parses as PromQL (promtool check rules on them as recording rules), with the
+    Grafana variables substituted as Grafana would."""
+    subst = {"$__rate_interval": "5m", "$namespace": ".*", "$deployment": ".*"}
+    rules = []
+    for where, expr in exprs_in_chart().items():
+        if not where.startswith("panel "):
+            continue
+        for var, value in subst.items():
+            expr = expr.replace(var, value)
+        assert "$" not in expr, f"{where}: unsubstituted variable in {expr}"
+        rules.append({"record": f"pdstack:dashboard:{len(rules)}", "expr": expr})
+    assert len(rules) >= 12
+    path = tmp_path / "dashboard-rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    out = run([tool("promtool"), "check", "rules", str(path)])
+    assert out.returncode == 0, out.stdout + out.stderr
+    # and a broken query does fail the same check
+    path.write_text(yaml.safe_dump({"groups": [{"name": "d", "rules": [{"record": "x:y", "expr": "sum by (pair (up)"}]}]}))
+    assert run([tool("promtool"), "check", "rules", str(path)]).returncode != 0
