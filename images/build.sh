@@ -60,13 +60,17 @@ CREATED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 for image in operator runtime; do
     "$PY" images/wheelhouse.py "$image" ".wheelhouse/$image"
     log "building pdstack-$image:$TAG"
-    docker build -q -f "images/$image/Dockerfile" -t "pdstack-$image:$TAG" \
-        --build-arg BASE_IMAGE="$BASE" --build-arg VERSION="$VERSION" \
-        --build-arg REVISION="$REVISION" --build-arg CREATED="$CREATED" \
-        ".wheelhouse/$image" 2> >(grep -v -e DEPRECATED -e 'legacy builder' -e buildx -e BuildKit -e 'environment-variable' -e '^ *$' >&2) >/dev/null
+    # The build stage is tagged too, so the layer cache it holds survives the prune below.
+    for target in build final; do
+        if [ $target = build ]; then args=(--target build -t "pdstack-$image-build:cache"); else args=(-t "pdstack-$image:$TAG"); fi
+        docker build -q -f "images/$image/Dockerfile" "${args[@]}" \
+            --build-arg BASE_IMAGE="$BASE" --build-arg VERSION="$VERSION" \
+            --build-arg REVISION="$REVISION" --build-arg CREATED="$CREATED" \
+            ".wheelhouse/$image" 2> >(grep -v -e DEPRECATED -e 'legacy builder' -e buildx -e BuildKit -e 'environment-variable' -e '^ *$' >&2) >/dev/null
+    done
 done
-docker image prune -f --filter "label=org.opencontainers.image.source=https://github.com/pdstack/pdstack" \
-    --filter dangling=true >/dev/null 2>&1 || true
+# earlier builds' images, now untagged (only ours: they carry the source label)
+docker image prune -f --filter "label=org.opencontainers.image.source=https://github.com/pdstack/pdstack" >/dev/null 2>&1 || true
 for image in operator runtime; do
     log "pdstack-$image:$TAG $(docker image inspect -f '{{.Size}}' "pdstack-$image:$TAG" | awk '{printf "%.0f MB", $1/1e6}')"
 done
