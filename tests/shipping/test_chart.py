@@ -112,7 +112,7 @@ def test_operator_args_parse_with_the_operators_parser() -> None:
     for values in VALUES_FILES:
         c = one(render(values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
         assert "command" not in c  # the image's ENTRYPOINT (python -m pdoperator) takes these args
-        with mock.patch("kopf.run") as kopf_run:
+        with mock.patch("kopf.run") as kopf_run, mock.patch("logging.basicConfig"):
             entry.main(c["args"])  # argparse exits (SystemExit) on an argument it does not know
         kw = kopf_run.call_args.kwargs
         assert kw["standalone"] is True and kw["liveness_endpoint"] == "http://0.0.0.0:8081/healthz"
