@@ -298,13 +298,9 @@ def _send_body(fs: FrameSocket, header: KVHeader, sources: Sequence[ShardSource]
         for si, src in enumerate(sources):
             per_chunk = wire.chunk_pages_for(src.layout.page_bytes)
             for layer, kind, p0, n, bufs in src.chunks(header.num_pages, per_chunk):
-                head = ChunkHead(si, layer, kind, p0, n, wire.chunk_digest(header.checksum, bufs))
-                if corrupt_first_chunk:  # fault injection: one flipped byte "in flight", after the checksum
-                    bad = bytearray(b"".join(bufs))
-                    bad[len(bad) // 2] ^= 0xFF
-                    bufs, corrupt_first_chunk = [memoryview(bad)], False
-                fs.send_chunk(head, bufs)
-                stats.bytes += sum(len(b) for b in bufs)
+                # fault injection: one byte flipped "in flight", after the digest saw it
+                stats.bytes += fs.send_chunk(ChunkHead(si, layer, kind, p0, n), bufs, header.checksum, corrupt_first_chunk)
+                corrupt_first_chunk = False
                 stats.chunks += 1
         fs.send_control(FrameType.END, {"bytes": stats.bytes, "chunks": stats.chunks})
     except WireError as exc:
@@ -411,18 +407,17 @@ def _recv_body(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], st
             head = ChunkHead.unpack(fs.recv_exact(ChunkHead.SIZE, "reading a chunk head"))
             n = head.page_count
             if (head.shard, head.layer, head.kind, head.page_start) != (si, layer, kind, p) \
-                    or not 1 <= n <= total - u or length - ChunkHead.SIZE != n * pb:
+                    or not 1 <= n <= total - u or length - ChunkHead.SIZE - wire.DIGEST_SIZE != n * pb:
                 raise WireError("protocol", f"CHUNK {index} (shard {head.shard} layer {head.layer} kind {head.kind} "
                                 f"pages {head.page_start}+{n}, {length} bytes) is not the expected shard {si} "
                                 f"layer {layer} kind {kind} from page {p}")
             bufs = sink.buffers(layer, kind, p, n, P)
-            fs.recv_exact_into_views(list(bufs), f"receiving CHUNK {index}")
-            digest = wire.chunk_digest(header.checksum, bufs)
-            if digest != head.digest:
+            digest, sent = fs.recv_digested(bufs, header.checksum, f"receiving CHUNK {index}")
+            if digest != sent:
                 raise WireError("checksum", f"CHUNK {index} (shard {si} from layer {layer} {'KV'[kind]} page {p}, "
-                                f"{n} pages) {header.checksum} {digest:#x} != sender's {head.digest:#x}")
+                                f"{n} pages) {header.checksum} {digest:#x} != sender's {sent:#x}")
             sink.commit(layer, kind, p, n, P)
-            stats.bytes += length - ChunkHead.SIZE
+            stats.bytes += n * pb
             stats.chunks += 1
             index += 1
             u += n
