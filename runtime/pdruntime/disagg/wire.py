@@ -83,7 +83,7 @@ _FRAME = struct.Struct(">BI")
 _CHUNK = struct.Struct(">BHBII")
 _DIGEST = struct.Struct(">Q")
 DIGEST_SIZE = _DIGEST.size
-PIECE_BYTES = 256 << 10  # bytes digested then sent (or received then digested) at a time: still in L2
+PIECE_BYTES = 1 << 20  # bytes digested then sent (or received then digested) at a time, while still cached
 
 try:  # xxh3_64 is ~15x faster than zlib's crc32; crc32 stays the always-available fallback
     import xxhash as _xxhash
