@@ -385,6 +385,14 @@ def check_header(h: KVHeader, att: Attach, expected: Sequence[KVLayout], model_s
 
 
 def _recv_body(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], stats: TransferStats) -> None:
+    try:
+        _recv_chunks(fs, header, sinks, stats)
+    finally:  # on this thread: nothing receives into a staging buffer once it is back in the pool
+        for sink in sinks:
+            sink.release()
+
+
+def _recv_chunks(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], stats: TransferStats) -> None:
     fs.send_control(FrameType.READY, {"room": header.room})
     stats.start()
     P = header.num_pages
