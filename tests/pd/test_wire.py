@@ -429,3 +429,29 @@ def test_bf16_pages_move_between_cuda_caches_bit_exactly(monkeypatch):
     assert not isinstance(out["client"], Exception), out["client"]
     torch.cuda.synchronize()
     assert _pages_equal(src, s_ids, dst, d_ids)
+
+
+def test_after_io_waits_for_a_blocked_receive_to_end_before_pages_may_be_freed():
+    """Decode frees a failed request's pages through KVConn.after_io: never while a receive thread can
+    still write into them."""
+
+    async def main():
+        a, b = socket.socketpair()
+        conn = transfer.KVConn(b, 10)
+        freed = []
+        task = asyncio.ensure_future(conn.run(conn.fs.recv_exact, 10))  # blocks: nothing is sent
+        await asyncio.sleep(0.2)
+        task.cancel()  # what decode's _fail does to the transfer task
+        conn.after_io(lambda: freed.append("freed"))
+        await asyncio.sleep(0.2)
+        early = list(freed)
+        conn.close()  # wakes the blocked receive; only then the pages go
+        for _ in range(100):
+            if freed:
+                break
+            await asyncio.sleep(0.02)
+        a.close()
+        return early, freed
+
+    early, freed = run(main())
+    assert early == [] and freed == ["freed"]

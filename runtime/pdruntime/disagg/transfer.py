@@ -32,7 +32,7 @@ import secrets
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 
@@ -124,6 +124,7 @@ class KVConn:
         self.fs = FrameSocket(sock, timeout_s)
         self.stats = TransferStats()
         self.attach: Attach | None = None  # what the peer attached with (prefill side, after accept_attach)
+        self._io: Future | None = None  # the blocking step running on the transfer pool, if any
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future, int] | None = None
         self._lock = threading.Lock()
 
@@ -146,10 +147,22 @@ class KVConn:
         self.fs.close()
 
     async def run(self, fn: Callable, *args):
-        """Run blocking ``fn(*args)`` on the transfer pool."""
+        """Run blocking ``fn(*args)`` on the transfer pool. Cancelling the caller does not stop the thread:
+        ``close()`` does (the blocked socket call fails), and ``after_io()`` runs once it has."""
         if self.closed:
             raise WireError("closed", "connection already closed")
-        return await asyncio.get_running_loop().run_in_executor(_EXECUTOR, fn, *args)
+        self._io = _EXECUTOR.submit(fn, *args)
+        return await asyncio.wrap_future(self._io)
+
+    def after_io(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the event loop once no blocking step of this connection is running (now, if
+        none is). Free a request's pages this way: a receive still in flight writes into them."""
+        io = self._io
+        if io is None or io.done():
+            callback()
+            return
+        loop = asyncio.get_running_loop()
+        io.add_done_callback(lambda _f: loop.call_soon_threadsafe(callback))
 
     async def wait_readable(self, timeout_s: float | None = None) -> None:
         """Until the peer sent something (or closed); holds no thread. WireError('closed'/'timeout')."""
