@@ -39,8 +39,9 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     from . import handlers  # noqa: F401  (registers the handlers)
 
+    peering = {} if args.standalone else {"peering_name": args.peering, "priority": args.priority}
     kopf.run(clusterwide=args.all_namespaces, namespaces=namespaces, standalone=args.standalone,
-             peering_name=args.peering, priority=args.priority, liveness_endpoint=args.liveness or None)
+             liveness_endpoint=args.liveness or None, **peering)
 
 
 if __name__ == "__main__":

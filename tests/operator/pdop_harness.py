@@ -122,7 +122,7 @@ def _register_test_tuning() -> None:
         settings.watching.reconnect_backoff = 0.05
         settings.queueing.idle_timeout = 1.0
         settings.queueing.exit_timeout = 1.0
-        settings.posting.enabled = False
+        settings.posting.enabled = True
         settings.networking.request_timeout = 10
 
 

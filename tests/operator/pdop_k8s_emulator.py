@@ -47,6 +47,19 @@ from kmock._internal import dicts as kmock_dicts
 from kmock._internal.k8s import KubernetesError
 
 import emu_semantics as sem
+from kmock._internal import parsing as _kmock_parsing
+
+_kmock_parse_path = _kmock_parsing.parse_path
+
+
+def _parse_path(path: str) -> Any:
+    """kmock 0.8 cannot parse ``GET /api/v1/namespaces`` (the namespaces list): route it as a resource."""
+    if path.split("?")[0].rstrip("/") == "/api/v1/namespaces":
+        return _kmock_parsing.ParsedPath("", "v1", "namespaces", None, None, None)
+    return _kmock_parse_path(path)
+
+
+_kmock_parsing.parse_path = _parse_path
 
 GPU = "nvidia.com/gpu"
 VERBS = ["list", "watch", "get", "create", "patch", "update", "delete", "deletecollection"]
