@@ -94,6 +94,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.posting.level = logging.WARNING
+    # no namespace/CRD scanning: the namespaces are given (or all), the CRD is installed first;
+    # this spares the operator list/watch on namespaces and CRDs (rbac.py)
+    settings.scanning.disabled = True
     settings.peering.lifetime = cfg.peering_lifetime_s
     settings.peering.stealth = True
     # server-side label selectors: the API server sends only our children

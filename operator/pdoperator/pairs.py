@@ -254,8 +254,8 @@ def _min(a: float | None, b: float | None) -> float | None:
     return min(a, b)
 
 
-def _drain_gate(k: int, mem: PairMemory, router: RouterView, drain_s: float,
-                now: float) -> tuple[str, PairMemory, float | None]:
+def _drain_gate(k: int, mem: PairMemory, router: RouterView, drain_s: float, now: float,
+                confirm_timeout_s: float = DRAIN_CONFIRM_TIMEOUT_S) -> tuple[str, PairMemory, float | None]:
     """May pair ``k``'s pods be deleted now? ``go`` | ``go-unconfirmed`` | what the drain waits for.
 
     Returns (verdict, memory with the drain bookkeeping, recheck delay).
@@ -273,7 +273,7 @@ def _drain_gate(k: int, mem: PairMemory, router: RouterView, drain_s: float,
         if router.inflight.get(k, 0) == 0 or left <= 0:
             return "go", mem, None
         return "inflight", mem, min(DRAIN_RECHECK_S, left)
-    left = started + drain_s + DRAIN_CONFIRM_TIMEOUT_S - now
+    left = started + drain_s + confirm_timeout_s - now
     if left <= 0:
         return "go-unconfirmed", mem, None
     return "router", mem, min(DRAIN_RECHECK_S, left)
@@ -296,6 +296,7 @@ def plan_pairs(
     drain_s: float = 30.0,
     lost_nodes: frozenset[str] = frozenset(),
     lost_node_margin_s: float = LOST_NODE_MARGIN_S,
+    drain_confirm_timeout_s: float = DRAIN_CONFIRM_TIMEOUT_S,
 ) -> Plan:
     """Decide the actions for one reconcile of the worker pods."""
     actions: list[Action] = []
@@ -319,7 +320,7 @@ def plan_pairs(
     def gate(k: int, mem: PairMemory) -> tuple[bool, PairMemory]:
         """True: delete now (memory cleared of the drain). False: keep draining (action + requeue added)."""
         nonlocal requeue
-        verdict, mem, delay = _drain_gate(k, mem, router, drain_s, now)
+        verdict, mem, delay = _drain_gate(k, mem, router, drain_s, now, drain_confirm_timeout_s)
         if verdict.startswith("go"):
             if verdict == "go-unconfirmed":
                 unconfirmed.append(k)

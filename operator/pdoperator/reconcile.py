@@ -260,6 +260,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
                       max_unavailable=spec.max_unavailable_pairs, pods=views,
                       memory=memory_from_status(old_status), now=now,
                       drain_s=spec.drain_seconds, lost_nodes=lost, lost_node_margin_s=cfg.lost_node_margin_s,
+                      drain_confirm_timeout_s=cfg.drain_confirm_timeout_s,
                       **({"router": view} if view is not None else {}))
 
     # topology first: a pair marked draining is published (and pushed) before anything is deleted

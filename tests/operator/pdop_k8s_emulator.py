@@ -167,6 +167,7 @@ class PDEmulator(kmock.KubernetesEmulator):
     watch_requests: int = attrs.field(default=0, init=False)
     pod_grace_s: float = 0.0  # seconds a container takes to exit after SIGTERM (capped by the grace period)
     event_times: dict[int, float] = attrs.field(factory=dict, init=False)  # resourceVersion -> loop time
+    wall_times: dict[int, float] = attrs.field(factory=dict, init=False)  # resourceVersion -> epoch seconds
     _faults: list[list[Any]] = attrs.field(factory=list, init=False)  # [method, plural, skip, remaining, status]
     rbac: list[dict[str, Any]] | None = None  # namespaced rules granted to HTTP clients (None: allow all)
     cluster_rbac: list[dict[str, Any]] | None = None  # rules granted cluster-wide (nodes, namespaces, ...)
@@ -233,6 +234,7 @@ class PDEmulator(kmock.KubernetesEmulator):
         event = {"type": etype, "object": copy.deepcopy(obj)}
         self._log.setdefault(res, []).append((rv, event))
         self.event_times[rv] = time.monotonic()
+        self.wall_times[rv] = time.time()
         for q in self._watchers.get(res, []):
             q.put_nowait(event)
 
@@ -854,7 +856,7 @@ class Kubelet:
         fits = []
         for n in nodes:
             labels = n["metadata"].get("labels", {})
-            if any(labels.get(k) != v for k, v in selector.items()):
+            if any(labels.get(k) != v for k, v in selector.items()) or n["metadata"]["name"] in self.down_nodes:
                 continue
             free = int(n["status"]["allocatable"].get(GPU, 0)) - used.get(n["metadata"]["name"], 0)
             if free >= need:
