@@ -20,6 +20,7 @@ class OperatorConfig:
     drain_confirm_timeout_s: float = DRAIN_CONFIRM_TIMEOUT_S
     peering_lifetime_s: int = 15  # a silent peer counts as dead after this (HA takeover bound, see docs)
     router_timeout_s: float = 2.0  # one /config or push request to a router pod
+    cluster_pod_read: bool = False  # rbac.OPTIONAL_RULES granted: count GPUs other workloads hold
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "OperatorConfig":
@@ -42,4 +43,5 @@ class OperatorConfig:
             drain_confirm_timeout_s=get("DRAIN_CONFIRM_TIMEOUT_S", DRAIN_CONFIRM_TIMEOUT_S, float),
             peering_lifetime_s=int(get("PEERING_LIFETIME_S", 15, int)),
             router_timeout_s=get("ROUTER_TIMEOUT_S", 2.0, float),
+            cluster_pod_read=env.get(PREFIX + "CLUSTER_POD_READ", "0") == "1",
         )

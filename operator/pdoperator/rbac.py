@@ -33,7 +33,7 @@ NAMESPACED_RULES: list[PolicyRule] = [
     {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["get", "create", "patch"]},
     # HA: kopf peering heartbeats (namespaced mode; the chart creates the KopfPeering object)
-    {"apiGroups": ["kopf.dev"], "resources": ["kopfpeerings"], "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": ["kopf.dev"], "resources": ["kopfpeerings"], "verbs": ["list", "watch", "patch"]},
 ]
 
 CLUSTER_RULES: list[PolicyRule] = [
@@ -43,11 +43,11 @@ CLUSTER_RULES: list[PolicyRule] = [
 
 # Only with --all-namespaces: peering is cluster-scoped then.
 CLUSTERWIDE_RULES: list[PolicyRule] = [
-    {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings"], "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings"], "verbs": ["list", "watch", "patch"]},
 ]
 
-# Optional, not granted by the chart: a cluster-wide pod list lets the Unschedulable message say how
-# many GPUs other workloads hold; without it that part of the message is left out.
+# Optional, not granted by the chart: with PDSTACK_OPERATOR_CLUSTER_POD_READ=1 and this rule, the
+# Unschedulable message also says how many GPUs other workloads hold; without, that part is left out.
 OPTIONAL_RULES: list[PolicyRule] = [
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
 ]

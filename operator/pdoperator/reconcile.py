@@ -291,10 +291,9 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     unsched = None
     if plan.unschedulable:
         nodes = await steps.run(kube.list(path("v1", "Node")), default=[])
-        try:  # optional cluster-wide read: GPUs other workloads hold (omitted without that permission)
-            everyone = await kube.list(path("v1", "Pod"))
-        except ApiError:
-            everyone = []
+        everyone: list[dict[str, Any]] = []
+        if cfg.cluster_pod_read:  # optional cluster-wide read (rbac.OPTIONAL_RULES): GPUs other workloads hold
+            everyone = await steps.run(kube.list(path("v1", "Pod")), default=[])
         unsched = unschedulable_message(requested_gpus=spec.pairs * spec.gpus_per_pair, pods=plan.unschedulable,
                                         nodes=nodes, node_selector=spec.placement.node_selector,
                                         deployment=name, all_pods=everyone)

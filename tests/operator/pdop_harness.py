@@ -141,6 +141,8 @@ async def running_operator(cluster: Cluster, *, clusterwide: bool = True, namesp
     """
     import pdoperator.handlers  # noqa: F401  (registers the handlers)
     _register_test_tuning()
+    # the permissive harness grants the optional cluster-wide pod read; the strict one (rbac.py) does not
+    os.environ["PDSTACK_OPERATOR_CLUSTER_POD_READ"] = "0" if cluster.api.rbac is not None else "1"
     logging.getLogger("kopf").setLevel(logging.DEBUG if os.environ.get("PDOP_DEBUG") else logging.WARNING)
     stop, ready = threading.Event(), threading.Event()
     errors: list[BaseException] = []
