@@ -175,6 +175,14 @@ def default_object(kind: str, obj: dict[str, Any]) -> dict[str, Any]:
         for p in spec.get("ports", []) or []:
             p.setdefault("protocol", "TCP")
             p.setdefault("targetPort", p.get("port"))
+    elif kind == "Secret":  # stringData is write-only: merged into data (base64), never stored or returned
+        string_data = obj.pop("stringData", None) or {}
+        if string_data:
+            import base64
+            data = obj.setdefault("data", {})
+            for k, v in string_data.items():
+                data[k] = base64.b64encode(str(v).encode()).decode()
+        obj.setdefault("type", "Opaque")
     elif kind == "NetworkPolicy" and isinstance(spec, dict):
         for rule in spec.get("ingress", []) or []:
             for p in rule.get("ports", []) or []:

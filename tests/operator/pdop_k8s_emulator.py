@@ -172,11 +172,13 @@ class PDEmulator(kmock.KubernetesEmulator):
     rbac: list[dict[str, Any]] | None = None  # namespaced rules granted to HTTP clients (None: allow all)
     cluster_rbac: list[dict[str, Any]] | None = None  # rules granted cluster-wide (nodes, namespaces, ...)
     requests: list[tuple[str, str, str, str | None]] = attrs.field(factory=list, init=False)
+    request_log: list[tuple[str, str, str, str, str | None, float]] = attrs.field(factory=list, init=False)
     written: list[dict[str, Any]] = attrs.field(factory=list, init=False)  # every body an HTTP client wrote
     tokens: dict[str, str] | None = None  # bearer token -> user; None: no authentication
     client_cert_users: set[str] = attrs.field(factory=set, init=False)  # CNs accepted from verified client certs
     _compacted: int = attrs.field(default=0, init=False)
     _exit_at: dict[tuple[str, str], float] = attrs.field(factory=dict, init=False)  # pod -> container exit time
+    on_pod_delete: Any = None  # test hook: called (namespace, name) before an HTTP DELETE of a pod is served
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -531,9 +533,11 @@ class PDEmulator(kmock.KubernetesEmulator):
                     rule["resources"] = [resource]
                 rule["verbs"] = [v for v in rule["verbs"] if v != verb]
 
-    def _authorize(self, verb: str, res: Any, subresource: str | None, namespace: str | None) -> None:
+    def _authorize(self, verb: str, res: Any, subresource: str | None, namespace: str | None,
+                   user: str = "anonymous") -> None:
         resource = res.plural + (f"/{subresource}" if subresource else "")
         self.requests.append((verb, res.group, resource, namespace))
+        self.request_log.append((user, verb, res.group, resource, namespace, time.time()))
         if self.rbac is None:
             return
         from pdoperator.rbac import allows
@@ -548,18 +552,19 @@ class PDEmulator(kmock.KubernetesEmulator):
                                            + (f' subresource "{subresource}"' if subresource else "")
                                            + f"{group}{where}")
 
-    def _authenticate(self, request: Any) -> None:
+    def _authenticate(self, request: Any) -> str:
+        """The user of a request (bearer token or verified client certificate); 401 when unknown."""
         if self.tokens is None:
-            return
+            return "anonymous"
         auth = request.headers.get("Authorization", "")
         if auth.startswith("Bearer ") and auth[7:] in self.tokens:
-            return
+            return self.tokens[auth[7:]]
         transport = getattr(request._raw_request, "transport", None)
         cert = transport.get_extra_info("peercert") if transport is not None else None
         if cert:
             cn = dict(x[0] for x in cert.get("subject", ())).get("commonName")
             if cn in self.client_cert_users:
-                return
+                return cn
         raise _error(401, "Unauthorized", "Unauthorized")
 
     # ------------------------------------------------------------ HTTP
@@ -568,7 +573,7 @@ class PDEmulator(kmock.KubernetesEmulator):
         if res is None or res not in self._info or request.subresource not in (None, "status", "eviction"):
             self._authenticate(request)
             return await super()._handle(request)  # discovery, unknown endpoints
-        self._authenticate(request)
+        user = self._authenticate(request)
         method = request.method.upper()
         ns, name, params = request.namespace, request.name, request.params
         sub = request.subresource
@@ -583,9 +588,9 @@ class PDEmulator(kmock.KubernetesEmulator):
         verb = ("watch" if watch else "list" if name is None else "get") if method == "GET" else {
             "POST": "create", "PUT": "update", "PATCH": "patch",
             "DELETE": "delete" if name else "deletecollection"}.get(method, method.lower())
-        self._authorize(verb, res, sub, ns)
+        self._authorize(verb, res, sub, ns, user)
         if method == "PATCH" and ctype == "application/apply-patch+yaml" and self.read(res, ns, name) is None:
-            self._authorize("create", res, sub, ns)  # an apply that creates needs create too
+            self._authorize("create", res, sub, ns, user)  # an apply that creates needs create too
         if method in ("POST", "PUT", "PATCH") and isinstance(body, dict) and sub != "eviction":
             self.written.append(copy.deepcopy(body) if ctype != "application/merge-patch+json" or sub else
                                 {"_patch": copy.deepcopy(body)})
@@ -616,6 +621,8 @@ class PDEmulator(kmock.KubernetesEmulator):
                     and selector_matches(reqs, o.raw["metadata"].get("labels"))]
             return self._json({"kind": "List", "apiVersion": "v1", "items": gone})
         if method == "DELETE":
+            if res == PODS and self.on_pod_delete is not None:
+                self.on_pod_delete(ns, name)
             opts = body if isinstance(body, dict) else {}
             grace = opts.get("gracePeriodSeconds", params.get("gracePeriodSeconds"))
             uid = (opts.get("preconditions") or {}).get("uid")
