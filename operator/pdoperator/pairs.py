@@ -335,12 +335,12 @@ def plan_pairs(
         if not names:
             continue
         go, mem = gate(k, memory.get(k, PairMemory()))
+        hosts = _hosts(live_k)
         if go:
             actions.append(DeletePods(k, names, "ScaleDown"))
         else:
-            hosts = _hosts(live_k)
             actions.append(DrainPair(k, "ScaleDown", "router"))
-            retiring.append(PairState(k, live_k[0].revision, False, "Draining", mem, hosts=hosts, draining=True))
+        retiring.append(PairState(k, live_k[0].revision, False, "Draining", mem, hosts=hosts, draining=True))
 
     for k in range(pairs):
         mem = memory.get(k, PairMemory())
@@ -370,7 +370,8 @@ def plan_pairs(
             new_mem = replace(mem, restarts=mem.restarts + 1, streak=streak, last_co_restart_at=now,
                               last_co_restart_reason=reason, ready_since=None, recovering=True)
             actions.append(CoRestart(k, reason, tuple(p.name for p in live), detail))
-            states[k] = PairState(k, None, False, "CoRestarting", new_mem)
+            # still draining in the topology until its pods are gone (the router must not pick it up again)
+            states[k] = PairState(k, None, False, "CoRestarting", new_mem, hosts=hosts, draining=True)
             requeue = _min(requeue, max(policy.backoff(streak), 0.05))
             continue
         if trig and policy.policy == "Never" and live:
@@ -388,8 +389,8 @@ def plan_pairs(
 
         if not live:
             mem = _undrained(mem)
-            if all_pods:  # our deletions still draining
-                states[k] = PairState(k, None, False, "Terminating", mem)
+            if all_pods:  # our deletions still draining: the router keeps the pair as draining
+                states[k] = PairState(k, None, False, "Terminating", mem, hosts=_hosts(all_pods), draining=True)
                 requeue = _min(requeue, TERMINATING_RECHECK_S)
                 continue
             if mem.last_co_restart_at is not None:
@@ -438,7 +439,7 @@ def plan_pairs(
         go, mem = gate(k, s.memory)
         if go:
             actions.append(RolloutPair(k, s.revision, desired_revision, names))
-            states[k] = replace(s, ready=False, phase="RollingOut", draining=False,
+            states[k] = replace(s, ready=False, phase="RollingOut", draining=True,
                                 memory=replace(mem, ready_since=None))
         else:
             actions.append(DrainPair(k, "Rollout", "router"))

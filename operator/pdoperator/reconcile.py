@@ -335,6 +335,6 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
 
 def _stamp_drain(state: Any, generation: int) -> Any:
     """A pair published as draining for the first time records the topology version that shows it."""
-    if state.draining and state.memory.drain_version is None:
+    if state.draining and state.memory.drain_started_at is not None and state.memory.drain_version is None:
         return replace(state, memory=replace(state.memory, drain_version=generation))
     return state
