@@ -38,7 +38,8 @@ def canonical_quantity(q: Any) -> str:
     try:
         value = Decimal(num)
     except InvalidOperation:
-        raise ValueError(f"invalid quantity {s!r}") from None
+        raise ValueError(f"quantities must match the regular expression "
+                         f"'^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$': {s!r}") from None
     if suffix in _BIN:
         value *= Decimal(1024) ** _BIN[suffix]
         if value == value.to_integral_value() and value >= 1024:
@@ -60,8 +61,8 @@ def canonical_quantity(q: Any) -> str:
     for exp in (18, 15, 12, 9, 6, 3, 0, -3, -6, -9):
         mant = value / Decimal(10) ** exp
         if mant == mant.to_integral_value():
-            if suffix_kind == "exp" and exp > 0:
-                return f"{int(mant)}e{exp}"
+            if suffix_kind == "exp":
+                return f"{int(mant)}e{exp}" if exp else f"{int(mant)}"
             return f"{int(mant)}{[n for n, e in _DEC.items() if e == exp][0]}"
     return f"{int((value / Decimal(10) ** -9).to_integral_value(rounding='ROUND_CEILING'))}n"
 
@@ -242,7 +243,10 @@ def object_paths(obj: dict[str, Any]) -> set[Path]:
     body = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind", "status")}
     meta = {k: v for k, v in (obj.get("metadata") or {}).items()
             if k in ("labels", "annotations", "ownerReferences", "finalizers")}
-    body["metadata"] = meta
+    if meta:
+        body["metadata"] = meta
+    else:
+        body.pop("metadata", None)
     return field_paths(body)
 
 

@@ -177,6 +177,7 @@ class PDEmulator(kmock.KubernetesEmulator):
     tokens: dict[str, str] | None = None  # bearer token -> user; None: no authentication
     client_cert_users: set[str] = attrs.field(factory=set, init=False)  # CNs accepted from verified client certs
     _compacted: int = attrs.field(default=0, init=False)
+    gone_served: int = attrs.field(default=0, init=False)  # watches answered 410 Gone
     _exit_at: dict[tuple[str, str], float] = attrs.field(factory=dict, init=False)  # pod -> container exit time
     on_pod_delete: Any = None  # test hook: called (namespace, name) before an HTTP DELETE of a pod is served
 
@@ -698,6 +699,7 @@ class PDEmulator(kmock.KubernetesEmulator):
                                                 "status": "Failure", "reason": "Expired", "code": 410,
                                                 "message": f"too old resource version: {since} ({self._compacted})"}}
             backlog = [gone]
+            self.gone_served += 1
         elif since and since != "0":
             backlog = [e for rv, e in self._log.get(res, []) if rv > int(since)]
         else:
