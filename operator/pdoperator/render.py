@@ -279,8 +279,8 @@ def router_deployment(spec: PDSpec, owner: Owner) -> dict[str, Any]:
         "env": env + [{"name": n, "value": v} for n, v in spec.router.env],
         "ports": [{"name": "http", "containerPort": HTTP_PORT}],
         "readinessProbe": _probe("/health", 5, 3),
-        "volumeMounts": [{"name": "topology", "mountPath": TOPOLOGY_DIR, "readOnly": True},
-                         {"name": "kv-auth", "mountPath": KV_AUTH_DIR, "readOnly": True}]
+        "volumeMounts": [{"name": "topology", "mountPath": TOPOLOGY_DIR, "readOnly": True}]
+        + ([{"name": "kv-auth", "mountPath": KV_AUTH_DIR, "readOnly": True}] if env else [])
         + [dict(m) for m in spec.router.volume_mounts],
     }
     res = _resources(spec.router)
@@ -292,9 +292,9 @@ def router_deployment(spec: PDSpec, owner: Owner) -> dict[str, Any]:
                      "template": {"metadata": {"labels": {"app.kubernetes.io/name": "pdstack", **labels}},
                                   "spec": {"containers": [container],
                                            "volumes": [{"name": "topology",
-                                                        "configMap": {"name": topology_name(owner.name)}},
-                                                       {"name": "kv-auth",
-                                                        "secret": {"secretName": kv_secret_name(owner.name)}}]
+                                                        "configMap": {"name": topology_name(owner.name)}}]
+                                           + ([{"name": "kv-auth",
+                                                "secret": {"secretName": kv_secret_name(owner.name)}}] if env else [])
                                            + [dict(v) for v in spec.router.volumes]}}}}
 
 
