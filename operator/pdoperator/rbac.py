@@ -21,6 +21,8 @@ NAMESPACED_RULES: list[PolicyRule] = [
     # kopf: watch, finalizer/annotation patches; the operator: get; status through the subresource only
     {"apiGroups": ["pdstack.io"], "resources": ["pddeployments"], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": ["pdstack.io"], "resources": ["pddeployments/status"], "verbs": ["patch"]},
+    # children carry ownerReferences with blockOwnerDeletion (OwnerReferencesPermissionEnforcement)
+    {"apiGroups": ["pdstack.io"], "resources": ["pddeployments/finalizers"], "verbs": ["update"]},
     # worker pods: server-side apply (patch, + create for a new pod), delete (drain, co-restart, force delete);
     # no get: pods are read by label-selected list/watch
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "create", "patch", "delete"]},

@@ -21,7 +21,9 @@ itself, with the API semantics the operator relies on:
 * the eviction subresource honouring PodDisruptionBudgets (429), graceful pod termination
   (``deletionTimestamp`` = now + grace; the kubelet confirms when the container exits; grace 0 forces);
 * watches answering ``410 Gone`` (an ERROR event, as the real server) from before ``compact()``;
-* bearer-token authentication when ``tokens`` is set (401 otherwise).
+* bearer-token or client-certificate authentication when ``tokens`` is set (401 otherwise);
+* OwnerReferencesPermissionEnforcement: an ownerReference with ``blockOwnerDeletion`` needs ``update``
+  on the owner's ``finalizers`` subresource.
 
 :class:`Kubelet` simulates the scheduler, kubelets with GPU nodes and the Deployment controller.
 """
@@ -593,6 +595,14 @@ class PDEmulator(kmock.KubernetesEmulator):
         if method == "PATCH" and ctype == "application/apply-patch+yaml" and self.read(res, ns, name) is None:
             self._authorize("create", res, sub, ns, user)  # an apply that creates needs create too
         if method in ("POST", "PUT", "PATCH") and isinstance(body, dict) and sub != "eviction":
+            # OwnerReferencesPermissionEnforcement: blockOwnerDeletion needs update on the owner's finalizers
+            for ref in (body.get("metadata") or {}).get("ownerReferences") or []:
+                if ref.get("blockOwnerDeletion"):
+                    owner = next((r for r, (k, _, _) in self._info.items() if k == ref.get("kind")
+                                  and ref.get("apiVersion") == (f"{r.group}/{r.version}" if r.group else r.version)),
+                                 None)
+                    if owner is not None:
+                        self._authorize("update", owner, "finalizers", ns, user)
             self.written.append(copy.deepcopy(body) if ctype != "application/merge-patch+json" or sub else
                                 {"_patch": copy.deepcopy(body)})
         for fault in self._faults:
