@@ -99,6 +99,20 @@ async def test_ca_data_inline_and_a_token(tls_cluster, pki):
     async with running_operator(c):
         await _reconciles(c, "ca-data")
     assert _users(c) == {"op-token"}
+    # kubectl-pd's cluster commands use the same client and credentials
+    import asyncio
+    import io
+
+    from pdoperator import cli
+    out = io.StringIO()
+    assert await asyncio.to_thread(cli.main, ["status", "ca-data", "-n", NS], out) == 0
+    text = out.getvalue()
+    assert text.startswith(f"PDDeployment {NS}/ca-data: phase Ready, ready pairs 1/1") and "Ready=True" in text
+    out = io.StringIO()
+    assert await asyncio.to_thread(cli.main, ["revisions", "ca-data", "-n", NS], out) == 0
+    assert out.getvalue().startswith("1\t") and len(out.getvalue().splitlines()) == 1
+    c.api.tokens = {}  # revoked: the CLI says so instead of a traceback
+    assert await asyncio.to_thread(cli.main, ["status", "ca-data", "-n", NS], io.StringIO()) == 1
 
 
 async def test_client_certificate(tls_cluster, pki):
