@@ -1,7 +1,8 @@
 """Harness for operator tests: the API emulator, the simulated kubelet, and the real kopf operator.
 
-KUBECONFIG points at a per-session file before anything imports ``kubernetes`` (it reads the
-default path at import time); each test rewrites it with its own emulator's URL.
+KUBECONFIG points at a per-session file; each test rewrites it with its own emulator's URL (the
+operator resolves credentials through ``kubernetes_asyncio`` when it starts). Operator bounds are
+seconds here, not minutes (lost-node margin, drain-confirm timeout).
 """
 
 from __future__ import annotations

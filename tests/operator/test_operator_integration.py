@@ -348,11 +348,14 @@ async def test_repeated_faults_back_off_exponentially(operator):
                                      for e in c.events(name, "CoRestart"))]
     assert [m.split("after ")[1].split(" backoff")[0] for m in messages] == ["0.2s", "0.4s", "0.8s"]
     # each new incarnation was created no sooner than its backoff after the co-restart deleted the old pods
-    # (the backoff runs from the decision, which precedes the deletions by a few ms)
+    # (the backoff runs from the decision, which precedes the delete requests by a few ms; the deletion is
+    # the request, i.e. the deletionTimestamp, not the kubelet's later confirmation)
     log = c.api._log[PODS]
     first_delete, gaps = None, []
     for rv, ev in log:
-        if ev["type"] == "DELETED" and first_delete is None:
+        deleting = ev["type"] == "DELETED" or (ev["type"] == "MODIFIED"
+                                               and ev["object"]["metadata"].get("deletionTimestamp"))
+        if deleting and first_delete is None:
             first_delete = rv
         elif ev["type"] == "ADDED" and first_delete is not None:
             gaps.append(c.api.event_times[rv] - c.api.event_times[first_delete])
