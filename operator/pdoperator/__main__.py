@@ -7,7 +7,7 @@
 
 High availability uses kopf peering: every replica writes a heartbeat to the peering object; a
 replica pauses while a live peer has a higher priority. Give each replica a distinct priority
-(the chart derives it from the pod name); a dead active replica's heartbeat goes stale after
+(the chart gives each replica its own); a dead active replica's heartbeat goes stale after
 ``PDSTACK_OPERATOR_PEERING_LIFETIME_S`` (default 15 s) and the next one resumes (docs/operator.md).
 """
 
