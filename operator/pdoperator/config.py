@@ -27,7 +27,7 @@ class OperatorConfig:
         env = os.environ if environ is None else environ
 
         def get(name: str, default: float, conv: type) -> float:
-            raw = env.get(PREFIX + name) or env.get(f"PDSTACK_OPERATOR_{name}")
+            raw = env.get(PREFIX + name)
             if raw in (None, ""):
                 return default
             try:
@@ -35,9 +35,8 @@ class OperatorConfig:
             except ValueError:
                 raise SystemExit(f"{PREFIX}{name}={raw!r} is invalid; accepted: a {conv.__name__}") from None
 
-        legacy_metrics = env.get("PDSTACK_OPERATOR_METRICS_PORT")
         return cls(
-            metrics_port=int(legacy_metrics) if legacy_metrics else cls.metrics_port,
+            metrics_port=int(get("METRICS_PORT", 8080, int)),
             router_port=int(get("ROUTER_PORT", HTTP_PORT, int)),
             lost_node_margin_s=get("LOST_NODE_MARGIN_S", LOST_NODE_MARGIN_S, float),
             drain_confirm_timeout_s=get("DRAIN_CONFIRM_TIMEOUT_S", DRAIN_CONFIRM_TIMEOUT_S, float),

@@ -111,7 +111,6 @@ class Credentials:
         if self.source == "in-cluster":
             self._loader.load_and_set(self.configuration)
         else:
-            self._loader._user = self._loader._user  # noqa: PLW0127 - same context, fresh resolution
             if hasattr(self._loader, "exec_plugin_expiry"):
                 del self._loader.exec_plugin_expiry
             await self._loader.load_and_set(self.configuration)

@@ -196,3 +196,18 @@ async def test_workers_and_router_against_pod_security_restricted(cluster, expli
                 for check in ("allowPrivilegeEscalation != false", "unrestricted capabilities",
                               "runAsNonRoot != true", "seccompProfile"):
                     assert check in body["message"], body["message"]
+
+
+async def test_the_operators_own_errors_are_posted_as_events(operator):
+    c = operator
+    c.apply(manifest("oops", pairs=1))
+    await eventually(lambda: ready(c, "oops"), timeout=30, what="Ready")
+    c.api.inject_fault("GET", "pods", times=1, status=500)  # the reconcile's own pod list fails once
+    pdd = c.pdd("oops")
+    pdd["metadata"].setdefault("annotations", {})["test/poke"] = "1"
+    c.api._store(R("pdstack.io", "v1alpha1", "pddeployments"), NS, "oops", pdd, manager="kubectl")
+    events = await eventually(lambda: [e for e in c.api.select(R("", "v1", "events"), NS)
+                                       if e.get("reason") == "ReconcileError"], timeout=20, what="ReconcileError Event")
+    assert events[0]["involvedObject"]["name"] == "oops"
+    assert "list pods: HTTP 500" in events[0]["message"] and "injected fault" in events[0]["message"]
+    await eventually(lambda: ready(c, "oops"), timeout=30, what="Ready after the retry")
