@@ -180,6 +180,7 @@ class PDEmulator(kmock.KubernetesEmulator):
     client_cert_users: set[str] = attrs.field(factory=set, init=False)  # CNs accepted from verified client certs
     _compacted: int = attrs.field(default=0, init=False)
     gone_served: int = attrs.field(default=0, init=False)  # watches answered 410 Gone
+    watch_selectors: list[tuple[str, str | None, str | None]] = attrs.field(factory=list, init=False)
     _exit_at: dict[tuple[str, str], float] = attrs.field(factory=dict, init=False)  # pod -> container exit time
     on_pod_delete: Any = None  # test hook: called (namespace, name) before an HTTP DELETE of a pod is served
 
@@ -220,7 +221,8 @@ class PDEmulator(kmock.KubernetesEmulator):
         return [None if v is None else copy.deepcopy(v.raw) for v in self.objects[key].history]
 
     def inject_fault(self, method: str, plural: str, *, times: int = 1, skip: int = 0, status: int = 500) -> None:
-        """Let ``skip`` ``method`` requests on ``plural`` pass, then fail ``times`` of them with HTTP ``status``."""
+        """Let ``skip`` ``method`` requests on ``plural`` (``pods`` or ``pods/status``) pass, then fail ``times``
+        of them with HTTP ``status``."""
         self._faults.append([method.upper(), plural, skip, times, status])
 
     def close_watches(self) -> None:
@@ -605,12 +607,14 @@ class PDEmulator(kmock.KubernetesEmulator):
                         self._authorize("update", owner, "finalizers", ns, user)
             self.written.append(copy.deepcopy(body) if ctype != "application/merge-patch+json" or sub else
                                 {"_patch": copy.deepcopy(body)})
+        target = res.plural + (f"/{sub}" if sub else "")
         for fault in self._faults:
-            if fault[0] == method and fault[1] == res.plural and fault[2] > 0:
+            if fault[0] == method and fault[1] in (res.plural, target) and fault[2] > 0:
                 fault[2] -= 1
-            elif fault[0] == method and fault[1] == res.plural and fault[3] > 0:
+            elif fault[0] == method and fault[1] in (res.plural, target) and fault[3] > 0:
                 fault[3] -= 1
-                raise _error(fault[4], "InternalError", f"injected fault: {method} {res.plural}")
+                reason = "Conflict" if fault[4] == 409 else "InternalError"
+                raise _error(fault[4], reason, f"injected fault: {method} {target}")
         manager = params.get("fieldManager") or None
         if watch:
             return await self._serve_watch_stream(request)
@@ -693,6 +697,7 @@ class PDEmulator(kmock.KubernetesEmulator):
     async def _serve_watch_stream(self, request: Any) -> aiohttp.web.StreamResponse:
         res, ns, params = request.resource, request.namespace, request.params
         self.watch_requests += 1
+        self.watch_selectors.append((res.plural, ns, params.get("labelSelector")))
         reqs = parse_selector(params.get("labelSelector"))
         since = params.get("resourceVersion")
         timeout = float(params.get("timeoutSeconds") or 0) or None

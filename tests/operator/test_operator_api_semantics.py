@@ -211,3 +211,29 @@ async def test_the_operators_own_errors_are_posted_as_events(operator):
     assert events[0]["involvedObject"]["name"] == "oops"
     assert "list pods: HTTP 500" in events[0]["message"] and "injected fault" in events[0]["message"]
     await eventually(lambda: ready(c, "oops"), timeout=30, what="Ready after the retry")
+
+
+async def test_status_goes_through_the_subresource_with_a_precondition_and_is_retried_on_conflict(operator):
+    c = operator
+    c.apply(manifest("cas", pairs=1))
+    await eventually(lambda: ready(c, "cas"), timeout=30, what="Ready")
+    c.api.inject_fault("PATCH", "pddeployments/status", times=1, status=409)
+    since = len(c.api.request_log)
+    c.kubelet.set_ready(NS, c.pair_pods("cas", 0)["decode"]["metadata"]["name"], False)
+    await eventually(lambda: c.condition("cas", "Ready").get("reason") == "PairsNotReady", timeout=20,
+                     what="status written despite the conflict")
+    status_writes = [r for r in c.api.request_log[since:] if r[3] == "pddeployments/status"]
+    assert len(status_writes) >= 2  # the 409, then the retry
+    assert [r for r in c.api.request_log if r[3] == "pddeployments" and r[1] == "patch"
+            and r[5] >= status_writes[0][5]] == []  # never through the main resource
+    assert not [e for e in c.api.select(R("", "v1", "events"), NS) if e.get("reason") == "ReconcileError"]
+
+
+async def test_watches_carry_server_side_label_selectors(strict_operator):
+    c = strict_operator
+    c.apply(manifest("sel", pairs=1))
+    await eventually(lambda: ready(c, "sel"), timeout=30, what="Ready")
+    children = [(plural, ns, sel) for plural, ns, sel in c.api.watch_selectors
+                if plural in ("pods", "services", "configmaps", "deployments")]
+    assert {p for p, _, _ in children} == {"pods", "services", "configmaps", "deployments"}
+    assert all(sel == "pdstack.io/deployment" and ns == NS for _, ns, sel in children), children
