@@ -16,6 +16,7 @@ what the operator needs on top, as plain JSON (no model classes, so no field is 
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from kubernetes_asyncio import config as k8s_config
 
 FIELD_MANAGER = "pdstack-operator"
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+IN_CLUSTER_RELOGIN = datetime.timedelta(minutes=1)  # as kubernetes_asyncio re-reads the token file
 
 # (apiVersion, kind) -> (plural, namespaced)
 RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
@@ -131,7 +133,18 @@ class Credentials:
                 scheme, token = "Bearer", scheme
         return kopf.ConnectionInfo(server=cfg.host, ca_path=cfg.ssl_ca_cert or None, insecure=not cfg.verify_ssl,
                                    scheme=scheme, token=token, certificate_path=cfg.cert_file or None,
-                                   private_key_path=cfg.key_file or None, priority=100)
+                                   private_key_path=cfg.key_file or None, priority=100,
+                                   expiration=self.expiration())
+
+    def expiration(self) -> datetime.datetime | None:
+        """When kopf should log in again on its own (besides after a 401): a rotating in-cluster token is
+        re-read every minute; an exec credential expires when its plugin said so."""
+        if self.source == "in-cluster":
+            return datetime.datetime.now(datetime.timezone.utc) + IN_CLUSTER_RELOGIN
+        expiry = getattr(self._loader, "exec_plugin_expiry", None)
+        if isinstance(expiry, datetime.datetime):
+            return expiry if expiry.tzinfo else expiry.replace(tzinfo=datetime.timezone.utc)
+        return None
 
 
 # ---------------------------------------------------------------- client
