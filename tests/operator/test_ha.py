@@ -3,7 +3,8 @@
 Each process authenticates with its own token, so the emulator knows who wrote what. The
 higher-priority one acts; the other only heartbeats. SIGKILL the active one: the standby resumes
 within the stated bound (the peering lifetime, here 6 s, plus one reconcile) and repairs a
-co-restart; at no moment are there two live pods for one (pair, role).
+co-restart. The killed one comes back: the standby pauses again. At no moment are there two live
+pods for one (pair, role).
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ async def spawn(cfg: str, priority: int, log: Path) -> asyncio.subprocess.Proces
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "pdoperator", "-n", NS, "--priority", str(priority), "--liveness", "",
         env=env, stdout=open(log, "wb"), stderr=asyncio.subprocess.STDOUT)
+
+
+def api_time(ts: float) -> str:
+    """kopf's peering ``lastseen`` format (ISO, UTC)."""
+    import datetime
+    return datetime.datetime.fromtimestamp(ts, tz=datetime.timezone.utc).isoformat()[:19]
 
 
 def writes_by(api: PDEmulator, user: str, since: float = 0.0) -> list[tuple]:
@@ -120,6 +127,26 @@ async def test_standby_takes_over_within_the_bound_and_never_duplicates_pods(tmp
                                  what="co-restart repaired by the new active replica")
                 assert took <= TAKEOVER_BOUND_S, f"takeover took {took:.1f}s > {TAKEOVER_BOUND_S}s"
                 assert writes_by(api, "op-a", killed + 0.5) == []
+
+                # the priority-100 replica comes back: the standby pauses (its daemons are stopped) and A acts
+                a2 = await spawn(kubeconfig(tmp_path, url, "token-a"), 100, tmp_path / "a2.log")
+                procs.append(a2)
+                back = time.time()
+
+                def a_heartbeat() -> bool:
+                    peers = (api.read(PEERINGS, NS, "pdstack-operator") or {}).get("status") or {}
+                    return any(p and p.get("priority") == 100 and p.get("lastseen", "") >= api_time(back)
+                               for p in peers.values())
+                await eventually(a_heartbeat, timeout=30, what="A's heartbeat")
+                await asyncio.sleep(3)  # the standby reads it and pauses
+                quiet = time.time()
+                victim = next(p for p in api.select(PODS, NS, "pdstack.io/deployment=ha")
+                              if p["metadata"]["labels"]["pdstack.io/pair"] == "1")["metadata"]["name"]
+                kubelet.restart_container(NS, victim)
+                await eventually(lambda: api.read(PODS, NS, victim) is None and ready(), timeout=60,
+                                 what="co-restart repaired by A")
+                assert writes_by(api, "op-b", quiet) == [], "the paused standby still wrote"
+                assert writes_by(api, "op-a", quiet), "the returning priority-100 replica did not act"
                 assert max_live_per_role(api, "ha") == 1, "two live pods for one (pair, role)"
                 print(f"standby took over {took:.1f}s after SIGKILL of the active replica "
                       f"(peering lifetime {LIFETIME_S}s)")
