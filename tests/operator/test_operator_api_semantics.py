@@ -71,9 +71,11 @@ async def test_steady_state_has_no_false_drift_and_a_kubectl_edit_names_the_fiel
     assert cond["message"] == "Deployment/steady-router: spec.replicas", cond
 
 
-async def test_a_403_on_pod_create_is_named_other_children_still_created_and_fixing_rbac_recovers(strict_operator):
+@pytest.mark.parametrize("verb", ["create", "patch"])  # creating a pod by server-side apply needs both
+async def test_a_403_on_pod_create_is_named_other_children_still_created_and_fixing_rbac_recovers(strict_operator,
+                                                                                                  verb):
     c = strict_operator
-    c.api.revoke("", "pods", "patch")  # server-side apply of a pod needs patch (and create)
+    c.api.revoke("", "pods", verb)
     c.apply(manifest("denied", pairs=1))
 
     def rejected():
@@ -82,7 +84,7 @@ async def test_a_403_on_pod_create_is_named_other_children_still_created_and_fix
     cond = await eventually(rejected, timeout=20, what="ApiRejected=True")
     msg = cond["message"]
     assert msg.startswith("apply pods/denied-0-prefill-") and "HTTP 403" in msg, msg
-    assert 'cannot patch resource "pods" in API group "" in the namespace "default"' in msg, msg
+    assert f'cannot {verb} resource "pods" in API group "" in the namespace "default"' in msg, msg
     events = c.events("denied", "ApiRejected")
     assert events and events[0]["type"] == "Warning"
     assert "pods/denied-0-prefill-" in events[0]["message"] and "forbidden" in events[0]["message"]
@@ -93,7 +95,7 @@ async def test_a_403_on_pod_create_is_named_other_children_still_created_and_fix
     assert c.api.read(CONFIGMAPS, NS, "denied-topology") is not None
     assert c.pods("denied") == []
 
-    c.api.grant({"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]})  # fix the Role; no restart
+    c.api.grant({"apiGroups": [""], "resources": ["pods"], "verbs": [verb]})  # fix the Role; no restart
     await eventually(lambda: ready(c, "denied"), timeout=30, what="Ready after the RBAC fix")
     assert c.condition("denied", "ApiRejected")["status"] == "False"
 
