@@ -96,9 +96,10 @@ async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
     from .render import LABEL_DEPLOYMENT
     from .spec import GROUP, VERSION
 
-    kube = Kube(await Credentials.load(args.kubeconfig, args.context))
+    creds = await Credentials.load(args.kubeconfig, args.context)
+    kube = Kube(creds)
     try:
-        ns = args.namespace or "default"
+        ns = args.namespace or creds.namespace()
         if args.cmd == "status":
             obj = await kube.get(path(f"{GROUP}/{VERSION}", KIND, ns, args.name))
             if obj is None:
@@ -140,7 +141,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
                       ("revisions", "recorded revisions of a PDDeployment in the cluster")):
         c = sub.add_parser(cmd, help=text)
         c.add_argument("name")
-        c.add_argument("-n", "--namespace", default=None, help="namespace (default: 'default')")
+        c.add_argument("-n", "--namespace", default=None, help="namespace (default: the context's, as kubectl)")
         c.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
         c.add_argument("--context", default=None)
     args = parser.parse_args(argv)

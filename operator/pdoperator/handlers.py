@@ -89,6 +89,10 @@ async def login(logger: Any, **_: Any) -> kopf.ConnectionInfo:
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     cfg = OperatorConfig.from_environ()
     SHARED.config = cfg
+    # a fresh start resolves credentials afresh (an earlier run in this process may have left its own)
+    global LOGIN_LOCK
+    SHARED.credentials, SHARED.kube, SHARED.router = None, None, None
+    LOGIN_LOCK = asyncio.Lock()  # bound to this run's event loop
     settings.persistence.finalizer = f"{GROUP}/operator"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)

@@ -117,6 +117,17 @@ class Credentials:
                 del self._loader.exec_plugin_expiry
             await self._loader.load_and_set(self.configuration)
 
+    def namespace(self) -> str:
+        """The default namespace, as kubectl picks it: the context's, in-cluster the pod's, else ``default``."""
+        if self.source == "in-cluster":
+            try:
+                with open(os.path.join(os.path.dirname(self._loader._token_filename), "namespace")) as fh:
+                    return fh.read().strip() or "default"
+            except OSError:
+                return "default"
+        ctx = getattr(self._loader, "current_context", None) or {}
+        return (ctx.get("context") or {}).get("namespace") or "default"
+
     async def authorization(self) -> str | None:
         return await self.configuration.get_api_key_with_prefix("BearerToken")
 

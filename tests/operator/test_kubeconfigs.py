@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import os
+import shutil
 import ssl
 import subprocess
 import sys
@@ -27,6 +28,9 @@ import yaml
 
 from pdop_harness import KUBECONFIG, NS, Cluster, eventually, manifest, running_operator
 from pdop_k8s_emulator import Kubelet, PDEmulator
+
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI (certificates)")
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -109,7 +113,7 @@ async def test_ca_data_inline_and_a_token(tls_cluster, pki):
     text = out.getvalue()
     assert text.startswith(f"PDDeployment {NS}/ca-data: phase Ready, ready pairs 1/1") and "Ready=True" in text
     out = io.StringIO()
-    assert await asyncio.to_thread(cli.main, ["revisions", "ca-data", "-n", NS], out) == 0
+    assert await asyncio.to_thread(cli.main, ["revisions", "ca-data"], out) == 0  # the context's namespace
     assert out.getvalue().startswith("1\t") and len(out.getvalue().splitlines()) == 1
     c.api.tokens = {}  # revoked: the CLI says so instead of a traceback
     assert await asyncio.to_thread(cli.main, ["status", "ca-data", "-n", NS], io.StringIO()) == 1
