@@ -19,6 +19,7 @@ class OperatorConfig:
     lost_node_margin_s: float = LOST_NODE_MARGIN_S  # past a pod's deletion deadline on a lost node
     drain_confirm_timeout_s: float = DRAIN_CONFIRM_TIMEOUT_S
     peering_lifetime_s: int = 15  # a silent peer counts as dead after this (HA takeover bound, see docs)
+    peering_settle_s: float = 3.0  # after a start with peering: let peers started with us heartbeat first
     router_timeout_s: float = 2.0  # one /config or push request to a router pod
     cluster_pod_read: bool = False  # rbac.OPTIONAL_RULES granted: count GPUs other workloads hold
 
@@ -41,6 +42,7 @@ class OperatorConfig:
             lost_node_margin_s=get("LOST_NODE_MARGIN_S", LOST_NODE_MARGIN_S, float),
             drain_confirm_timeout_s=get("DRAIN_CONFIRM_TIMEOUT_S", DRAIN_CONFIRM_TIMEOUT_S, float),
             peering_lifetime_s=int(get("PEERING_LIFETIME_S", 15, int)),
+            peering_settle_s=get("PEERING_SETTLE_S", 3.0, float),
             router_timeout_s=get("ROUTER_TIMEOUT_S", 2.0, float),
             cluster_pod_read=env.get(PREFIX + "CLUSTER_POD_READ", "0") == "1",
         )

@@ -12,6 +12,7 @@ with the same facts through :func:`login`, and calls it again after a 401 (rotat
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 from typing import Any
 
@@ -19,7 +20,8 @@ import kopf
 
 from . import metrics
 from .config import OperatorConfig
-from .kube import Credentials, Kube
+from .kube import Credentials, Kube, path
+from .peering import outranked
 from .reconcile import reconcile
 from .routerlink import RouterLink
 from .render import LABEL_DEPLOYMENT
@@ -53,6 +55,8 @@ class Shared:
 
     credentials: Credentials | None = None
     kube: Kube | None = None
+    peering: tuple[str, int, bool] | None = None  # (name, our priority, cluster-wide); None: standalone
+    started_at: float = 0.0  # loop time of this run's start
     router: RouterLink | None = None
     config: OperatorConfig = OperatorConfig()
 
@@ -93,6 +97,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     global LOGIN_LOCK
     SHARED.credentials, SHARED.kube, SHARED.router = None, None, None
     LOGIN_LOCK = asyncio.Lock()  # bound to this run's event loop
+    SHARED.started_at = asyncio.get_running_loop().time()
+    SHARED.peering = None if settings.peering.standalone else (
+        settings.peering.name, settings.peering.priority, bool(settings.peering.clusterwide))
     settings.persistence.finalizer = f"{GROUP}/operator"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
@@ -121,6 +128,18 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     SHARED.credentials = None
 
 
+async def _outranked(namespace: str) -> list[str]:
+    """Live peers of higher priority, read from the peering object itself (see :mod:`peering`)."""
+    if SHARED.peering is None:
+        return []
+    name, priority, clusterwide = SHARED.peering
+    kind = "ClusterKopfPeering" if clusterwide else "KopfPeering"
+    items = await (await _kube()).list(path("kopf.dev/v1", kind, None if clusterwide else namespace),
+                                       field_selector=f"metadata.name={name}")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return outranked((items[0].get("status") if items else None), priority, now)
+
+
 async def _kube() -> Kube:
     if SHARED.kube is None:
         SHARED.kube = Kube(await _credentials())
@@ -144,9 +163,18 @@ async def pair_reconciler(namespace: str, name: str, body: Any, memo: kopf.Memo,
 
     stop_task = asyncio.create_task(until_stopped())
     try:
+        if SHARED.peering is not None:  # replicas started together: read each other's heartbeat before acting
+            settle = SHARED.started_at + SHARED.config.peering_settle_s - asyncio.get_running_loop().time()
+            if settle > 0:
+                await asyncio.wait({stop_task}, timeout=settle)
         while not stopped:
             wake.clear()
             try:
+                higher = await _outranked(namespace)
+                if higher:  # kopf will pause this replica; until it does, never act beside the active one
+                    log.info("%s/%s standing by: higher-priority peers %s are alive", namespace, name, higher)
+                    await asyncio.wait({stop_task}, timeout=1.0)
+                    continue
                 delay = await reconcile(await _kube(), namespace, name, log=log, router=_router(),
                                         config=SHARED.config)
                 failures = 0

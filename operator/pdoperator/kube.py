@@ -42,6 +42,8 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("networking.k8s.io/v1", "NetworkPolicy"): ("networkpolicies", True),
     ("policy/v1", "PodDisruptionBudget"): ("poddisruptionbudgets", True),
     ("pdstack.io/v1alpha1", "PDDeployment"): ("pddeployments", True),
+    ("kopf.dev/v1", "KopfPeering"): ("kopfpeerings", True),
+    ("kopf.dev/v1", "ClusterKopfPeering"): ("clusterkopfpeerings", False),
 }
 
 

@@ -44,7 +44,7 @@ def kubeconfig(tmp: Path, url: str, token: str) -> str:
 
 async def spawn(cfg: str, priority: int, log: Path) -> asyncio.subprocess.Process:
     env = dict(os.environ, KUBECONFIG=cfg, PDSTACK_OPERATOR_METRICS_PORT="0",
-               PDSTACK_OPERATOR_PEERING_LIFETIME_S=str(LIFETIME_S))
+               PDSTACK_OPERATOR_PEERING_LIFETIME_S=str(LIFETIME_S), PDSTACK_OPERATOR_PEERING_SETTLE_S="3")
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "pdoperator", "-n", NS, "--priority", str(priority), "--liveness", "",
         env=env, stdout=open(log, "wb"), stderr=asyncio.subprocess.STDOUT)
@@ -150,6 +150,43 @@ async def test_standby_takes_over_within_the_bound_and_never_duplicates_pods(tmp
                 assert max_live_per_role(api, "ha") == 1, "two live pods for one (pair, role)"
                 print(f"standby took over {took:.1f}s after SIGKILL of the active replica "
                       f"(peering lifetime {LIFETIME_S}s)")
+        finally:
+            for p in procs:
+                if p.returncode is None:
+                    p.send_signal(signal.SIGTERM)
+                    try:
+                        await asyncio.wait_for(p.wait(), 20)
+                    except asyncio.TimeoutError:
+                        p.kill()
+                        await p.wait()
+
+
+async def test_replicas_started_together_never_both_reconcile(tmp_path):
+    """Both start at the same instant, a PDDeployment already waiting: only the priority-100 one writes."""
+    procs: list[asyncio.subprocess.Process] = []
+    async with PDEmulator(tokens={"token-a": "op-a", "token-b": "op-b"}) as api, kmock.Server(api) as server:
+        api.seed(PEERINGS, NS, {"metadata": {"name": "pdstack-operator"}})
+        url = str(server.url).rstrip("/")
+        kubelet = Kubelet(api)
+        kubelet.add_node("gpu-a", 8)
+        api._create(PDDS, NS, manifest("twin", pairs=2))
+        try:
+            async with kubelet:
+                procs += await asyncio.gather(spawn(kubeconfig(tmp_path, url, "token-b"), 50, tmp_path / "b.log"),
+                                              spawn(kubeconfig(tmp_path, url, "token-a"), 100, tmp_path / "a.log"))
+
+                def ready() -> bool:
+                    pdd = api.read(PDDS, NS, "twin") or {}
+                    return any(cnd["type"] == "Ready" and cnd["status"] == "True"
+                               for cnd in (pdd.get("status") or {}).get("conditions", []))
+                await eventually(ready, timeout=60, what="Ready")
+                await asyncio.sleep(2)
+                # kopf's own finalizer patch on the PDDeployment may come from both (idempotent); the operator's
+                # writes (children, status, pods) only from the active replica
+                ours = [r for r in writes_by(api, "op-b") if r[3] != "pddeployments"]
+                assert ours == [], f"the standby reconciled: {ours[:5]}"
+                assert writes_by(api, "op-a")
+                assert max_live_per_role(api, "twin") == 1
         finally:
             for p in procs:
                 if p.returncode is None:

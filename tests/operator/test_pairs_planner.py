@@ -264,3 +264,19 @@ def test_lost_node(lost, margin, expected):
     assert [a for a in p.actions if isinstance(a, ForceDelete)] == expected
     if not expected and lost:
         assert p.requeue_after is not None and p.requeue_after <= 20.0  # wakes up at the bound
+
+
+def test_outranked_names_live_higher_priority_peers_only():
+    import datetime
+
+    from pdoperator.peering import outranked
+    now = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
+    status = {
+        "a@host/1": {"priority": 100, "lifetime": 15, "lastseen": "2026-01-01T11:59:50+00:00"},  # alive, higher
+        "c@host/3": {"priority": 200, "lifetime": 15, "lastseen": "2026-01-01T11:59:00+00:00"},  # dead
+        "b@host/2": {"priority": 50, "lifetime": 15, "lastseen": "2026-01-01T11:59:59"},  # us / lower
+        "gone": None,  # kopf nulls a peer it cleaned up
+    }
+    assert outranked(status, 50, now) == ["a@host/1"]
+    assert outranked(status, 100, now) == []
+    assert outranked(None, 0, now) == []
