@@ -608,7 +608,7 @@ class PDEmulator(kmock.KubernetesEmulator):
             self.written.append(copy.deepcopy(body) if ctype != "application/merge-patch+json" or sub else
                                 {"_patch": copy.deepcopy(body)})
         target = res.plural + (f"/{sub}" if sub else "")
-        for fault in self._faults:
+        for fault in ([] if watch else self._faults):  # watch streams are never faulted (kopf would absorb it)
             if fault[0] == method and fault[1] in (res.plural, target) and fault[2] > 0:
                 fault[2] -= 1
             elif fault[0] == method and fault[1] in (res.plural, target) and fault[3] > 0:
