@@ -92,11 +92,15 @@ def _diff(old_path: str, new_path: str, out: TextIO) -> int:
 
 
 async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
-    from .kube import ApiError, Credentials, Kube, path
+    from .kube import ApiError, Credentials, CredentialsError, Kube, path
     from .render import LABEL_DEPLOYMENT
     from .spec import GROUP, VERSION
 
-    creds = await Credentials.load(args.kubeconfig, args.context)
+    try:
+        creds = await Credentials.load(args.kubeconfig, args.context)
+    except CredentialsError as e:
+        print(f"kubectl-pd: {e}", file=sys.stderr)
+        return 1
     kube = Kube(creds)
     try:
         ns = args.namespace or creds.namespace()

@@ -85,6 +85,10 @@ def _target(url_path: str) -> str:
 
 
 # ---------------------------------------------------------------- credentials
+class CredentialsError(RuntimeError):
+    """No kubeconfig or service account could be loaded; the message says what was tried."""
+
+
 @dataclass
 class Credentials:
     """What ``kubernetes_asyncio`` resolved; ``refresh()`` re-resolves (rotated tokens, exec plugins)."""
@@ -106,8 +110,14 @@ class Credentials:
             return cls(cfg, "in-cluster", loader)
         path_ = kubeconfig or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or os.path.expanduser(
             "~/.kube/config")
-        loader = await k8s_config.load_kube_config(config_file=path_, context=context, client_configuration=cfg,
-                                                   persist_config=False)
+        try:
+            loader = await k8s_config.load_kube_config(config_file=path_, context=context, client_configuration=cfg,
+                                                       persist_config=False)
+        except (k8s_config.ConfigException, OSError, ValueError, KeyError) as e:
+            raise CredentialsError(
+                f"no usable Kubernetes credentials: kubeconfig {path_!r}: {e}; accepted: a kubeconfig "
+                f"($KUBECONFIG, --kubeconfig, ~/.kube/config) or a pod with a service account "
+                f"(KUBERNETES_SERVICE_HOST and {token_file})") from None
         return cls(cfg, f"kubeconfig:{path_}", loader)
 
     async def refresh(self) -> None:

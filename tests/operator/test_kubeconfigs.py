@@ -171,3 +171,13 @@ async def test_in_cluster_with_a_token_rotated_mid_run(tls_cluster, pki, tmp_pat
     writes_after = [r for r in c.api.request_log if r[0] == "op-token-2" and r[1] in ("create", "patch")]
     assert writes_after, "no write with the rotated token"
     assert os.environ.get("KUBECONFIG") is None
+
+
+def test_missing_credentials_say_what_was_tried(tmp_path, capsys):
+    import io
+
+    from pdoperator import cli
+    assert cli.main(["status", "x", "--kubeconfig", str(tmp_path / "nope")], io.StringIO()) == 1
+    err = capsys.readouterr().err
+    assert "no usable Kubernetes credentials: kubeconfig" in err and "nope" in err
+    assert "accepted: a kubeconfig ($KUBECONFIG, --kubeconfig, ~/.kube/config) or a pod with a service account" in err
