@@ -1,10 +1,15 @@
-"""drift: desired rendering vs live children (pure). Minimal for now; runtime /config drift comes later.
+"""drift: which fields the operator declares are now owned by someone else (pure).
 
-Each child the operator applies carries ``pdstack.io/applied-hash``, the hash of what the operator
-last wrote. When the desired hash differs, the operator changed its mind: apply. When the hash is
-the same but the live object no longer contains what was written, someone else changed it: that is
-drift, reverted or reported per ``spec.drift.policy``. Comparison is "desired is contained in live",
-so fields the API server defaults never count as drift.
+Children are written by server-side apply as ``pdstack-operator``. Each carries
+``pdstack.io/applied-hash``, the hash of what the operator last applied: when the desired hash
+differs, the operator changed its mind and applies again. Otherwise drift is read from the
+server's own bookkeeping, ``metadata.managedFields``: when someone edits a field the operator
+applied (``kubectl edit``, ``kubectl patch``, another controller), the API server moves that
+field's ownership to them. A declared field owned by another manager is drift; it is reverted
+(re-applied with force) or reported per ``spec.drift.policy``.
+
+No values are compared, so what the server does to values (defaults filled in, empty lists
+dropped, ``0.5`` stored as ``500m``, ``1024Mi`` as ``1Gi``) never reads as drift.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from typing import Any, Mapping
 
 APPLIED_HASH = "pdstack.io/applied-hash"
 MANAGED_KEYS = ("spec", "data", "stringData")
+FIELD_MANAGER = "pdstack-operator"
+
+Path = tuple[str, ...]
 
 
 def applied_hash(obj: Mapping[str, Any]) -> str:
@@ -30,23 +38,64 @@ def with_hash(obj: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def differences(desired: Any, live: Any, path: str = "") -> list[str]:
-    """Paths where ``desired`` is not contained in ``live`` (dicts: subset; lists: same length, elementwise)."""
-    if isinstance(desired, Mapping):
-        if not isinstance(live, Mapping):
-            return [path or "."]
-        out: list[str] = []
-        for k, v in desired.items():
-            out += differences(v, live.get(k), f"{path}.{k}" if path else str(k))
-        return out
-    if isinstance(desired, list):
-        if not isinstance(live, list) or len(live) != len(desired):
-            return [path]
-        out = []
-        for i, (d, l) in enumerate(zip(desired, live)):
-            out += differences(d, l, f"{path}[{i}]")
-        return out
-    return [] if desired == live else [path]
+def leaf_paths(fields_v1: Mapping[str, Any], prefix: Path = ()) -> list[Path]:
+    """``{"f:spec": {"f:replicas": {}}}`` -> ``[("f:spec", "f:replicas")]`` (``.`` item markers dropped)."""
+    out: list[Path] = []
+    for k, v in fields_v1.items():
+        if k == ".":
+            continue
+        if v:
+            out += leaf_paths(v, prefix + (k,))
+        else:
+            out.append(prefix + (k,))
+    return out
+
+
+def resolve(obj: Any, path: Path) -> tuple[bool, str]:
+    """Does ``obj`` declare the field at ``path``? Returns (found, readable path like ``spec.ports[0].port``).
+
+    List items are matched by the key fields the object states (a key field the server defaulted,
+    such as a port's ``protocol: TCP``, is matched against its default).
+    """
+    cur, text = obj, ""
+    for el in path:
+        if el.startswith("f:"):
+            if not isinstance(cur, Mapping) or el[2:] not in cur:
+                return False, text
+            cur = cur[el[2:]]
+            text += ("." if text else "") + el[2:]
+        elif el.startswith("k:"):
+            want = json.loads(el[2:])
+            if not isinstance(cur, list):
+                return False, text
+            hit = None
+            for i, item in enumerate(cur):
+                if isinstance(item, Mapping) and all(item.get(k, "TCP" if k == "protocol" else None) == v
+                                                     for k, v in want.items()):
+                    hit = i
+                    break
+            if hit is None:
+                return False, text
+            cur = cur[hit]
+            text += f"[{hit}]"
+        elif el.startswith("v:") or el.startswith("i:"):
+            return False, text
+    return True, text
+
+
+def owned_elsewhere(desired: Mapping[str, Any], live: Mapping[str, Any], manager: str = FIELD_MANAGER) -> list[str]:
+    """Declared fields (under spec/data) whose ownership another manager took by editing them."""
+    out: list[str] = []
+    for entry in (live.get("metadata", {}) or {}).get("managedFields", []) or []:
+        if entry.get("manager") == manager or entry.get("subresource"):
+            continue
+        for path in leaf_paths(entry.get("fieldsV1") or {}):
+            if not path or path[0] not in ("f:spec", "f:data"):
+                continue
+            found, text = resolve(desired, path)
+            if found and text not in out:
+                out.append(text)
+    return sorted(out)
 
 
 @dataclass(frozen=True)
@@ -59,14 +108,10 @@ def decide(desired: Mapping[str, Any], live: Mapping[str, Any] | None, policy: s
     """What to do with one child. ``enforce``: operator-owned live state (topology) is always reverted."""
     if live is None:
         return Decision("create")
-    want = applied_hash(desired)
     have = (live.get("metadata", {}).get("annotations", {}) or {}).get(APPLIED_HASH)
-    if have != want:
+    if have != applied_hash(desired):
         return Decision("apply")
-    diffs = []
-    for key in MANAGED_KEYS:
-        if key in desired and key != "stringData":  # Secret stringData is write-only
-            diffs += differences(desired[key], live.get(key), key)
+    diffs = owned_elsewhere(desired, live)
     if not diffs:
         return Decision("none")
     if enforce or policy == "Revert":

@@ -1,22 +1,29 @@
-"""kopf wiring only. Run with ``kopf run -m pdoperator.handlers --all-namespaces``.
+"""kopf wiring only. Run with ``python -m pdoperator`` (namespaced by default; see ``__main__``).
 
 One daemon per PDDeployment runs :func:`reconcile.reconcile` in a loop and is the one writer of
 its status. Pod, router-Deployment and PDDeployment events only wake that daemon (an in-process
-signal keyed by namespace/name); they never write anything themselves.
+signal keyed by namespace/name); they never write anything themselves. Watches of children carry
+a server-side label selector (``pdstack.io/deployment``), so the API server sends only ours.
+
+Credentials: :class:`kube.Credentials` (``kubernetes_asyncio``) resolves them once; kopf logs in
+with the same facts through :func:`login`, and calls it again after a 401 (rotated tokens).
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
-import os
 from typing import Any
 
 import kopf
 
 from . import metrics
-from .kube import Kube
+from .config import OperatorConfig
+from .kube import Credentials, Kube, path
+from .peering import outranked
 from .reconcile import reconcile
+from .routerlink import RouterLink
 from .render import LABEL_DEPLOYMENT
 from .spec import GROUP, PLURAL, VERSION
 
@@ -43,55 +50,110 @@ class Wakers:
         self._events.pop((namespace, name), None)
 
 
-_credentials: dict[str, kopf.ConnectionInfo] = {}
+class Shared:
+    """Operator-wide state. kopf gives each object a shallow copy of the memo: share via this object."""
+
+    credentials: Credentials | None = None
+    kube: Kube | None = None
+    peering: tuple[str, int, bool] | None = None  # (name, our priority, cluster-wide); None: standalone
+    started_at: float = 0.0  # loop time of this run's start
+    router: RouterLink | None = None
+    config: OperatorConfig = OperatorConfig()
+
+
+SHARED = Shared()
+LOGIN_LOCK: asyncio.Lock | None = None
+
+
+async def _credentials(refresh: bool = False) -> Credentials:
+    global LOGIN_LOCK
+    LOGIN_LOCK = LOGIN_LOCK or asyncio.Lock()
+    async with LOGIN_LOCK:
+        if SHARED.credentials is None:
+            SHARED.credentials = await Credentials.load()
+        elif refresh:
+            await SHARED.credentials.refresh()
+        return SHARED.credentials
 
 
 @kopf.on.login()
-def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-    """kopf's own minimal logins (service account, else kubeconfig); remembered for :class:`Kube`."""
-    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
-    if info is not None:
-        _credentials["current"] = info
-    return info
+async def login(logger: Any, **_: Any) -> kopf.ConnectionInfo:
+    """kopf logs in with what kubernetes_asyncio resolved (kubeconfig incl. exec plugins, or in-cluster).
+
+    kopf calls this again when its credentials are rejected (401): re-resolve (rotated token file,
+    expired exec credential) before answering.
+    """
+    first = SHARED.credentials is None
+    creds = await _credentials(refresh=not first)
+    logger.info("credentials from %s", creds.source)
+    return await creds.connection_info()
 
 
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    cfg = OperatorConfig.from_environ()
+    SHARED.config = cfg
+    # a fresh start resolves credentials afresh (an earlier run in this process may have left its own)
+    global LOGIN_LOCK
+    SHARED.credentials, SHARED.kube, SHARED.router = None, None, None
+    LOGIN_LOCK = asyncio.Lock()  # bound to this run's event loop
+    SHARED.started_at = asyncio.get_running_loop().time()
+    SHARED.peering = None if settings.peering.standalone else (
+        settings.peering.name, settings.peering.priority, bool(settings.peering.clusterwide))
     settings.persistence.finalizer = f"{GROUP}/operator"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.posting.level = logging.WARNING
+    # no namespace/CRD scanning: the namespaces are given (or all), the CRD is installed first;
+    # this spares the operator list/watch on namespaces and CRDs (rbac.py)
+    settings.scanning.disabled = True
+    settings.peering.lifetime = cfg.peering_lifetime_s
+    settings.peering.stealth = True
+    # server-side label selectors: the API server sends only our children
+    for key in (("v1", "pods"), ("v1", "services"), ("v1", "configmaps"), ("apps", "v1", "deployments")):
+        settings.watching.label_selectors[key] = LABEL_DEPLOYMENT
     memo.wakers = Wakers()
-    memo.shared = Shared()
-    metrics.serve(int(os.environ.get("PDSTACK_OPERATOR_METRICS_PORT", "8080")))
+    memo.shared = SHARED
+    metrics.serve(cfg.metrics_port)
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    shared = getattr(memo, "shared", None)
-    if shared is not None and shared.kube is not None:
-        await shared.kube.close()
-        shared.kube = None
+    if SHARED.kube is not None:
+        await SHARED.kube.close()
+        SHARED.kube = None
+    if SHARED.router is not None:
+        await SHARED.router.close()
+        SHARED.router = None
+    SHARED.credentials = None
 
 
-class Shared:
-    """Operator-wide state. kopf gives each object a shallow copy of the memo: share via this object."""
+async def _outranked(namespace: str) -> list[str]:
+    """Live peers of higher priority, read from the peering object itself (see :mod:`peering`)."""
+    if SHARED.peering is None:
+        return []
+    name, priority, clusterwide = SHARED.peering
+    kind = "ClusterKopfPeering" if clusterwide else "KopfPeering"
+    items = await (await _kube()).list(path("kopf.dev/v1", kind, None if clusterwide else namespace),
+                                       field_selector=f"metadata.name={name}")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return outranked((items[0].get("status") if items else None), priority, now)
 
-    kube: Kube | None = None
+
+async def _kube() -> Kube:
+    if SHARED.kube is None:
+        SHARED.kube = Kube(await _credentials())
+    return SHARED.kube
 
 
-def _kube(memo: kopf.Memo) -> Kube:
-    shared: Shared = memo.shared
-    if shared.kube is None:
-        info = _credentials.get("current")  # the same credentials kopf logged in with
-        if info is None:
-            raise kopf.PermanentError("no Kubernetes credentials (service account or kubeconfig)")
-        shared.kube = Kube.from_connection_info(info)
-    return shared.kube
+def _router() -> RouterLink:
+    if SHARED.router is None:
+        SHARED.router = RouterLink(SHARED.config.router_port, SHARED.config.router_timeout_s)
+    return SHARED.router
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=2.0)
-async def pair_reconciler(namespace: str, name: str, memo: kopf.Memo, stopped: Any, **_: Any) -> None:
+async def pair_reconciler(namespace: str, name: str, body: Any, memo: kopf.Memo, stopped: Any, **_: Any) -> None:
     """The one writer of this PDDeployment's status: reconcile on every wake-up and on resync."""
     wake = memo.wakers.get(namespace, name)
     failures = 0
@@ -101,16 +163,29 @@ async def pair_reconciler(namespace: str, name: str, memo: kopf.Memo, stopped: A
 
     stop_task = asyncio.create_task(until_stopped())
     try:
+        if SHARED.peering is not None:  # replicas started together: read each other's heartbeat before acting
+            settle = SHARED.started_at + SHARED.config.peering_settle_s - asyncio.get_running_loop().time()
+            if settle > 0:
+                await asyncio.wait({stop_task}, timeout=settle)
         while not stopped:
             wake.clear()
             try:
-                delay = await reconcile(_kube(memo), namespace, name, log=log)
+                higher = await _outranked(namespace)
+                if higher:  # kopf will pause this replica; until it does, never act beside the active one
+                    log.info("%s/%s standing by: higher-priority peers %s are alive", namespace, name, higher)
+                    await asyncio.wait({stop_task}, timeout=1.0)
+                    continue
+                delay = await reconcile(await _kube(), namespace, name, log=log, router=_router(),
+                                        config=SHARED.config)
                 failures = 0
-            except Exception as e:  # noqa: BLE001 - any failure is retried with backoff, counted
+            except Exception as e:  # noqa: BLE001 - any failure is retried with backoff, counted, posted
                 failures += 1
                 metrics.RECONCILE_ERRORS.labels(namespace, name, type(e).__name__).inc()
                 delay = min(ERROR_BACKOFF_S[0] * 2 ** (failures - 1), ERROR_BACKOFF_S[1])
                 log.exception("%s/%s reconcile failed (retry in %.1fs)", namespace, name, delay)
+                if failures == 1 or failures % 10 == 0:  # an Event per streak start, then every 10th
+                    kopf.exception(body, reason="ReconcileError",
+                                   message=f"reconcile failed ({type(e).__name__}: {e}); retry in {delay:.1f}s")
             timeout = RESYNC_S if delay is None else min(delay, RESYNC_S)
             wake_task = asyncio.create_task(wake.wait())
             await asyncio.wait({wake_task, stop_task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)

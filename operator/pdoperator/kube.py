@@ -1,17 +1,33 @@
-"""A small async Kubernetes API client (aiohttp), sharing kopf's credentials.
+"""Kubernetes access through ``kubernetes_asyncio`` (the async twin of the official client).
 
-The operator's reads and writes run inside kopf's event loop; the synchronous ``kubernetes``
-client would need threads and validates bodies into models. This client speaks JSON over the
-same connection info kopf logged in with, and maps API errors to :class:`ApiError`.
+The library resolves credentials exactly as kubectl does (kubeconfig: CA data or file, client
+certificates, bearer tokens and token files, exec credential plugins; in-cluster: the projected,
+rotating service-account token) and owns TLS, connection pooling and auth headers. This module adds
+what the operator needs on top, as plain JSON (no model classes, so no field is lost on a round trip):
+
+* :class:`Credentials`: one resolved ``Configuration``, re-resolved on demand (a 401, a rotated
+  token file, an expired exec credential), and the same facts as a ``kopf.ConnectionInfo`` so kopf's
+  own watches log in with what the client resolved (kopf's built-in kubeconfig login mishandles
+  ``certificate-authority-data``);
+* :class:`Kube`: get / list (label + field selectors) / server-side apply / create / delete /
+  status patch with a resourceVersion precondition / eviction, every failure an :class:`ApiError`
+  naming the verb, the object and the server's message.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
-import ssl
+import os
+from dataclasses import dataclass
 from typing import Any, Mapping
 
-import aiohttp
+from kubernetes_asyncio import client as k8s_client
+from kubernetes_asyncio import config as k8s_config
+
+FIELD_MANAGER = "pdstack-operator"
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+IN_CLUSTER_RELOGIN = datetime.timedelta(minutes=1)  # as kubernetes_asyncio re-reads the token file
 
 # (apiVersion, kind) -> (plural, namespaced)
 RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
@@ -26,13 +42,17 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("networking.k8s.io/v1", "NetworkPolicy"): ("networkpolicies", True),
     ("policy/v1", "PodDisruptionBudget"): ("poddisruptionbudgets", True),
     ("pdstack.io/v1alpha1", "PDDeployment"): ("pddeployments", True),
+    ("kopf.dev/v1", "KopfPeering"): ("kopfpeerings", True),
+    ("kopf.dev/v1", "ClusterKopfPeering"): ("clusterkopfpeerings", False),
 }
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str):
-        self.status = status
-        super().__init__(f"HTTP {status}: {message}")
+    """An API request failed. ``verb``/``target`` say which; ``message`` is the server's own words."""
+
+    def __init__(self, status: int, message: str, *, verb: str = "", target: str = "", reason: str = ""):
+        self.status, self.message, self.verb, self.target, self.reason = status, message, verb, target, reason
+        super().__init__(f"{verb} {target}: HTTP {status}{' ' + reason if reason else ''}: {message}")
 
 
 def path(api_version: str, kind: str, namespace: str | None = None, name: str | None = None,
@@ -54,81 +74,202 @@ def object_path(obj: Mapping[str, Any], *, collection: bool = False) -> str:
     return path(obj["apiVersion"], obj["kind"], meta.get("namespace"), None if collection else meta["name"])
 
 
-class Kube:
-    """JSON over HTTP to the API server. Use inside one event loop; ``close()`` when done."""
+def _target(url_path: str) -> str:
+    """``/api/v1/namespaces/ns/pods/x`` -> ``pods/x`` (what a person reading a condition wants)."""
+    parts = url_path.strip("/").split("/")
+    if "namespaces" in parts and len(parts) > parts.index("namespaces") + 2:
+        parts = parts[parts.index("namespaces") + 2:]
+    else:
+        parts = parts[2:] if parts[0] == "api" else parts[3:]
+    return "/".join(parts)
 
-    def __init__(self, server: str, *, token: str | None = None, scheme: str | None = None,
-                 ca_path: str | None = None, ca_data: str | bytes | None = None, insecure: bool = False,
-                 cert_path: str | None = None, key_path: str | None = None,
-                 username: str | None = None, password: str | None = None):
-        self.server = server.rstrip("/")
-        headers = {"Accept": "application/json"}
-        if token:
-            headers["Authorization"] = f"{scheme or 'Bearer'} {token}"
-        auth = aiohttp.BasicAuth(username, password or "") if username else None
-        ctx: ssl.SSLContext | bool | None = None
-        if self.server.startswith("https"):
-            if insecure:
-                ctx = False
-            else:
-                cadata = ca_data.decode() if isinstance(ca_data, bytes) else ca_data
-                ctx = ssl.create_default_context(cafile=ca_path, cadata=cadata)
-                if cert_path:
-                    ctx.load_cert_chain(cert_path, key_path)
-        self._session = aiohttp.ClientSession(headers=headers, auth=auth,
-                                              connector=aiohttp.TCPConnector(ssl=ctx) if ctx is not None else None,
-                                              timeout=aiohttp.ClientTimeout(total=30))
+
+# ---------------------------------------------------------------- credentials
+class CredentialsError(RuntimeError):
+    """No kubeconfig or service account could be loaded; the message says what was tried."""
+
+
+@dataclass
+class Credentials:
+    """What ``kubernetes_asyncio`` resolved; ``refresh()`` re-resolves (rotated tokens, exec plugins)."""
+
+    configuration: k8s_client.Configuration
+    source: str  # "in-cluster" | "kubeconfig:<path>"
+    _loader: Any = None
 
     @classmethod
-    def from_connection_info(cls, info: Any) -> "Kube":
-        """Build from a ``kopf.ConnectionInfo`` (what the operator logged in with)."""
-        return cls(info.server, token=info.token, scheme=info.scheme, ca_path=info.ca_path, ca_data=info.ca_data,
-                   insecure=bool(info.insecure), cert_path=info.certificate_path, key_path=info.private_key_path,
-                   username=info.username, password=info.password)
+    async def load(cls, kubeconfig: str | None = None, context: str | None = None) -> "Credentials":
+        """In-cluster when a service-account token is mounted and no kubeconfig is named, else kubeconfig."""
+        cfg = k8s_client.Configuration()
+        token_file = os.path.join(os.environ.get("PDSTACK_SA_DIR", SA_DIR), "token")
+        if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST") and os.path.exists(token_file):
+            sa_dir = os.path.dirname(token_file)
+            loader = k8s_config.incluster_config.InClusterConfigLoader(
+                token_filename=token_file, cert_filename=os.path.join(sa_dir, "ca.crt"), try_refresh_token=True)
+            loader.load_and_set(cfg)
+            return cls(cfg, "in-cluster", loader)
+        path_ = kubeconfig or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or os.path.expanduser(
+            "~/.kube/config")
+        try:
+            loader = await k8s_config.load_kube_config(config_file=path_, context=context, client_configuration=cfg,
+                                                       persist_config=False)
+        except (k8s_config.ConfigException, OSError, ValueError, KeyError) as e:
+            raise CredentialsError(
+                f"no usable Kubernetes credentials: kubeconfig {path_!r}: {e}; accepted: a kubeconfig "
+                f"($KUBECONFIG, --kubeconfig, ~/.kube/config) or a pod with a service account "
+                f"(KUBERNETES_SERVICE_HOST and {token_file})") from None
+        return cls(cfg, f"kubeconfig:{path_}", loader)
+
+    async def refresh(self) -> None:
+        """Re-read the token file / re-run the exec plugin (called after a 401, and by kopf's re-login)."""
+        if self.source == "in-cluster":
+            self._loader.load_and_set(self.configuration)
+        else:
+            if hasattr(self._loader, "exec_plugin_expiry"):
+                del self._loader.exec_plugin_expiry
+            await self._loader.load_and_set(self.configuration)
+
+    def namespace(self) -> str:
+        """The default namespace, as kubectl picks it: the context's, in-cluster the pod's, else ``default``."""
+        if self.source == "in-cluster":
+            try:
+                with open(os.path.join(os.path.dirname(self._loader._token_filename), "namespace")) as fh:
+                    return fh.read().strip() or "default"
+            except OSError:
+                return "default"
+        ctx = getattr(self._loader, "current_context", None) or {}
+        return (ctx.get("context") or {}).get("namespace") or "default"
+
+    async def authorization(self) -> str | None:
+        return await self.configuration.get_api_key_with_prefix("BearerToken")
+
+    async def connection_info(self) -> Any:
+        """The same credentials as a ``kopf.ConnectionInfo`` (kopf's watches, peering, posting)."""
+        import kopf
+
+        cfg = self.configuration
+        scheme = token = None
+        auth = await self.authorization()
+        if auth:
+            scheme, _, token = auth.partition(" ")
+            if not token:
+                scheme, token = "Bearer", scheme
+        return kopf.ConnectionInfo(server=cfg.host, ca_path=cfg.ssl_ca_cert or None, insecure=not cfg.verify_ssl,
+                                   scheme=scheme, token=token, certificate_path=cfg.cert_file or None,
+                                   private_key_path=cfg.key_file or None, priority=100,
+                                   expiration=self.expiration())
+
+    def expiration(self) -> datetime.datetime | None:
+        """When kopf should log in again on its own (besides after a 401): a rotating in-cluster token is
+        re-read every minute; an exec credential expires when its plugin said so."""
+        if self.source == "in-cluster":
+            return datetime.datetime.now(datetime.timezone.utc) + IN_CLUSTER_RELOGIN
+        expiry = getattr(self._loader, "exec_plugin_expiry", None)
+        if isinstance(expiry, datetime.datetime):
+            return expiry if expiry.tzinfo else expiry.replace(tzinfo=datetime.timezone.utc)
+        return None
+
+
+# ---------------------------------------------------------------- client
+class Kube:
+    """JSON requests through ``kubernetes_asyncio.ApiClient``. One per event loop; ``close()`` when done."""
+
+    def __init__(self, credentials: Credentials, *, timeout_s: float = 30.0):
+        self.credentials = credentials
+        self.api = k8s_client.ApiClient(credentials.configuration)
+        self.timeout_s = timeout_s
 
     async def close(self) -> None:
-        await self._session.close()
+        await self.api.close()
 
-    async def _request(self, method: str, url_path: str, *, body: Any = None, params: Mapping[str, str] | None = None,
-                       content_type: str = "application/json") -> Any:
-        data = json.dumps(body) if body is not None else None
-        headers = {"Content-Type": content_type} if data is not None else None
-        async with self._session.request(method, self.server + url_path, data=data, params=params,
-                                         headers=headers) as resp:
-            text = await resp.text()
-            if resp.status >= 400:
-                try:
-                    message = json.loads(text).get("message", text)
-                except ValueError:
-                    message = text
-                raise ApiError(resp.status, f"{method} {url_path}: {message}")
-            return json.loads(text) if text else None
+    async def request(self, method: str, url_path: str, *, body: Any = None,
+                      query: Mapping[str, str] | None = None, content_type: str = "application/json") -> Any:
+        """One request; on 401 the credentials are re-resolved once and the request repeated."""
+        for attempt in (0, 1):
+            headers = {"Accept": "application/json", "Content-Type": content_type}
+            resp = await self.api.call_api(
+                url_path, method, query_params=list((query or {}).items()), header_params=headers,
+                body=body, auth_settings=["BearerToken"], _preload_content=False, _request_timeout=self.timeout_s)
+            async with resp:
+                status, raw = resp.status, await resp.read()
+            if status < 300:
+                return json.loads(raw) if raw else None
+            if status == 401 and attempt == 0:
+                await self.credentials.refresh()
+                continue
+            try:
+                doc = json.loads(raw or b"{}")
+                message, reason = doc.get("message", raw.decode(errors="replace")), doc.get("reason", "")
+            except (ValueError, AttributeError):
+                message, reason = raw.decode(errors="replace"), ""
+            raise ApiError(status, message, verb=_verb(method, url_path, query, content_type),
+                           target=_target(url_path), reason=reason)
+        raise AssertionError("unreachable")
 
     async def get(self, url_path: str) -> dict[str, Any] | None:
         try:
-            return await self._request("GET", url_path)
+            return await self.request("GET", url_path)
         except ApiError as e:
             if e.status == 404:
                 return None
             raise
 
-    async def list(self, url_path: str, *, label_selector: str | None = None) -> list[dict[str, Any]]:
-        params = {"labelSelector": label_selector} if label_selector else None
-        result = await self._request("GET", url_path, params=params)
+    async def list(self, url_path: str, *, label_selector: str | None = None,
+                   field_selector: str | None = None) -> list[dict[str, Any]]:
+        query = {k: v for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v}
+        result = await self.request("GET", url_path, query=query)
         return list(result.get("items", []) or [])
 
     async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        return await self._request("POST", object_path(obj, collection=True), body=obj)
+        return await self.request("POST", object_path(obj, collection=True), body=dict(obj),
+                                  query={"fieldManager": FIELD_MANAGER})
 
-    async def merge_patch(self, url_path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
-        return await self._request("PATCH", url_path, body=patch, content_type="application/merge-patch+json")
+    async def apply(self, obj: Mapping[str, Any], *, force: bool = True) -> dict[str, Any]:
+        """Server-side apply as ``pdstack-operator`` (force: the operator owns what it declares)."""
+        query = {"fieldManager": FIELD_MANAGER}
+        if force:
+            query["force"] = "true"
+        return await self.request("PATCH", object_path(obj), body=dict(obj), query=query,
+                                  content_type="application/apply-patch+yaml")
 
-    async def delete(self, url_path: str) -> bool:
-        """Delete; False when it was already gone."""
+    async def patch_status(self, url_path: str, status: Mapping[str, Any], resource_version: str) -> dict[str, Any]:
+        """Merge-patch ``/status`` with a resourceVersion precondition (409 when someone wrote in between)."""
+        body = {"metadata": {"resourceVersion": resource_version}, "status": dict(status)}
+        return await self.request("PATCH", url_path + "/status", body=body, query={"fieldManager": FIELD_MANAGER},
+                                  content_type="application/merge-patch+json")
+
+    async def evict(self, namespace: str, name: str) -> None:
+        body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": namespace}}
+        await self.request("POST", path("v1", "Pod", namespace, name, "eviction"), body=body)
+
+    async def delete(self, url_path: str, *, grace_period_s: int | None = None,
+                     uid: str | None = None) -> bool:
+        """Delete (background propagation); False when it was already gone. ``uid``: only that incarnation."""
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+        if grace_period_s is not None:
+            body["gracePeriodSeconds"] = grace_period_s
+        if uid:
+            body["preconditions"] = {"uid": uid}
         try:
-            await self._request("DELETE", url_path, body={"propagationPolicy": "Background"})
+            await self.request("DELETE", url_path, body=body)
             return True
         except ApiError as e:
             if e.status == 404:
                 return False
             raise
+
+
+def _verb(method: str, url_path: str, query: Mapping[str, str] | None, content_type: str) -> str:
+    """The RBAC verb of a request (what an error condition names)."""
+    method = method.upper()
+    if method == "GET":
+        last = url_path.rstrip("/").split("/")
+        return "watch" if (query or {}).get("watch") else ("list" if _is_collection(last) else "get")
+    if method == "PATCH" and content_type == "application/apply-patch+yaml":
+        return "apply"
+    return {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(method, method.lower())
+
+
+def _is_collection(parts: list[str]) -> bool:
+    plurals = {p for p, _ in RESOURCES.values()}
+    return parts[-1] in plurals

@@ -10,6 +10,14 @@ Rules (DESIGN.md, "Operator"):
   fewer than ``maxUnavailablePairs`` pairs are unavailable. A pair's pods are always created
   together at one revision, so prefill and decode of a pair never run different revisions.
 
+* Drain before delete: a pair about to lose its pods (co-restart, rollout, scale-down) is first
+  marked draining in the router topology. Its pods are deleted only once every router runs a
+  topology version that shows it draining, and its in-flight requests finished (or
+  ``rollout.drainSeconds`` passed). With no router pod to ask, nothing routes to the pair and it
+  goes at once; a router that never answers holds it at most ``drainSeconds + confirm timeout``.
+* Lost nodes: a pod still Terminating past its deletion deadline plus a margin, on a node that is
+  NotReady or gone, is force-deleted (its kubelet will never confirm), so the pair can come back.
+
 The planner sees each reconcile's snapshot (pods listed fresh from the API) plus the per-pair
 memory kept in ``status.pairs`` and returns what to do; the kopf shell executes it.
 """
@@ -51,6 +59,9 @@ class PodView:
     unschedulable: str | None = None  # the scheduler's message when PodScheduled=False/Unschedulable
     ip: str | None = None
     gpus: int = 0
+    node: str | None = None
+    uid: str | None = None
+    delete_deadline: float | None = None  # epoch seconds: deletionTimestamp (request time + grace period)
 
 
 def pod_view(pod: Mapping[str, Any]) -> PodView | None:
@@ -90,7 +101,20 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
         unschedulable=unschedulable,
         ip=status.get("podIP"),
         gpus=gpus,
+        node=(pod.get("spec", {}) or {}).get("nodeName"),
+        uid=meta.get("uid"),
+        delete_deadline=_epoch(meta.get("deletionTimestamp")),
     )
+
+
+def _epoch(value: Any) -> float | None:
+    if not value or not isinstance(value, str):
+        return None
+    import datetime
+    try:
+        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -103,6 +127,18 @@ class PairMemory:
     last_co_restart_reason: str | None = None
     ready_since: float | None = None
     recovering: bool = False  # co-restarted and not ready since (time to recover = ready - last_co_restart_at)
+    drain_started_at: float | None = None  # the planner decided to drain this pair
+    drain_version: int | None = None  # the topology version that first showed it draining (set by the shell)
+    drain_confirmed_at: float | None = None  # every router ran >= drain_version
+
+
+@dataclass(frozen=True)
+class RouterView:
+    """What the routers of one deployment report at ``/config`` (the shell reads every router pod)."""
+
+    present: bool = False  # at least one running router pod to ask
+    version: int | None = None  # the lowest topology version the routers run; None: some did not answer
+    inflight: Mapping[int, int] = field(default_factory=dict)  # pair -> requests in flight, summed
 
 
 # ---------------------------------------------------------------- actions
@@ -136,7 +172,30 @@ class DeletePods:
     reason: str  # ScaleDown | Duplicate | Failed (policy Never)
 
 
-Action = CoRestart | RolloutPair | CreatePods | DeletePods
+@dataclass(frozen=True)
+class DrainPair:
+    """Mark the pair draining in the topology; its pods go once the routers confirm (a later reconcile)."""
+
+    pair: int
+    reason: str  # what the deletion will be: a co-restart reason, Rollout, ScaleDown
+    waiting_for: str  # publish | router | inflight
+
+
+@dataclass(frozen=True)
+class ForceDelete:
+    """The pod's node is lost: its kubelet will never confirm the deletion (grace period 0)."""
+
+    pair: int
+    pod: str
+    node: str | None
+    overdue_s: float
+
+
+Action = CoRestart | RolloutPair | CreatePods | DeletePods | DrainPair | ForceDelete
+
+DRAIN_RECHECK_S = 0.25  # poll the routers while a drain waits on them
+DRAIN_CONFIRM_TIMEOUT_S = 30.0  # a router that never confirms holds a pair at most drainSeconds + this
+LOST_NODE_MARGIN_S = 30.0  # past the deletion deadline, before a pod on a lost node is force-deleted
 
 
 @dataclass(frozen=True)
@@ -148,6 +207,7 @@ class PairState:
     memory: PairMemory
     recovered_after_s: float | None = None  # set on the reconcile a pair turns ready after being down
     hosts: tuple[str | None, str | None] = (None, None)  # (prefill IP, decode IP)
+    draining: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,6 +216,8 @@ class Plan:
     pairs: tuple[PairState, ...]
     requeue_after: float | None = None
     unschedulable: tuple[PodView, ...] = field(default=())
+    unconfirmed_drains: tuple[int, ...] = ()  # deleted after the router never confirmed (Event-worthy)
+    retiring: tuple[PairState, ...] = ()  # pairs beyond spec.pairs still draining (topology + status memory)
 
     @property
     def co_restarts(self) -> tuple[CoRestart, ...]:
@@ -192,6 +254,35 @@ def _min(a: float | None, b: float | None) -> float | None:
     return min(a, b)
 
 
+def _drain_gate(k: int, mem: PairMemory, router: RouterView, drain_s: float, now: float,
+                confirm_timeout_s: float = DRAIN_CONFIRM_TIMEOUT_S) -> tuple[str, PairMemory, float | None]:
+    """May pair ``k``'s pods be deleted now? ``go`` | ``go-unconfirmed`` | what the drain waits for.
+
+    Returns (verdict, memory with the drain bookkeeping, recheck delay).
+    """
+    if not router.present:
+        return "go", mem, None
+    started = mem.drain_started_at if mem.drain_started_at is not None else now
+    mem = replace(mem, drain_started_at=started)
+    if mem.drain_version is None:
+        return "publish", mem, DRAIN_RECHECK_S
+    if router.version is not None and router.version >= mem.drain_version:
+        confirmed = mem.drain_confirmed_at if mem.drain_confirmed_at is not None else now
+        mem = replace(mem, drain_confirmed_at=confirmed)
+        left = confirmed + drain_s - now
+        if router.inflight.get(k, 0) == 0 or left <= 0:
+            return "go", mem, None
+        return "inflight", mem, min(DRAIN_RECHECK_S, left)
+    left = started + drain_s + confirm_timeout_s - now
+    if left <= 0:
+        return "go-unconfirmed", mem, None
+    return "router", mem, min(DRAIN_RECHECK_S, left)
+
+
+def _undrained(mem: PairMemory) -> PairMemory:
+    return replace(mem, drain_started_at=None, drain_version=None, drain_confirmed_at=None)
+
+
 def plan_pairs(
     *,
     desired_revision: str,
@@ -201,20 +292,55 @@ def plan_pairs(
     pods: Sequence[PodView],
     memory: Mapping[int, PairMemory],
     now: float,
+    router: RouterView = RouterView(),
+    drain_s: float = 30.0,
+    lost_nodes: frozenset[str] = frozenset(),
+    lost_node_margin_s: float = LOST_NODE_MARGIN_S,
+    drain_confirm_timeout_s: float = DRAIN_CONFIRM_TIMEOUT_S,
 ) -> Plan:
     """Decide the actions for one reconcile of the worker pods."""
     actions: list[Action] = []
     states: dict[int, PairState] = {}
+    retiring: list[PairState] = []
+    unconfirmed: list[int] = []
     requeue: float | None = None
     by_pair: dict[int, list[PodView]] = {}
     for p in pods:
         by_pair.setdefault(p.pair, []).append(p)
 
-    # scale down: pairs beyond spec.pairs go, whole
+    # lost nodes: a terminating pod whose kubelet will never confirm is force-deleted after the bound
+    for p in pods:
+        if p.terminating and p.node in lost_nodes and p.delete_deadline is not None:
+            overdue = now - (p.delete_deadline + lost_node_margin_s)
+            if overdue >= 0:
+                actions.append(ForceDelete(p.pair, p.name, p.node, overdue + lost_node_margin_s))
+            else:
+                requeue = _min(requeue, -overdue)
+
+    def gate(k: int, mem: PairMemory) -> tuple[bool, PairMemory]:
+        """True: delete now (memory cleared of the drain). False: keep draining (action + requeue added)."""
+        nonlocal requeue
+        verdict, mem, delay = _drain_gate(k, mem, router, drain_s, now, drain_confirm_timeout_s)
+        if verdict.startswith("go"):
+            if verdict == "go-unconfirmed":
+                unconfirmed.append(k)
+            return True, _undrained(mem)
+        requeue = _min(requeue, delay)
+        return False, mem
+
+    # scale down: pairs beyond spec.pairs go, whole, after a drain
     for k in sorted(k for k in by_pair if k >= pairs):
-        names = tuple(sorted(p.name for p in by_pair[k] if not p.terminating))
-        if names:
+        live_k = sorted((p for p in by_pair[k] if not p.terminating), key=_role_order)
+        names = tuple(sorted(p.name for p in live_k))
+        if not names:
+            continue
+        go, mem = gate(k, memory.get(k, PairMemory()))
+        hosts = _hosts(live_k)
+        if go:
             actions.append(DeletePods(k, names, "ScaleDown"))
+        else:
+            actions.append(DrainPair(k, "ScaleDown", "router"))
+        retiring.append(PairState(k, live_k[0].revision, False, "Draining", mem, hosts=hosts, draining=True))
 
     for k in range(pairs):
         mem = memory.get(k, PairMemory())
@@ -232,12 +358,20 @@ def plan_pairs(
         trig = _trigger(live)
         if trig and policy.policy == "Pair":
             reason, detail = trig
+            go, gmem = gate(k, mem)
+            if not go:
+                actions.append(DrainPair(k, reason, "router"))
+                states[k] = PairState(k, live[0].revision, False, "Draining", replace(gmem, ready_since=None),
+                                      hosts=hosts, draining=True)
+                continue
+            mem = gmem
             stable = mem.ready_since is not None and now - mem.ready_since >= policy.backoff_max_s
             streak = (0 if stable else mem.streak) + 1
             new_mem = replace(mem, restarts=mem.restarts + 1, streak=streak, last_co_restart_at=now,
                               last_co_restart_reason=reason, ready_since=None, recovering=True)
             actions.append(CoRestart(k, reason, tuple(p.name for p in live), detail))
-            states[k] = PairState(k, None, False, "CoRestarting", new_mem)
+            # still draining in the topology until its pods are gone (the router must not pick it up again)
+            states[k] = PairState(k, None, False, "CoRestarting", new_mem, hosts=hosts, draining=True)
             requeue = _min(requeue, max(policy.backoff(streak), 0.05))
             continue
         if trig and policy.policy == "Never" and live:
@@ -254,8 +388,9 @@ def plan_pairs(
                 continue
 
         if not live:
-            if all_pods:  # our deletions still draining
-                states[k] = PairState(k, None, False, "Terminating", mem)
+            mem = _undrained(mem)
+            if all_pods:  # our deletions still draining: the router keeps the pair as draining
+                states[k] = PairState(k, None, False, "Terminating", mem, hosts=_hosts(all_pods), draining=True)
                 requeue = _min(requeue, TERMINATING_RECHECK_S)
                 continue
             if mem.last_co_restart_at is not None:
@@ -269,6 +404,12 @@ def plan_pairs(
             continue
 
         revision = live[0].revision
+        if mem.drain_started_at is not None and revision != desired_revision:
+            # a rollout drain in progress: the pair is out of service already
+            states[k] = PairState(k, revision, False, "Draining", replace(mem, ready_since=None), hosts=hosts,
+                                  draining=True)
+            continue
+        mem = _undrained(mem)
         ready = all(p.ready and p.phase == "Running" for p in live)
         if ready:
             recovered = (now - mem.last_co_restart_at
@@ -285,21 +426,34 @@ def plan_pairs(
     budget = max_unavailable - unavailable
     for k in range(pairs):
         s = states[k]
-        if s.revision is None or s.revision == desired_revision or s.phase not in ("Ready", "Starting",
-                                                                                    "Unschedulable"):
+        if s.revision is None or s.revision == desired_revision or s.phase not in (
+                "Ready", "Starting", "Unschedulable", "Draining"):
             continue
-        names = tuple(p.name for p in sorted(by_pair.get(k, []), key=_role_order) if not p.terminating)
-        if not s.ready:  # already unavailable: replacing it costs no availability
-            actions.append(RolloutPair(k, s.revision, desired_revision, names))
-            states[k] = replace(s, phase="RollingOut")
-        elif budget > 0:
-            actions.append(RolloutPair(k, s.revision, desired_revision, names))
-            states[k] = replace(s, ready=False, phase="RollingOut",
-                                memory=replace(s.memory, ready_since=None))
+        if s.phase == "Draining" and any(isinstance(a, DrainPair) and a.pair == k for a in actions):
+            continue  # draining for a co-restart: that comes first
+        if s.ready:
+            if budget <= 0:
+                continue
             budget -= 1
+        names = tuple(p.name for p in sorted(by_pair.get(k, []), key=_role_order) if not p.terminating)
+        go, mem = gate(k, s.memory)
+        if go:
+            actions.append(RolloutPair(k, s.revision, desired_revision, names))
+            states[k] = replace(s, ready=False, phase="RollingOut", draining=True,
+                                memory=replace(mem, ready_since=None))
+        else:
+            actions.append(DrainPair(k, "Rollout", "router"))
+            states[k] = replace(s, ready=False, phase="Draining", draining=True,
+                                memory=replace(mem, ready_since=None))
 
     unsched = tuple(p for p in pods if p.unschedulable and not p.terminating and p.pair < pairs)
-    return Plan(tuple(actions), tuple(states[k] for k in range(pairs)), requeue, unsched)
+    return Plan(tuple(actions), tuple(states[k] for k in range(pairs)), requeue, unsched,
+                tuple(unconfirmed), tuple(retiring))
+
+
+def _hosts(live: Sequence[PodView]) -> tuple[str | None, str | None]:
+    by_role = {p.role: p.ip for p in live}
+    return by_role.get("prefill"), by_role.get("decode")
 
 
 def _pod_gpu_requests(pod: Mapping[str, Any]) -> int:

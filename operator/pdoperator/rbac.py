@@ -18,20 +18,40 @@ from typing import Any
 PolicyRule = dict[str, Any]
 
 NAMESPACED_RULES: list[PolicyRule] = [
+    # kopf: watch, finalizer/annotation patches; the operator: get; status through the subresource only
     {"apiGroups": ["pdstack.io"], "resources": ["pddeployments"], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": ["pdstack.io"], "resources": ["pddeployments/status"], "verbs": ["patch"]},
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
+    # children carry ownerReferences with blockOwnerDeletion (OwnerReferencesPermissionEnforcement)
+    {"apiGroups": ["pdstack.io"], "resources": ["pddeployments/finalizers"], "verbs": ["update"]},
+    # worker pods: server-side apply (patch, + create for a new pod), delete (drain, co-restart, force delete);
+    # no get: pods are read by label-selected list/watch
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["services", "configmaps"], "verbs": ["get", "list", "watch", "create", "patch"]},
+    # the KV-transfer token: read back and created once; never listed or watched
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "list", "watch", "create", "patch"]},
     {"apiGroups": ["apps"], "resources": ["controllerrevisions"], "verbs": ["list", "create", "delete"]},
     {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["get", "create", "patch"]},
+    # HA: kopf peering heartbeats (namespaced mode; the chart creates the KopfPeering object)
+    {"apiGroups": ["kopf.dev"], "resources": ["kopfpeerings"], "verbs": ["list", "watch", "patch"]},
 ]
 
 CLUSTER_RULES: list[PolicyRule] = [
-    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]},
+    # get: is the node of a pod stuck Terminating lost?  list: GPUs allocatable for the Unschedulable message
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]},
+]
+
+# Only with --all-namespaces: peering is cluster-scoped then.
+CLUSTERWIDE_RULES: list[PolicyRule] = [
+    {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings"], "verbs": ["list", "watch", "patch"]},
+]
+
+# Optional, not granted by the chart: with PDSTACK_OPERATOR_CLUSTER_POD_READ=1 and this rule, the
+# Unschedulable message also says how many GPUs other workloads hold; without, that part is left out.
+OPTIONAL_RULES: list[PolicyRule] = [
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
 ]
 
 

@@ -2,26 +2,41 @@
 
 Called only by the per-PDDeployment daemon in :mod:`handlers`, which makes this the one writer
 of ``.status``. Returns the delay after which it wants to run again (backoff, draining), or None.
+
+Every child is its own step: an API rejection (403, 422, quota, admission webhook) of one write
+is recorded (condition ``ApiRejected`` naming the verb, the object and the server's message, plus
+a Warning Event) and the other children are still reconciled. Child writes are server-side apply
+as ``pdstack-operator``; status goes through the status subresource with a resourceVersion
+precondition, retried on conflict.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 import secrets
 import time
 import uuid
-from typing import Any, Mapping
+from dataclasses import replace
+from typing import Any, Awaitable, Mapping
+
+import yaml
 
 from . import drift, metrics
+from .config import OperatorConfig
 from .kube import ApiError, Kube, object_path, path
-from .pairs import CoRestart, CreatePods, DeletePods, Plan, RolloutPair, plan_pairs, pod_view, unschedulable_message
-from .render import (LABEL_COMPONENT, LABEL_DEPLOYMENT, Owner, TopologyPair, kv_secret, kv_secret_name,
-                     router_name, static_children, topology_name, worker_pod)
+from .pairs import (CoRestart, CreatePods, DeletePods, DrainPair, ForceDelete, Plan, RolloutPair, plan_pairs,
+                    pod_view, unschedulable_message)
+from .render import (KV_AUTH_KEY, LABEL_COMPONENT, LABEL_DEPLOYMENT, TOPOLOGY_KEY, Owner, TopologyPair, kv_secret,
+                     kv_secret_name, router_name, static_children, topology_doc, topology_generation, topology_name,
+                     worker_pod)
 from .revisions import controller_revision, prune_history, revision_hash
+from .routerlink import RouterLink, router_pods_ready
 from .spec import GROUP, KIND, VERSION, SpecError, parse_spec
 from .status import Facts, build_status, invalid_status, iso, memory_from_status, same_status
 
 API = f"{GROUP}/{VERSION}"
+STATUS_CONFLICT_RETRIES = 3
 
 
 def _suffix() -> str:
@@ -46,26 +61,47 @@ async def post_event(kube: Kube, body: Mapping[str, Any], etype: str, reason: st
         pass
 
 
-async def _write_status(kube: Kube, ns: str, name: str, old: Mapping[str, Any] | None, new: dict[str, Any]) -> None:
-    if not same_status(old, new):
-        await kube.merge_patch(path(API, KIND, ns, name, "status"), {"status": new})
+class Steps:
+    """Runs child steps independently; collects API rejections instead of stopping at the first."""
+
+    def __init__(self) -> None:
+        self.rejections: list[str] = []
+
+    async def run(self, step: Awaitable[Any], default: Any = None) -> Any:
+        try:
+            return await step
+        except ApiError as e:
+            if e.status == 409 and e.reason == "AlreadyExists":
+                return default
+            self.rejections.append(f"{e.verb} {e.target}: HTTP {e.status}: {e.message}")
+            return default
+
+
+async def _write_status(kube: Kube, ns: str, name: str, body: Mapping[str, Any], new: dict[str, Any]) -> None:
+    """Status subresource, resourceVersion precondition; on 409 re-read and retry (we are its one writer)."""
+    url = path(API, KIND, ns, name)
+    cur = body
+    for attempt in range(STATUS_CONFLICT_RETRIES + 1):
+        if same_status(cur.get("status"), new):
+            return
+        try:
+            await kube.patch_status(url, new, cur["metadata"]["resourceVersion"])
+            return
+        except ApiError as e:
+            if e.status != 409 or attempt == STATUS_CONFLICT_RETRIES:
+                raise
+            fresh = await kube.get(url)
+            if fresh is None:
+                return
+            cur = fresh
 
 
 async def _apply(kube: Kube, obj: dict[str, Any], policy: str, *, enforce: bool = False) -> list[str]:
-    """Create or update one static child; returns drift lines (reported, not reverted)."""
+    """Server-side apply of one static child; returns drift lines (reported, not reverted)."""
     live = await kube.get(object_path(obj))
     d = drift.decide(obj, live, policy, enforce=enforce)
-    desired = drift.with_hash(obj)
-    if d.action == "create":
-        try:
-            await kube.create(desired)
-        except ApiError as e:
-            if e.status != 409:
-                raise
-    elif d.action in ("apply", "revert"):
-        patch = {k: desired[k] for k in drift.MANAGED_KEYS if k in desired}
-        patch["metadata"] = {"labels": desired["metadata"]["labels"], "annotations": desired["metadata"]["annotations"]}
-        await kube.merge_patch(object_path(obj), patch)
+    if d.action in ("create", "apply", "revert"):
+        await kube.apply(drift.with_hash(obj))
     elif d.action == "report":
         return [f"{obj['kind']}/{obj['metadata']['name']}: {', '.join(d.paths[:5])}"]
     return []
@@ -87,13 +123,57 @@ async def _ensure_revision(kube: Kube, owner: Owner, spec: Any, revision: str, n
         await kube.delete(path("apps/v1", "ControllerRevision", owner.namespace, victim))
 
 
-async def _execute(kube: Kube, body: Mapping[str, Any], owner: Owner, spec: Any, plan: Plan,
-                   log: logging.Logger) -> None:
+async def _kv_token(kube: Kube, owner: Owner) -> str | None:
+    """The deployment's KV-transfer token (generated once, never rotated by a reconcile)."""
+    url = path("v1", "Secret", owner.namespace, kv_secret_name(owner.name))
+    secret = await kube.get(url)
+    if secret is None:
+        token = secrets.token_urlsafe(32)
+        try:
+            await kube.create(kv_secret(owner, token))
+            return token
+        except ApiError as e:
+            if e.status != 409:
+                raise
+            secret = await kube.get(url) or {}
+    raw = (secret.get("data") or {}).get(KV_AUTH_KEY)
+    if raw:
+        return base64.b64decode(raw).decode()
+    return (secret.get("stringData") or {}).get(KV_AUTH_KEY)
+
+
+async def _lost_nodes(kube: Kube, steps: Steps, views: list[Any]) -> frozenset[str]:
+    """Nodes of terminating pods that are NotReady or gone (their kubelets will not confirm)."""
+    lost = set()
+    for node in sorted({v.node for v in views if v.terminating and v.node}):
+        obj = await steps.run(kube.get(path("v1", "Node", None, node)), default={})
+        if obj is None:
+            lost.add(node)
+            continue
+        ready = [c for c in (obj.get("status") or {}).get("conditions", []) or [] if c.get("type") == "Ready"]
+        if obj and (not ready or ready[0].get("status") != "True"):
+            lost.add(node)
+    return frozenset(lost)
+
+
+async def _delete_pods(kube: Kube, steps: Steps, ns: str, names: tuple[str, ...], uids: Mapping[str, str | None],
+                       *, grace: int | None = None) -> None:
+    for pod in names:
+        await steps.run(kube.delete(path("v1", "Pod", ns, pod), uid=uids.get(pod), grace_period_s=grace))
+
+
+async def _execute(kube: Kube, steps: Steps, body: Mapping[str, Any], owner: Owner, spec: Any, plan: Plan,
+                   uids: Mapping[str, str | None], log: logging.Logger) -> None:
     ns, name = owner.namespace, owner.name
     for a in plan.actions:
-        if isinstance(a, CoRestart):
-            for pod in a.pods:
-                await kube.delete(path("v1", "Pod", ns, pod))
+        if isinstance(a, ForceDelete):
+            await _delete_pods(kube, steps, ns, (a.pod,), uids, grace=0)
+            msg = (f"pair {a.pair}: force-deleted pod {a.pod}, Terminating {a.overdue_s:.0f}s past its grace period "
+                   f"on lost node {a.node} (its kubelet cannot confirm); the pair is recreated")
+            log.warning("%s/%s %s", ns, name, msg)
+            await post_event(kube, body, "Warning", "ForceDeleted", msg)
+        elif isinstance(a, CoRestart):
+            await _delete_pods(kube, steps, ns, a.pods, uids)
             state = plan.pairs[a.pair]
             wait = spec.co_restart.backoff(state.memory.streak)
             msg = (f"pair {a.pair} co-restarted: {a.reason} ({a.detail}); deleted pods {list(a.pods)}; "
@@ -102,8 +182,7 @@ async def _execute(kube: Kube, body: Mapping[str, Any], owner: Owner, spec: Any,
             metrics.CO_RESTARTS.labels(ns, name, a.reason).inc()
             await post_event(kube, body, "Warning", "CoRestart", msg)
         elif isinstance(a, RolloutPair):
-            for pod in a.pods:
-                await kube.delete(path("v1", "Pod", ns, pod))
+            await _delete_pods(kube, steps, ns, a.pods, uids)
             msg = f"pair {a.pair} rolling out: revision {a.from_revision} -> {a.to_revision}; deleted {list(a.pods)}"
             log.info("%s/%s %s", ns, name, msg)
             metrics.ROLLOUT_PAIRS.labels(ns, name).inc()
@@ -114,22 +193,28 @@ async def _execute(kube: Kube, body: Mapping[str, Any], owner: Owner, spec: Any,
             try:
                 for role in a.roles:
                     pod = worker_pod(spec, owner, a.revision, a.pair, role, suffix)
-                    await kube.create(pod)
+                    await kube.apply(pod)
                     created.append(pod["metadata"]["name"])
+            except ApiError as e:
+                steps.rejections.append(f"{e.verb} {e.target}: HTTP {e.status}: {e.message}")
+                for pod_name in created:  # never leave half a pair behind
+                    await steps.run(kube.delete(path("v1", "Pod", ns, pod_name)))
             except BaseException:  # cancellation included
-                # never leave half a pair behind: it would read as a deleted pod next time
                 for pod_name in created:
                     await kube.delete(path("v1", "Pod", ns, pod_name))
                 raise
         elif isinstance(a, DeletePods):
-            for pod in a.pods:
-                await kube.delete(path("v1", "Pod", ns, pod))
+            await _delete_pods(kube, steps, ns, a.pods, uids)
             log.info("%s/%s pair %d: deleted %s (%s)", ns, name, a.pair, list(a.pods), a.reason)
+        elif isinstance(a, DrainPair):
+            log.info("%s/%s pair %d draining before %s", ns, name, a.pair, a.reason)
 
 
 async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logger,
+                    router: RouterLink | None = None, config: OperatorConfig | None = None,
                     now: float | None = None) -> float | None:
     """Bring one PDDeployment's children toward its spec; write its status. Returns a requeue delay."""
+    cfg = config or OperatorConfig()
     t0 = time.perf_counter()
     body = await kube.get(path(API, KIND, namespace, name))
     if body is None or body["metadata"].get("deletionTimestamp"):
@@ -138,53 +223,88 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     now = time.time() if now is None else now
     meta = body["metadata"]
     old_status = body.get("status") or {}
+    old_conds = {c.get("type"): c for c in old_status.get("conditions", []) or []}
     generation = int(meta.get("generation", 0) or 0)
     try:
         spec = parse_spec(body.get("spec"), name=name)
     except SpecError as e:
         facts = Facts(generation=generation, desired_revision=None, spec_error=str(e))
         new = invalid_status(old_status, facts, now)
-        prev = {c.get("type"): c for c in old_status.get("conditions", []) or []}.get("Stalled", {})
-        if prev.get("message") != f"invalid spec: {e}":
+        if old_conds.get("Stalled", {}).get("message") != f"invalid spec: {e}":
             log.error("%s/%s invalid spec: %s", namespace, name, e)
             await post_event(kube, body, "Warning", "InvalidSpec", str(e))
-        await _write_status(kube, namespace, name, old_status, new)
+        await _write_status(kube, namespace, name, body, new)
         return None
 
+    steps = Steps()
     owner = Owner(name, namespace, meta["uid"])
     revision = revision_hash(spec)
-    await _ensure_revision(kube, owner, spec, revision, now)
-    if await kube.get(path("v1", "Secret", namespace, kv_secret_name(name))) is None:
-        try:  # generated once; never rotated by a reconcile
-            await kube.create(kv_secret(owner, secrets.token_urlsafe(32)))
-        except ApiError as e:
-            if e.status != 409:
-                raise
+    await steps.run(_ensure_revision(kube, owner, spec, revision, now))
+    token = await steps.run(_kv_token(kube, owner))
 
     selector = f"{LABEL_DEPLOYMENT}={name},{LABEL_COMPONENT}=worker"
     raw_pods = await kube.list(path("v1", "Pod", namespace), label_selector=selector)
-    views = [v for v in (pod_view(p) for p in raw_pods) if v is not None]
+    owned = [p for p in raw_pods if any(r.get("uid") == owner.uid for r in p["metadata"].get("ownerReferences") or [])]
+    views = [v for v in (pod_view(p) for p in owned) if v is not None]
+    uids = {v.name: v.uid for v in views}
+    lost = await _lost_nodes(kube, steps, views)
+
+    drains = spec.engine == "pdrt" and router is not None
+    router_ips: list[str] = []
+    if drains:
+        rsel = f"{LABEL_DEPLOYMENT}={name},{LABEL_COMPONENT}=router"
+        router_ips = router_pods_ready(await steps.run(kube.list(path("v1", "Pod", namespace), label_selector=rsel),
+                                                       default=[]))
+    view = await router.sync(router_ips, None, None) if drains else None
     plan = plan_pairs(desired_revision=revision, pairs=spec.pairs, policy=spec.co_restart,
                       max_unavailable=spec.max_unavailable_pairs, pods=views,
-                      memory=memory_from_status(old_status), now=now)
-    await _execute(kube, body, owner, spec, plan, log)
+                      memory=memory_from_status(old_status), now=now,
+                      drain_s=spec.drain_seconds, lost_nodes=lost, lost_node_margin_s=cfg.lost_node_margin_s,
+                      drain_confirm_timeout_s=cfg.drain_confirm_timeout_s,
+                      **({"router": view} if view is not None else {}))
+
+    # topology first: a pair marked draining is published (and pushed) before anything is deleted
+    topo_pairs = [TopologyPair(s.index, s.ready, s.hosts[0], s.hosts[1], s.draining)
+                  for s in plan.pairs + plan.retiring]
+    live_cm = await steps.run(kube.get(path("v1", "ConfigMap", namespace, topology_name(name))))
+    try:
+        previous = yaml.safe_load(((live_cm or {}).get("data") or {}).get(TOPOLOGY_KEY, "")) if live_cm else None
+    except yaml.YAMLError:
+        previous = None
+    doc = topology_doc(revision, topo_pairs, 0)
+    doc["generation"] = topology_generation(previous, doc)
+    children = static_children(spec, owner, revision, topo_pairs, doc["generation"])
+    drift_lines: list[str] = []
+    topo_cm = next(c for c in children if c["kind"] == "ConfigMap" and c["metadata"]["name"] == topology_name(name))
+    await steps.run(_apply(kube, topo_cm, spec.drift_policy, enforce=True))
+    if drains and router_ips and token:
+        await router.sync(router_ips, doc, token)
+    plan = replace(plan, pairs=tuple(_stamp_drain(s, doc["generation"]) for s in plan.pairs),
+                   retiring=tuple(_stamp_drain(s, doc["generation"]) for s in plan.retiring))
+
+    await _execute(kube, steps, body, owner, spec, plan, uids, log)
+    for k in plan.unconfirmed_drains:
+        await post_event(kube, body, "Warning", "DrainUnconfirmed",
+                         f"pair {k}: the router did not confirm topology version >= {doc['generation']} within "
+                         f"drainSeconds + {cfg.drain_confirm_timeout_s:g}s; its pods were deleted anyway")
 
     unsched = None
     if plan.unschedulable:
-        nodes = await kube.list(path("v1", "Node"))
-        everyone = await kube.list(path("v1", "Pod"))  # cluster-wide: GPUs other workloads hold
+        nodes = await steps.run(kube.list(path("v1", "Node")), default=[])
+        everyone: list[dict[str, Any]] = []
+        if cfg.cluster_pod_read:  # optional cluster-wide read (rbac.OPTIONAL_RULES): GPUs other workloads hold
+            everyone = await steps.run(kube.list(path("v1", "Pod")), default=[])
         unsched = unschedulable_message(requested_gpus=spec.pairs * spec.gpus_per_pair, pods=plan.unschedulable,
                                         nodes=nodes, node_selector=spec.placement.node_selector,
                                         deployment=name, all_pods=everyone)
 
-    topology = [TopologyPair(s.index, s.ready, s.hosts[0], s.hosts[1]) for s in plan.pairs]
-    drift_lines: list[str] = []
-    for child in static_children(spec, owner, revision, topology):
-        enforce = child["metadata"]["name"] == topology_name(name) and child["kind"] == "ConfigMap"
-        drift_lines += await _apply(kube, child, spec.drift_policy, enforce=enforce)
+    for child in children:
+        if child is topo_cm:
+            continue
+        drift_lines += await steps.run(_apply(kube, child, spec.drift_policy), default=[])
 
-    router = await kube.get(path("apps/v1", "Deployment", namespace, router_name(name))) or {}
-    router_ready = int((router.get("status") or {}).get("availableReplicas", 0) or 0) >= spec.router.replicas
+    router_obj = await steps.run(kube.get(path("apps/v1", "Deployment", namespace, router_name(name))), default={})
+    router_ready = int(((router_obj or {}).get("status") or {}).get("availableReplicas", 0) or 0) >= spec.router.replicas
 
     for s in plan.pairs:
         if s.recovered_after_s is not None:
@@ -193,13 +313,28 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     metrics.PAIRS_DESIRED.labels(namespace, name).set(spec.pairs)
 
     facts = Facts(generation=generation, desired_revision=revision, router_ready=router_ready,
-                  unschedulable_message=unsched, drift=drift_lines)
+                  unschedulable_message=unsched, drift=drift_lines, rejections=steps.rejections,
+                  topology_version=doc["generation"])
     new = build_status(old_status, plan, facts, now)
-    prev_unsched = {c.get("type"): c for c in old_status.get("conditions", []) or []}.get("Progressing", {})
-    if unsched and prev_unsched.get("reason") != "Unschedulable":
+    if unsched and old_conds.get("Progressing", {}).get("reason") != "Unschedulable":
         await post_event(kube, body, "Warning", "Unschedulable", unsched)
-    await _write_status(kube, namespace, name, old_status, new)
+    rejected = "; ".join(steps.rejections)
+    if steps.rejections and old_conds.get("ApiRejected", {}).get("message") != rejected:
+        for line in steps.rejections:
+            log.warning("%s/%s rejected: %s", namespace, name, line)
+            await post_event(kube, body, "Warning", "ApiRejected", line)
+            metrics.RECONCILE_ERRORS.labels(namespace, name, "ApiRejected").inc()
+    await _write_status(kube, namespace, name, body, new)
     metrics.RECONCILE_DURATION.labels(namespace, name).observe(time.perf_counter() - t0)
+    if steps.rejections:
+        return 2.0 if plan.requeue_after is None else min(plan.requeue_after, 2.0)  # retry; fixing RBAC recovers
     if not new["conditions"][0]["status"] == "True" and plan.requeue_after is None:
         return 10.0  # not ready yet: look again even if no event arrives
     return plan.requeue_after
+
+
+def _stamp_drain(state: Any, generation: int) -> Any:
+    """A pair published as draining for the first time records the topology version that shows it."""
+    if state.draining and state.memory.drain_started_at is not None and state.memory.drain_version is None:
+        return replace(state, memory=replace(state.memory, drain_version=generation))
+    return state

@@ -45,6 +45,7 @@ class TopologyPair:
     ready: bool
     prefill_host: str | None  # pod IP (or DNS name) of the prefill worker
     decode_host: str | None
+    draining: bool = False  # take no new requests; the pods go once the router confirms
 
 
 # ---------------------------------------------------------------- names
@@ -217,22 +218,41 @@ def worker_pod(spec: PDSpec, owner: Owner, revision: str, pair: int, role: str, 
             "spec": pod_spec}
 
 
-def topology_yaml(revision: str, pairs: Iterable[TopologyPair]) -> str:
-    """The router topology file (``topology.yaml``) in the cross-component format."""
-    doc = {"version": 1, "revision": revision, "pairs": []}
+def topology_doc(revision: str, pairs: Iterable[TopologyPair], generation: int = 0) -> dict[str, Any]:
+    """The router topology (``pdruntime.server.topology`` format); ``generation`` is its version."""
+    doc: dict[str, Any] = {"version": 1, "generation": generation, "revision": revision, "pairs": []}
     for p in pairs:
-        entry: dict[str, Any] = {"index": p.index, "ready": bool(p.ready and p.prefill_host and p.decode_host)}
+        entry: dict[str, Any] = {"index": p.index,
+                                 "ready": bool(p.ready and p.prefill_host and p.decode_host and not p.draining),
+                                 "draining": p.draining}
         entry["prefill"] = {"url": f"http://{p.prefill_host}:{HTTP_PORT}" if p.prefill_host else None,
                             "bootstrap_host": p.prefill_host, "bootstrap_port": BOOTSTRAP_PORT}
         entry["decode"] = {"url": f"http://{p.decode_host}:{HTTP_PORT}" if p.decode_host else None}
         doc["pairs"].append(entry)
-    return yaml.safe_dump(doc, sort_keys=False)
+    return doc
 
 
-def topology_configmap(owner: Owner, revision: str, pairs: Iterable[TopologyPair]) -> dict[str, Any]:
+def topology_generation(previous: Mapping[str, Any] | None, doc: Mapping[str, Any]) -> int:
+    """The version ``doc`` is published as: the previous one if nothing changed, else one more."""
+    if not isinstance(previous, Mapping):
+        return 1
+    prev_gen = previous.get("generation", 0)
+    prev_gen = prev_gen if isinstance(prev_gen, int) and not isinstance(prev_gen, bool) else 0
+    same = ({k: v for k, v in previous.items() if k != "generation"}
+            == {k: v for k, v in doc.items() if k != "generation"})
+    return prev_gen if same and prev_gen > 0 else prev_gen + 1
+
+
+def topology_yaml(revision: str, pairs: Iterable[TopologyPair], generation: int = 0) -> str:
+    """The router topology file (``topology.yaml``) in the cross-component format."""
+    return yaml.safe_dump(topology_doc(revision, pairs, generation), sort_keys=False)
+
+
+def topology_configmap(owner: Owner, revision: str, pairs: Iterable[TopologyPair],
+                       generation: int = 0) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": _meta(owner, topology_name(owner.name), {LABEL_COMPONENT: "router"}),
-            "data": {TOPOLOGY_KEY: topology_yaml(revision, pairs)}}
+            "data": {TOPOLOGY_KEY: topology_yaml(revision, pairs, generation)}}
 
 
 def kv_secret(owner: Owner, token: str) -> dict[str, Any]:
@@ -252,12 +272,16 @@ def workers_service(owner: Owner) -> dict[str, Any]:
 
 def router_deployment(spec: PDSpec, owner: Owner) -> dict[str, Any]:
     labels = {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "router"}
+    # the KV-transfer token also authenticates the operator's topology pushes (POST /admin/topology)
+    env = ([{"name": "PDRT_KV_AUTH_TOKEN_FILE", "value": f"{KV_AUTH_DIR}/{KV_AUTH_KEY}"}]
+           if spec.engine == "pdrt" else [])
     container: dict[str, Any] = {
         "name": "router", "image": spec.image, "command": router_command(spec, owner),
-        "env": [{"name": n, "value": v} for n, v in spec.router.env],
+        "env": env + [{"name": n, "value": v} for n, v in spec.router.env],
         "ports": [{"name": "http", "containerPort": HTTP_PORT}],
         "readinessProbe": _probe("/health", 5, 3),
         "volumeMounts": [{"name": "topology", "mountPath": TOPOLOGY_DIR, "readOnly": True}]
+        + ([{"name": "kv-auth", "mountPath": KV_AUTH_DIR, "readOnly": True}] if env else [])
         + [dict(m) for m in spec.router.volume_mounts],
     }
     res = _resources(spec.router)
@@ -270,6 +294,8 @@ def router_deployment(spec: PDSpec, owner: Owner) -> dict[str, Any]:
                                   "spec": {"containers": [container],
                                            "volumes": [{"name": "topology",
                                                         "configMap": {"name": topology_name(owner.name)}}]
+                                           + ([{"name": "kv-auth",
+                                                "secret": {"secretName": kv_secret_name(owner.name)}}] if env else [])
                                            + [dict(v) for v in spec.router.volumes]}}}}
 
 
@@ -291,8 +317,13 @@ def network_policy(owner: Owner) -> dict[str, Any]:
 
 
 def disruption_budget(spec: PDSpec, owner: Owner) -> dict[str, Any]:
-    """Voluntary evictions may take down at most ``maxUnavailablePairs`` pairs' worth of pods."""
-    min_available = max(0, 2 * (spec.pairs - spec.max_unavailable_pairs))
+    """Voluntary evictions never take more than ``maxUnavailablePairs`` pairs down at once.
+
+    A pair is down as soon as one of its pods is, so the budget is counted in pods: at most
+    ``maxUnavailablePairs`` worker pods unavailable. A co-restarted pair stays "down" for the PDB until
+    both its new pods are Ready (not-ready pods are unhealthy), so a second eviction waits for it.
+    """
+    min_available = max(0, 2 * spec.pairs - spec.max_unavailable_pairs)
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": _meta(owner, workers_service_name(owner.name), {LABEL_COMPONENT: "worker"}),
             "spec": {"minAvailable": min_available,
@@ -300,12 +331,13 @@ def disruption_budget(spec: PDSpec, owner: Owner) -> dict[str, Any]:
 
 
 def static_children(spec: PDSpec, owner: Owner, revision: str,
-                    topology: Iterable[TopologyPair] | None = None) -> list[dict[str, Any]]:
+                    topology: Iterable[TopologyPair] | None = None, generation: int = 0) -> list[dict[str, Any]]:
     """Children other than worker Pods and the Secret (those have their own lifecycles)."""
     if topology is None:
         topology = [TopologyPair(k, False, None, None) for k in range(spec.pairs)]
     return [workers_service(owner), router_deployment(spec, owner), router_service(owner),
-            topology_configmap(owner, revision, topology), network_policy(owner), disruption_budget(spec, owner)]
+            topology_configmap(owner, revision, topology, generation), network_policy(owner),
+            disruption_budget(spec, owner)]
 
 
 def render(spec: PDSpec, owner: Owner, revision: str, *, kv_token: str, suffix: str = "0") -> list[dict[str, Any]]:

@@ -136,6 +136,7 @@ class PDSpec:
     co_restart: CoRestartSpec = CoRestartSpec()
     drift_policy: str = "Report"
     max_unavailable_pairs: int = 1
+    drain_seconds: float = 30.0  # in-flight requests of a draining pair may finish this long before deletion
     revision_history_limit: int = 10
 
     @property
@@ -346,6 +347,7 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
         co_restart=co,
         drift_policy=r.choice(dr, "policy", "spec.drift", "Report", DRIFT_POLICIES),
         max_unavailable_pairs=r.int_(ro, "maxUnavailablePairs", "spec.rollout", 1, 1, 256),
+        drain_seconds=r.num(ro, "drainSeconds", "spec.rollout", 30.0, 0.0, 3600.0),
         revision_history_limit=r.int_(d, "revisionHistoryLimit", "spec", 10, 1, 1000),
     )
     if r.problems:

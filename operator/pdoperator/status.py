@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 from .pairs import PairMemory, Plan
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "CoRestarting", "ConfigDrift", "Stalled")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "CoRestarting", "ConfigDrift", "Stalled", "ApiRejected")
 
 
 def iso(ts: float) -> str:
@@ -45,6 +45,9 @@ def memory_from_status(status: Mapping[str, Any] | None) -> dict[int, PairMemory
             last_co_restart_reason=last.get("reason"),
             ready_since=parse_iso(p.get("readySince")),
             recovering=bool(p.get("recovering", False)),
+            drain_started_at=parse_iso((p.get("drain") or {}).get("since")),
+            drain_version=(p.get("drain") or {}).get("topologyVersion"),
+            drain_confirmed_at=parse_iso((p.get("drain") or {}).get("confirmedAt")),
         )
     return out
 
@@ -59,6 +62,8 @@ class Facts:
     unschedulable_message: str | None = None
     spec_error: str | None = None
     drift: Sequence[str] = ()
+    rejections: Sequence[str] = ()  # "<verb> <kind>/<name>: HTTP <code>: <server message>", one per failed write
+    topology_version: int | None = None
 
 
 def _cond(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -85,6 +90,13 @@ def pair_record(state: Any) -> dict[str, Any]:
         rec["lastCoRestart"] = {"time": iso(m.last_co_restart_at), "reason": m.last_co_restart_reason}
     if m.ready_since is not None:
         rec["readySince"] = iso(m.ready_since)
+    if m.drain_started_at is not None:
+        drain: dict[str, Any] = {"since": iso(m.drain_started_at)}
+        if m.drain_version is not None:
+            drain["topologyVersion"] = m.drain_version
+        if m.drain_confirmed_at is not None:
+            drain["confirmedAt"] = iso(m.drain_confirmed_at)
+        rec["drain"] = drain
     return rec
 
 
@@ -99,6 +111,7 @@ def invalid_status(old: Mapping[str, Any] | None, facts: Facts, now: float) -> d
         _cond("CoRestarting", False, "InvalidSpec", ""),
         _cond("ConfigDrift", False, "InvalidSpec", ""),
         _cond("Stalled", True, "InvalidSpec", msg),
+        _cond("ApiRejected", False, "InvalidSpec", ""),
     ]
     out = {k: v for k, v in old.items() if k in ("pairs", "currentRevision", "updateRevision", "readyPairs")}
     out.update({"phase": "Invalid", "observedGeneration": facts.generation,
@@ -116,7 +129,8 @@ def build_status(old: Mapping[str, Any] | None, plan: Plan, facts: Facts, now: f
     current = next(iter(revisions)) if len(revisions) == 1 and all(p.revision for p in pairs) else \
         old.get("currentRevision")
     all_ready = at_desired == n and facts.router_ready
-    restarting = [p for p in pairs if p.memory.recovering or p.phase == "CoRestarting"]
+    restarting = [p for p in pairs if p.memory.recovering or p.phase == "CoRestarting"
+                  or (p.phase == "Draining" and p.revision == facts.desired_revision)]
     rolling = [p for p in pairs if p.revision not in (None, facts.desired_revision) or p.phase == "RollingOut"]
 
     ready = _cond("Ready", all_ready, "AllPairsReady" if all_ready else "PairsNotReady",
@@ -140,7 +154,9 @@ def build_status(old: Mapping[str, Any] | None, plan: Plan, facts: Facts, now: f
     drift = _cond("ConfigDrift", bool(facts.drift), "Drifted" if facts.drift else "NoDrift",
                   "; ".join(facts.drift) if facts.drift else "live children match the declared spec")
     stalled = _cond("Stalled", False, "AsExpected", "")
-    conds = [ready, progressing, degraded, co, drift, stalled]
+    rejected = _cond("ApiRejected", bool(facts.rejections), "Rejected" if facts.rejections else "AsExpected",
+                     "; ".join(facts.rejections) if facts.rejections else "every write was accepted")
+    conds = [ready, progressing, degraded, co, drift, stalled, rejected]
 
     if all_ready:
         phase = "Ready"
@@ -150,15 +166,18 @@ def build_status(old: Mapping[str, Any] | None, plan: Plan, facts: Facts, now: f
         phase = "Degraded"
     else:
         phase = "Progressing"
-    return {
+    out = {
         "phase": phase,
         "observedGeneration": facts.generation,
         "currentRevision": current,
         "updateRevision": facts.desired_revision,
         "readyPairs": ready_pairs,
-        "pairs": [pair_record(p) for p in pairs],
+        "pairs": [pair_record(p) for p in pairs] + [pair_record(p) for p in plan.retiring],
         "conditions": _stamp(conds, old.get("conditions", []), iso(now)),
     }
+    if facts.topology_version is not None:
+        out["topologyVersion"] = facts.topology_version
+    return out
 
 
 def same_status(a: Mapping[str, Any] | None, b: Mapping[str, Any]) -> bool:

@@ -5,4 +5,4 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pdop_harness import cluster, operator  # noqa: E402,F401  (pytest fixtures)
+from pdop_harness import cluster, operator, strict_operator  # noqa: E402,F401  (pytest fixtures)

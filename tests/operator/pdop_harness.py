@@ -1,12 +1,15 @@
 """Harness for operator tests: the API emulator, the simulated kubelet, and the real kopf operator.
 
-KUBECONFIG points at a per-session file before anything imports ``kubernetes`` (it reads the
-default path at import time); each test rewrites it with its own emulator's URL.
+KUBECONFIG points at a per-session file; each test rewrites it with its own emulator's URL (the
+operator resolves credentials through ``kubernetes_asyncio`` when it starts). Operator bounds are
+seconds here, not minutes (lost-node margin, drain-confirm timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import logging
 import os
 import tempfile
@@ -21,6 +24,9 @@ _KUBE_DIR = tempfile.mkdtemp(prefix="pdstack-operator-tests-")
 KUBECONFIG = os.path.join(_KUBE_DIR, "kubeconfig")
 os.environ["KUBECONFIG"] = KUBECONFIG
 os.environ["PDSTACK_OPERATOR_METRICS_PORT"] = "0"
+os.environ["PDSTACK_OPERATOR_LOST_NODE_MARGIN_S"] = "1"  # bounds in seconds, not minutes, in the tests
+os.environ["PDSTACK_OPERATOR_DRAIN_CONFIRM_TIMEOUT_S"] = "3"
+os.environ["PDSTACK_OPERATOR_PEERING_SETTLE_S"] = "0.2"  # in-thread operators have no simultaneous peer
 
 import kmock  # noqa: E402
 import kopf  # noqa: E402
@@ -31,6 +37,7 @@ from pdop_k8s_emulator import PDEmulator, Kubelet, R  # noqa: E402
 PDDS = R("pdstack.io", "v1alpha1", "pddeployments")
 PODS = R("", "v1", "pods")
 EVENTS = R("", "v1", "events")
+PEERINGS = R("kopf.dev", "v1", "kopfpeerings")
 NS = "default"
 
 
@@ -122,12 +129,13 @@ def _register_test_tuning() -> None:
         settings.watching.reconnect_backoff = 0.05
         settings.queueing.idle_timeout = 1.0
         settings.queueing.exit_timeout = 1.0
-        settings.posting.enabled = False
+        settings.posting.enabled = True
         settings.networking.request_timeout = 10
 
 
-@pytest.fixture
-async def operator(cluster: Cluster) -> AsyncIterator[Cluster]:
+@contextlib.asynccontextmanager
+async def running_operator(cluster: Cluster, *, clusterwide: bool = True, namespaces: tuple[str, ...] = (),
+                           peering: str | None = None, priority: int = 0) -> AsyncIterator[Cluster]:
     """The real kopf operator (pdoperator.handlers) in its own thread and loop, against the emulator.
 
     A separate loop matters: on exit kopf waits for (then cancels) every task of its loop born after
@@ -135,13 +143,17 @@ async def operator(cluster: Cluster) -> AsyncIterator[Cluster]:
     """
     import pdoperator.handlers  # noqa: F401  (registers the handlers)
     _register_test_tuning()
+    # the permissive harness grants the optional cluster-wide pod read; the strict one (rbac.py) does not
+    os.environ["PDSTACK_OPERATOR_CLUSTER_POD_READ"] = "0" if cluster.api.rbac is not None else "1"
     logging.getLogger("kopf").setLevel(logging.DEBUG if os.environ.get("PDOP_DEBUG") else logging.WARNING)
     stop, ready = threading.Event(), threading.Event()
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            asyncio.run(kopf.operator(clusterwide=True, standalone=True, stop_flag=stop, ready_flag=ready))
+            peer = {"peering_name": peering, "priority": priority} if peering else {"standalone": True}
+            asyncio.run(kopf.operator(clusterwide=clusterwide, namespaces=list(namespaces), stop_flag=stop,
+                                      ready_flag=ready, **peer))
         except BaseException as e:  # noqa: BLE001 - surfaced by the fixture
             errors.append(e)
 
@@ -155,6 +167,24 @@ async def operator(cluster: Cluster) -> AsyncIterator[Cluster]:
         stop.set()
         await eventually(lambda: not thread.is_alive(), timeout=15, what="operator exit")
         assert not errors, errors
+
+
+@pytest.fixture
+async def operator(cluster: Cluster) -> AsyncIterator[Cluster]:
+    async with running_operator(cluster) as c:
+        yield c
+
+
+@pytest.fixture
+async def strict_operator(cluster: Cluster) -> AsyncIterator[Cluster]:
+    """Namespaced operator whose every request must pass RBAC from :mod:`pdoperator.rbac` (recorded)."""
+    from pdoperator import rbac
+    cluster.api.rbac = copy.deepcopy(rbac.NAMESPACED_RULES)
+    cluster.api.cluster_rbac = copy.deepcopy(rbac.CLUSTER_RULES)
+    cluster.api.seed(PEERINGS, NS, {"metadata": {"name": "pdstack-operator"}})  # the chart creates it
+    async with running_operator(cluster, clusterwide=False, namespaces=(NS,), peering="pdstack-operator",
+                                priority=100) as c:
+        yield c
 
 
 def manifest(name: str, *, pairs: int = 2, gpus: int = 1, **spec: Any) -> dict[str, Any]:

@@ -12,9 +12,20 @@ itself, with the API semantics the operator relies on:
   change only ``status``;
 * finalizers and ``deletionTimestamp``; ownerReference cascade deletion (background GC);
 * watch streams that resume from a ``resourceVersion`` and honour ``timeoutSeconds``;
-* merge-patch, JSON-patch and (approximated as merge) strategic-merge-patch.
+* merge-patch, JSON-patch and (approximated as merge) strategic-merge-patch;
+* what a real server does to stored objects (:mod:`emu_semantics`): defaulting, empty fields
+  dropped, canonical quantities, server-side apply with ``managedFields`` and conflicts, Pod
+  Security Admission ``restricted`` on namespaces labelled ``pod-security.kubernetes.io/enforce``;
+* RBAC from rules (``rbac``/``cluster_rbac``; None = allow all), every HTTP request recorded in
+  ``requests`` as (verb, group, resource[/subresource], namespace), every written body in ``written``;
+* the eviction subresource honouring PodDisruptionBudgets (429), graceful pod termination
+  (``deletionTimestamp`` = now + grace; the kubelet confirms when the container exits; grace 0 forces);
+* watches answering ``410 Gone`` (an ERROR event, as the real server) from before ``compact()``;
+* bearer-token or client-certificate authentication when ``tokens`` is set (401 otherwise);
+* OwnerReferencesPermissionEnforcement: an ownerReference with ``blockOwnerDeletion`` needs ``update``
+  on the owner's ``finalizers`` subresource.
 
-:class:`Kubelet` simulates the scheduler, kubelets with GPU nodes and the Deployment controller.
+:class:`emu_kubelet.Kubelet` simulates the scheduler, kubelets with GPU nodes and the Deployment controller.
 """
 
 from __future__ import annotations
@@ -37,6 +48,21 @@ import kmock
 from kmock._internal import dicts as kmock_dicts
 from kmock._internal.k8s import KubernetesError
 
+import emu_semantics as sem
+from kmock._internal import parsing as _kmock_parsing
+
+_kmock_parse_path = _kmock_parsing.parse_path
+
+
+def _parse_path(path: str) -> Any:
+    """kmock 0.8 cannot parse ``GET /api/v1/namespaces`` (the namespaces list): route it as a resource."""
+    if path.split("?")[0].rstrip("/") == "/api/v1/namespaces":
+        return _kmock_parsing.ParsedPath("", "v1", "namespaces", None, None, None)
+    return _kmock_parse_path(path)
+
+
+_kmock_parsing.parse_path = _parse_path
+
 GPU = "nvidia.com/gpu"
 VERBS = ["list", "watch", "get", "create", "patch", "update", "delete", "deletecollection"]
 
@@ -54,7 +80,12 @@ RESOURCES = [
     ("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True, False),
     ("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", True, True),
     ("pdstack.io", "v1alpha1", "pddeployments", "PDDeployment", True, True),
+    ("kopf.dev", "v1", "clusterkopfpeerings", "ClusterKopfPeering", False, False),
+    ("kopf.dev", "v1", "kopfpeerings", "KopfPeering", True, False),
+    ("coordination.k8s.io", "v1", "leases", "Lease", True, False),
 ]
+NORMALIZED_KINDS = {"Pod", "Service", "Deployment", "NetworkPolicy", "ConfigMap", "Secret", "PodDisruptionBudget",
+                    "ControllerRevision"}
 
 
 def _now() -> str:
@@ -117,6 +148,11 @@ def selector_matches(reqs: Iterable[tuple[str, str, set[str]]], labels: dict[str
 PODS = R("", "v1", "pods")
 
 
+def _sans_managed(obj: dict[str, Any]) -> dict[str, Any]:
+    meta = {k: v for k, v in obj.get("metadata", {}).items() if k != "managedFields"}
+    return {**obj, "metadata": meta}
+
+
 def _error(status: int, reason: str, message: str) -> KubernetesError:
     return KubernetesError(status=status, reason=reason, message=message, details={})
 
@@ -131,9 +167,22 @@ class PDEmulator(kmock.KubernetesEmulator):
     _log: dict[Any, list[tuple[int, dict[str, Any]]]] = attrs.field(factory=dict, init=False)
     _watchers: dict[Any, list[asyncio.Queue[Any]]] = attrs.field(factory=dict, init=False)
     watch_requests: int = attrs.field(default=0, init=False)
-    pod_grace_s: float = 0.0  # > 0: pods on a node terminate gracefully (deletionTimestamp, then gone)
+    pod_grace_s: float = 0.0  # seconds a container takes to exit after SIGTERM (capped by the grace period)
     event_times: dict[int, float] = attrs.field(factory=dict, init=False)  # resourceVersion -> loop time
+    wall_times: dict[int, float] = attrs.field(factory=dict, init=False)  # resourceVersion -> epoch seconds
     _faults: list[list[Any]] = attrs.field(factory=list, init=False)  # [method, plural, skip, remaining, status]
+    rbac: list[dict[str, Any]] | None = None  # namespaced rules granted to HTTP clients (None: allow all)
+    cluster_rbac: list[dict[str, Any]] | None = None  # rules granted cluster-wide (nodes, namespaces, ...)
+    requests: list[tuple[str, str, str, str | None]] = attrs.field(factory=list, init=False)
+    request_log: list[tuple[str, str, str, str, str | None, float]] = attrs.field(factory=list, init=False)
+    written: list[dict[str, Any]] = attrs.field(factory=list, init=False)  # every body an HTTP client wrote
+    tokens: dict[str, str] | None = None  # bearer token -> user; None: no authentication
+    client_cert_users: set[str] = attrs.field(factory=set, init=False)  # CNs accepted from verified client certs
+    _compacted: int = attrs.field(default=0, init=False)
+    gone_served: int = attrs.field(default=0, init=False)  # watches answered 410 Gone
+    watch_selectors: list[tuple[str, str | None, str | None]] = attrs.field(factory=list, init=False)
+    _exit_at: dict[tuple[str, str], float] = attrs.field(factory=dict, init=False)  # pod -> container exit time
+    on_pod_delete: Any = None  # test hook: called (namespace, name) before an HTTP DELETE of a pod is served
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -172,7 +221,8 @@ class PDEmulator(kmock.KubernetesEmulator):
         return [None if v is None else copy.deepcopy(v.raw) for v in self.objects[key].history]
 
     def inject_fault(self, method: str, plural: str, *, times: int = 1, skip: int = 0, status: int = 500) -> None:
-        """Let ``skip`` ``method`` requests on ``plural`` pass, then fail ``times`` of them with HTTP ``status``."""
+        """Let ``skip`` ``method`` requests on ``plural`` (``pods`` or ``pods/status``) pass, then fail ``times``
+        of them with HTTP ``status``."""
         self._faults.append([method.upper(), plural, skip, times, status])
 
     def close_watches(self) -> None:
@@ -191,12 +241,19 @@ class PDEmulator(kmock.KubernetesEmulator):
         event = {"type": etype, "object": copy.deepcopy(obj)}
         self._log.setdefault(res, []).append((rv, event))
         self.event_times[rv] = time.monotonic()
+        self.wall_times[rv] = time.time()
         for q in self._watchers.get(res, []):
             q.put_nowait(event)
 
-    def _create(self, res: Any, namespace: str | None, body: dict[str, Any], *, keep_status: bool = False) -> dict:
+    def _create(self, res: Any, namespace: str | None, body: dict[str, Any], *, keep_status: bool = False,
+                manager: str | None = None, operation: str = "Update") -> dict:
         kind, namespaced, has_status = self._info[res]
         obj = copy.deepcopy(body)
+        if kind in NORMALIZED_KINDS:
+            try:
+                obj = sem.normalize(kind, obj)
+            except ValueError as e:
+                raise _error(422, "Invalid", f'{kind} "{obj.get("metadata", {}).get("name")}" is invalid: {e}') from None
         meta = obj.setdefault("metadata", {})
         if namespaced:
             namespace = namespace or meta.get("namespace")
@@ -218,6 +275,10 @@ class PDEmulator(kmock.KubernetesEmulator):
                 raise _error(422, "Invalid", "metadata.ownerReferences.uid: Required value")
         if has_status and not keep_status:
             obj.pop("status", None)
+        if kind == "Pod":
+            self._admit_pod(namespace, obj)
+        if manager:
+            meta["managedFields"] = [self._mf(res, manager, operation, sem.object_paths(obj))]
         obj.setdefault("apiVersion", f"{res.group}/{res.version}" if res.group else res.version)
         obj.setdefault("kind", kind)
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), resourceVersion=self._next_rv(), generation=1)
@@ -230,9 +291,14 @@ class PDEmulator(kmock.KubernetesEmulator):
         return copy.deepcopy(obj)
 
     def _store(self, res: Any, namespace: str | None, name: str, new: dict[str, Any],
-               *, subresource: str | None = None, expect_rv: str | None = None) -> dict[str, Any]:
-        """Write a full new version of an existing object with the API's field ownership rules."""
-        _, _, has_status = self._info[res]
+               *, subresource: str | None = None, expect_rv: str | None = None,
+               manager: str | None = None, managed: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Write a full new version of an existing object with the API's field ownership rules.
+
+        ``manager`` (an Update): it takes ownership of every field it changed, from whoever owned it.
+        ``managed``: the complete managedFields to store (server-side apply computed them).
+        """
+        kind, _, has_status = self._info[res]
         key = (res, namespace, name)
         if key not in self.objects or self.objects[key].deleted:
             raise _error(404, "NotFound", f'{res.plural} "{name}" not found')
@@ -257,10 +323,20 @@ class PDEmulator(kmock.KubernetesEmulator):
                     meta[field] = old_meta[field]
                 else:
                     meta.pop(field, None)
+            if kind in NORMALIZED_KINDS:
+                try:
+                    new = sem.normalize(kind, new)
+                except ValueError as e:
+                    raise _error(422, "Invalid", f'{kind} "{name}" is invalid: {e}') from None
+                meta = new["metadata"]
+            if managed is not None:
+                meta["managedFields"] = managed
+            else:
+                meta["managedFields"] = self._transfer(res, old, new, manager)
             body_old = {k: v for k, v in old.items() if k not in ("metadata", "status")}
             body_new = {k: v for k, v in new.items() if k not in ("metadata", "status")}
             meta["generation"] = old_meta.get("generation", 1) + (1 if body_old != body_new else 0)
-        if new == old:
+        if _sans_managed(new) == _sans_managed(old):
             return copy.deepcopy(old)  # no-op writes do not bump resourceVersion (as the API server)
         new["metadata"]["resourceVersion"] = self._next_rv()
         self.objects[key].create(new)
@@ -270,20 +346,32 @@ class PDEmulator(kmock.KubernetesEmulator):
             self._emit(res, "MODIFIED", new)
         return copy.deepcopy(new)
 
-    def _delete(self, res: Any, namespace: str | None, name: str) -> dict[str, Any]:
+    def _delete(self, res: Any, namespace: str | None, name: str, *, grace: int | None = None) -> dict[str, Any]:
+        """Delete. A pod bound to a node terminates gracefully: ``deletionTimestamp`` = now + grace period
+        (``grace`` from DeleteOptions, else ``spec.terminationGracePeriodSeconds``); its kubelet removes it once
+        the container exited. ``grace=0`` removes it at once (a force delete)."""
         key = (res, namespace, name)
         if key not in self.objects or self.objects[key].deleted:
             raise _error(404, "NotFound", f'{res.plural} "{name}" not found')
         obj = self.objects[key].raw
-        graceful = res == PODS and self.pod_grace_s > 0 and obj.get("spec", {}).get("nodeName")
+        bound = res == PODS and obj.get("spec", {}).get("nodeName")
+        if bound and grace is None:
+            grace = int(obj["spec"].get("terminationGracePeriodSeconds", 30))
+        graceful = bound and grace is not None and grace > 0
         if obj["metadata"].get("finalizers") or graceful:
             if not obj["metadata"].get("deletionTimestamp"):
                 new = copy.deepcopy(obj)
-                new["metadata"]["deletionTimestamp"] = _now()
+                when = datetime.datetime.now(tz=datetime.timezone.utc) + datetime.timedelta(seconds=grace or 0)
+                new["metadata"]["deletionTimestamp"] = when.isoformat(timespec="seconds").replace("+00:00", "Z")
+                if graceful:
+                    new["metadata"]["deletionGracePeriodSeconds"] = grace
+                    self._exit_at[(namespace, name)] = time.monotonic() + min(self.pod_grace_s, grace)
                 new["metadata"]["resourceVersion"] = self._next_rv()
                 self.objects[key].create(new)
                 self._emit(res, "MODIFIED", new)
                 return copy.deepcopy(new)
+            if res == PODS and grace == 0 and not obj["metadata"].get("finalizers"):
+                return self._remove(res, namespace, name)
             return copy.deepcopy(obj)
         return self._remove(res, namespace, name)
 
@@ -304,20 +392,231 @@ class PDEmulator(kmock.KubernetesEmulator):
             if (r, ns, n) in self.objects and not self.objects[(r, ns, n)].deleted:
                 self._delete(r, ns, n)
 
+
+    # ------------------------------------------------------------ field ownership (server-side apply)
+    def _mf(self, res: Any, manager: str, operation: str, paths: set, subresource: str = "") -> dict[str, Any]:
+        entry = {"manager": manager, "operation": operation,
+                 "apiVersion": f"{res.group}/{res.version}" if res.group else res.version, "time": _now(),
+                 "fieldsType": "FieldsV1", "fieldsV1": sem.to_fields_v1(paths)}
+        if subresource:
+            entry["subresource"] = subresource
+        return entry
+
+    @staticmethod
+    def _owners(obj: dict[str, Any]) -> list[tuple[dict[str, Any], set]]:
+        return [(e, sem.from_fields_v1(e.get("fieldsV1") or {})) for e in obj["metadata"].get("managedFields") or []]
+
+    def _transfer(self, res: Any, old: dict[str, Any], new: dict[str, Any], manager: str | None) -> list:
+        """An Update by ``manager``: it owns what it changed or added; fields that vanished are owned by nobody."""
+        old_paths, new_paths = sem.object_paths(old), sem.object_paths(new)
+        changed = {p for p in new_paths if sem.value_at(old, p) != sem.value_at(new, p)}
+        out = []
+        mine: set = set()
+        for entry, paths in self._owners(old):
+            keep = {p for p in paths if p in new_paths and p not in changed}
+            if entry["manager"] == manager and entry["operation"] == "Update":
+                mine |= keep
+                continue
+            if keep:
+                out.append({**entry, "fieldsV1": sem.to_fields_v1(keep)})
+        mine |= changed
+        if manager and mine:
+            out.append(self._mf(res, manager, "Update", mine))
+        del old_paths
+        return out
+
+    def _apply(self, res: Any, namespace: str | None, name: str, body: dict[str, Any], manager: str,
+               force: bool) -> dict[str, Any]:
+        """Server-side apply: conflicts with other owners (409 unless force), then merge and own."""
+        kind = self._info[res][0]
+        if not manager:
+            raise _error(422, "Invalid", "PATCH application/apply-patch+yaml requires the fieldManager parameter")
+        applied = copy.deepcopy(body)
+        applied.setdefault("metadata", {})
+        applied["metadata"].pop("managedFields", None)
+        try:
+            applied = sem.drop_empty(sem.canonicalize_resources(applied))
+        except ValueError as e:
+            raise _error(422, "Invalid", f'{kind} "{name}" is invalid: {e}') from None
+        paths = sem.object_paths(applied)
+        live = self.read(res, namespace, name)
+        if live is None:
+            applied["metadata"].update(name=name)
+            return self._create(res, namespace, applied, manager=manager, operation="Apply")
+        conflicts: list[tuple[str, Any]] = []
+        entries = []
+        prev_mine: set = set()
+        for entry, owned in self._owners(live):
+            if entry["manager"] == manager and entry["operation"] == "Apply":
+                prev_mine = owned
+                continue
+            clash = {p for p in owned & paths if sem.value_at(live, p) != sem.value_at(applied, p)}
+            if clash and not force:
+                conflicts += [(entry["manager"], p) for p in sorted(clash)]
+            keep = owned - clash
+            if keep:
+                entries.append({**entry, "fieldsV1": sem.to_fields_v1(keep)})
+        if conflicts:
+            lines = "\n".join(f'- conflict with "{m}": .{sem.dotted(p)}' for m, p in conflicts)
+            raise _error(409, "Conflict", f"Apply failed with {len(conflicts)} conflict(s):\n{lines}")
+        merged = copy.deepcopy(live)
+        others = set().union(*[sem.from_fields_v1(e["fieldsV1"]) for e in entries]) if entries else set()
+        for p in sorted(prev_mine - paths - others, key=len, reverse=True):
+            sem.remove_at(merged, p)
+        body_part = {k: v for k, v in applied.items() if k not in ("metadata", "status", "apiVersion", "kind")}
+        merged = sem.merge_applied(merged, body_part)
+        for key in ("labels", "annotations"):
+            if applied["metadata"].get(key):
+                merged["metadata"][key] = {**(merged["metadata"].get(key) or {}), **applied["metadata"][key]}
+        if applied["metadata"].get("ownerReferences"):
+            merged["metadata"]["ownerReferences"] = applied["metadata"]["ownerReferences"]
+        entries.append(self._mf(res, manager, "Apply", paths))
+        return self._store(res, namespace, name, merged, managed=entries)
+
+    # ------------------------------------------------------------ admission
+    def _admit_pod(self, namespace: str | None, pod: dict[str, Any]) -> None:
+        ns = self.read(R("", "v1", "namespaces"), None, namespace or "") or {}
+        level = (ns.get("metadata", {}).get("labels") or {}).get("pod-security.kubernetes.io/enforce")
+        if level != "restricted":
+            return
+        bad = sem.psa_restricted_violations(pod.get("spec", {}))
+        if bad:
+            raise _error(403, "Forbidden", f'pods "{pod["metadata"].get("name")}" is forbidden: violates PodSecurity '
+                                           f'"restricted:latest": {", ".join(bad)}')
+
+    # ------------------------------------------------------------ eviction (policy/v1)
+    def _evict(self, namespace: str, name: str) -> dict[str, Any]:
+        pod = self.read(PODS, namespace, name)
+        if pod is None:
+            raise _error(404, "NotFound", f'pods "{name}" not found')
+        labels = pod["metadata"].get("labels") or {}
+        for pdb in self.select(R("policy", "v1", "poddisruptionbudgets"), namespace):
+            sel = (pdb.get("spec", {}).get("selector") or {}).get("matchLabels") or {}
+            if not sel or any(labels.get(k) != v for k, v in sel.items()):
+                continue
+            matching = [p for p in self.select(PODS, namespace) if all(
+                (p["metadata"].get("labels") or {}).get(k) == v for k, v in sel.items())]
+            healthy = [p for p in matching if not p["metadata"].get("deletionTimestamp") and any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in (p.get("status") or {}).get("conditions", []) or [])]
+            spec = pdb["spec"]
+            if "minAvailable" in spec:
+                allowed = len(healthy) - int(spec["minAvailable"])
+            else:
+                allowed = int(spec.get("maxUnavailable", 0)) - (len(matching) - len(healthy))
+            pod_healthy = any(p["metadata"]["name"] == name for p in healthy)
+            if pod_healthy and allowed <= 0:
+                raise KubernetesError(status=429, reason="TooManyRequests",
+                                      message="Cannot evict pod as it would violate the pod's disruption budget.",
+                                      details={"causes": [{"reason": "DisruptionBudget", "message":
+                                               f"The disruption budget {pdb['metadata']['name']} needs "
+                                               f"{spec.get('minAvailable', '?')} healthy pods and has "
+                                               f"{len(healthy)} currently"}]})
+        self._delete(PODS, namespace, name)
+        return {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
+
+    # ------------------------------------------------------------ watch cache
+    def compact(self) -> None:
+        """Forget the event history (etcd compaction): older resourceVersions answer 410 Gone."""
+        self._compacted = self._last_rv
+        for res in self._log:
+            self._log[res] = []
+
+    # ------------------------------------------------------------ authn / authz
+    def grant(self, rule: dict[str, Any]) -> None:
+        assert self.rbac is not None
+        self.rbac.append(copy.deepcopy(rule))
+
+    def revoke(self, group: str, resource: str, verb: str) -> None:
+        """Remove ``verb`` on ``group``/``resource`` from every namespaced rule."""
+        assert self.rbac is not None
+        for rule in self.rbac:
+            if group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]:
+                if len(rule["resources"]) > 1:
+                    rest = {**rule, "resources": [r for r in rule["resources"] if r != resource]}
+                    self.rbac.append(rest)
+                    rule["resources"] = [resource]
+                rule["verbs"] = [v for v in rule["verbs"] if v != verb]
+
+    def _authorize(self, verb: str, res: Any, subresource: str | None, namespace: str | None,
+                   user: str = "anonymous") -> None:
+        resource = res.plural + (f"/{subresource}" if subresource else "")
+        self.requests.append((verb, res.group, resource, namespace))
+        self.request_log.append((user, verb, res.group, resource, namespace, time.time()))
+        if self.rbac is None:
+            return
+        from pdoperator.rbac import allows
+        namespaced = self._info[res][1]
+        rules = (self.rbac if namespaced and namespace else []) + (self.cluster_rbac or [])
+        if not allows(rules, verb, res.group, resource):
+            where = f' in the namespace "{namespace}"' if namespace else " at the cluster scope"
+            group = f' in API group "{res.group}"' if res.group else ' in API group ""'
+            raise _error(403, "Forbidden", f'{resource.split("/")[0]}{"" if not subresource else ""} is forbidden: '
+                                           f'User "system:serviceaccount:pdstack:pdstack-operator" cannot {verb} '
+                                           f'resource "{res.plural}"'
+                                           + (f' subresource "{subresource}"' if subresource else "")
+                                           + f"{group}{where}")
+
+    def _authenticate(self, request: Any) -> str:
+        """The user of a request (bearer token or verified client certificate); 401 when unknown."""
+        if self.tokens is None:
+            return "anonymous"
+        auth = request.headers.get("Authorization", "")
+        if auth.startswith("Bearer ") and auth[7:] in self.tokens:
+            return self.tokens[auth[7:]]
+        transport = getattr(request._raw_request, "transport", None)
+        cert = transport.get_extra_info("peercert") if transport is not None else None
+        if cert:
+            cn = dict(x[0] for x in cert.get("subject", ())).get("commonName")
+            if cn in self.client_cert_users:
+                return cn
+        raise _error(401, "Unauthorized", "Unauthorized")
+
     # ------------------------------------------------------------ HTTP
     async def _handle(self, request: Any) -> aiohttp.web.StreamResponse:
         res = request.resource
-        if res is None or res not in self._info or request.subresource not in (None, "status"):
+        if res is None or res not in self._info or request.subresource not in (None, "status", "eviction"):
+            self._authenticate(request)
             return await super()._handle(request)  # discovery, unknown endpoints
+        user = self._authenticate(request)
         method = request.method.upper()
         ns, name, params = request.namespace, request.name, request.params
-        for fault in self._faults:
-            if fault[0] == method and fault[1] == res.plural and fault[2] > 0:
+        sub = request.subresource
+        ctype = request.headers.get("Content-Type", "application/json").split(";")[0].strip()
+        body = request.data
+        if body is None and request.body:
+            try:
+                body = json.loads(request.body)  # apply-patch+yaml: JSON is YAML
+            except ValueError:
+                raise _error(400, "BadRequest", "the body is not JSON (YAML apply bodies are not supported here)")
+        watch = method == "GET" and params.get("watch") in ("true", "1")
+        verb = ("watch" if watch else "list" if name is None else "get") if method == "GET" else {
+            "POST": "create", "PUT": "update", "PATCH": "patch",
+            "DELETE": "delete" if name else "deletecollection"}.get(method, method.lower())
+        self._authorize(verb, res, sub, ns, user)
+        if method == "PATCH" and ctype == "application/apply-patch+yaml" and self.read(res, ns, name) is None:
+            self._authorize("create", res, sub, ns, user)  # an apply that creates needs create too
+        if method in ("POST", "PUT", "PATCH") and isinstance(body, dict) and sub != "eviction":
+            # OwnerReferencesPermissionEnforcement: blockOwnerDeletion needs update on the owner's finalizers
+            for ref in (body.get("metadata") or {}).get("ownerReferences") or []:
+                if ref.get("blockOwnerDeletion"):
+                    owner = next((r for r, (k, _, _) in self._info.items() if k == ref.get("kind")
+                                  and ref.get("apiVersion") == (f"{r.group}/{r.version}" if r.group else r.version)),
+                                 None)
+                    if owner is not None:
+                        self._authorize("update", owner, "finalizers", ns, user)
+            self.written.append(copy.deepcopy(body) if ctype != "application/merge-patch+json" or sub else
+                                {"_patch": copy.deepcopy(body)})
+        target = res.plural + (f"/{sub}" if sub else "")
+        for fault in ([] if watch else self._faults):  # watch streams are never faulted (kopf would absorb it)
+            if fault[0] == method and fault[1] in (res.plural, target) and fault[2] > 0:
                 fault[2] -= 1
-            elif fault[0] == method and fault[1] == res.plural and fault[3] > 0:
+            elif fault[0] == method and fault[1] in (res.plural, target) and fault[3] > 0:
                 fault[3] -= 1
-                raise _error(fault[4], "InternalError", f"injected fault: {method} {res.plural}")
-        if method == "GET" and params.get("watch") in ("true", "1"):
+                reason = "Conflict" if fault[4] == 409 else "InternalError"
+                raise _error(fault[4], reason, f"injected fault: {method} {target}")
+        manager = params.get("fieldManager") or None
+        if watch:
             return await self._serve_watch_stream(request)
         if method == "GET" and name is None:
             return self._json(self._list_body(res, ns, params))
@@ -326,8 +625,10 @@ class PDEmulator(kmock.KubernetesEmulator):
             if obj is None:
                 raise _error(404, "NotFound", f'{res.plural} "{name}" not found')
             return self._json(obj)
+        if method == "POST" and sub == "eviction":
+            return self._json(self._evict(ns, name), status=201)
         if method == "POST":
-            return self._json(self._create(res, ns, request.data or {}), status=201)
+            return self._json(self._create(res, ns, body or {}, manager=manager or "unknown"), status=201)
         if method == "DELETE" and name is None:
             reqs = parse_selector(params.get("labelSelector"))
             gone = [self._delete(res, ns2, n2) for (r, ns2, n2), o in list(self.objects.items())
@@ -335,13 +636,23 @@ class PDEmulator(kmock.KubernetesEmulator):
                     and selector_matches(reqs, o.raw["metadata"].get("labels"))]
             return self._json({"kind": "List", "apiVersion": "v1", "items": gone})
         if method == "DELETE":
-            return self._json(self._delete(res, ns, name))
+            if res == PODS and self.on_pod_delete is not None:
+                self.on_pod_delete(ns, name)
+            opts = body if isinstance(body, dict) else {}
+            grace = opts.get("gracePeriodSeconds", params.get("gracePeriodSeconds"))
+            uid = (opts.get("preconditions") or {}).get("uid")
+            live = self.read(res, ns, name)
+            if live is not None and uid and live["metadata"]["uid"] != uid:
+                raise _error(409, "Conflict", f'Precondition failed: UID in precondition: {uid}, '
+                                              f'UID in object meta: {live["metadata"]["uid"]}')
+            return self._json(self._delete(res, ns, name, grace=None if grace is None else int(grace)))
         if method in ("PATCH", "PUT"):
+            if ctype == "application/apply-patch+yaml":
+                return self._json(self._apply(res, ns, name, body or {}, manager or "",
+                                              params.get("force") in ("true", "1")))
             current = self.read(res, ns, name)
             if current is None:
                 raise _error(404, "NotFound", f'{res.plural} "{name}" not found')
-            body = request.data
-            ctype = request.headers.get("Content-Type", "application/json").split(";")[0].strip()
             if method == "PUT":
                 new, expect = body, (body or {}).get("metadata", {}).get("resourceVersion")
                 if not expect:
@@ -355,8 +666,8 @@ class PDEmulator(kmock.KubernetesEmulator):
                 expect = (body or {}).get("metadata", {}).get("resourceVersion")
             else:
                 raise _error(415, "UnsupportedMediaType", f"the body of the request was in an unknown format: {ctype}")
-            return self._json(self._store(res, ns, name, dict(new), subresource=request.subresource,
-                                          expect_rv=expect))
+            return self._json(self._store(res, ns, name, dict(new), subresource=sub, expect_rv=expect,
+                                          manager=manager or "unknown"))
         raise _error(405, "MethodNotAllowed", f"{method} is not supported here")
 
     def _json(self, data: Any, status: int = 200) -> aiohttp.web.Response:
@@ -386,6 +697,7 @@ class PDEmulator(kmock.KubernetesEmulator):
     async def _serve_watch_stream(self, request: Any) -> aiohttp.web.StreamResponse:
         res, ns, params = request.resource, request.namespace, request.params
         self.watch_requests += 1
+        self.watch_selectors.append((res.plural, ns, params.get("labelSelector")))
         reqs = parse_selector(params.get("labelSelector"))
         since = params.get("resourceVersion")
         timeout = float(params.get("timeoutSeconds") or 0) or None
@@ -397,7 +709,13 @@ class PDEmulator(kmock.KubernetesEmulator):
 
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._watchers.setdefault(res, []).append(queue)
-        if since and since != "0":
+        if since and since != "0" and int(since) < self._compacted:
+            gone = {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "metadata": {},
+                                                "status": "Failure", "reason": "Expired", "code": 410,
+                                                "message": f"too old resource version: {since} ({self._compacted})"}}
+            backlog = [gone]
+            self.gone_served += 1
+        elif since and since != "0":
             backlog = [e for rv, e in self._log.get(res, []) if rv > int(since)]
         else:
             backlog = [{"type": "ADDED", "object": o} for o in self.select(res, ns)]
@@ -407,6 +725,9 @@ class PDEmulator(kmock.KubernetesEmulator):
         deadline = loop.time() + timeout if timeout else None
         try:
             for event in backlog:
+                if event["type"] == "ERROR":
+                    await response.write(json.dumps(event).encode() + b"\n")
+                    raise asyncio.CancelledError  # the server ends the stream after an ERROR
                 if wanted(event):
                     await response.write(json.dumps(event).encode() + b"\n")
             while True:
@@ -432,182 +753,5 @@ class PDEmulator(kmock.KubernetesEmulator):
         return response
 
 
-# ---------------------------------------------------------------- kubelet / scheduler / controllers
-NODES = R("", "v1", "nodes")
-DEPLOYMENTS = R("apps", "v1", "deployments")
-
-
-def _pod_gpus(pod: dict[str, Any]) -> int:
-    return sum(int((c.get("resources", {}) or {}).get("requests", {}).get(GPU, 0) or 0)
-               for c in pod.get("spec", {}).get("containers", []) or [])
-
-
-class Kubelet:
-    """Simulated scheduler + kubelets on GPU nodes + Deployment controller, ticking in the loop.
-
-    ``auto_ready``: running pods become Ready on their own; tests switch it off to decide when.
-    """
-
-    def __init__(self, api: PDEmulator, *, tick: float = 0.02, auto_ready: bool = True):
-        self.api = api
-        self.tick = tick
-        self.auto_ready = auto_ready
-        self._ips = itertools.count(10)
-        self._task: asyncio.Task[None] | None = None
-        self.not_ready: set[str] = set()  # pod names held not ready (e.g. just restarted)
-
-    def add_node(self, name: str, gpus: int, labels: dict[str, str] | None = None) -> None:
-        cap = {"cpu": "64", "memory": "512Gi", "pods": "110", GPU: str(gpus)}
-        self.api.seed(NODES, None, {"metadata": {"name": name, "labels": {"kubernetes.io/hostname": name,
-                                                                         **(labels or {})}},
-                                   "status": {"capacity": cap, "allocatable": dict(cap),
-                                              "conditions": [{"type": "Ready", "status": "True"}]}})
-
-    async def __aenter__(self) -> "Kubelet":
-        self._task = asyncio.create_task(self._run())
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-
-    async def _run(self) -> None:
-        while True:
-            self.step()
-            await asyncio.sleep(self.tick)
-
-    # -- one simulation step (synchronous: no other coroutine interleaves)
-    def step(self) -> None:
-        pods = self.api.select(PODS)
-        nodes = self.api.select(NODES)
-        used: dict[str, int] = {}
-        for p in pods:
-            node = p["spec"].get("nodeName")
-            if node and p.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
-                used[node] = used.get(node, 0) + _pod_gpus(p)
-        for p in pods:
-            if p["metadata"].get("deletionTimestamp"):
-                self._finish_termination(p)
-                continue
-            if not p["spec"].get("nodeName"):
-                self._schedule(p, nodes, used)
-            elif p.get("status", {}).get("phase", "Pending") == "Pending":
-                self._start(p)
-            elif p["status"].get("phase") == "Running":
-                want = self.auto_ready and p["metadata"]["name"] not in self.not_ready
-                if self._is_ready(p) != want:
-                    self._set_ready(p, want)
-        for d in self.api.select(DEPLOYMENTS):
-            n = d.get("spec", {}).get("replicas", 1)
-            st = {"observedGeneration": d["metadata"]["generation"], "replicas": n, "readyReplicas": n,
-                  "availableReplicas": n, "updatedReplicas": n}
-            if d.get("status") != st:
-                self.api._store(DEPLOYMENTS, d["metadata"]["namespace"], d["metadata"]["name"], {"status": st},
-                                subresource="status")
-
-    def _finish_termination(self, pod: dict[str, Any]) -> None:
-        """Graceful deletion: after the grace period the kubelet confirms and the pod is gone."""
-        meta = pod["metadata"]
-        started = datetime.datetime.fromisoformat(meta["deletionTimestamp"].replace("Z", "+00:00"))
-        age = (datetime.datetime.now(tz=datetime.timezone.utc) - started).total_seconds()
-        if age >= self.api.pod_grace_s and not meta.get("finalizers"):
-            self.api._remove(PODS, meta["namespace"], meta["name"])
-
-    def _schedule(self, pod: dict[str, Any], nodes: list[dict[str, Any]], used: dict[str, int]) -> None:
-        need = _pod_gpus(pod)
-        selector = pod["spec"].get("nodeSelector", {}) or {}
-        fits = []
-        for n in nodes:
-            labels = n["metadata"].get("labels", {})
-            if any(labels.get(k) != v for k, v in selector.items()):
-                continue
-            free = int(n["status"]["allocatable"].get(GPU, 0)) - used.get(n["metadata"]["name"], 0)
-            if free >= need:
-                fits.append(n["metadata"]["name"])
-        status = copy.deepcopy(pod.get("status", {}))
-        if fits:
-            node = fits[0]
-            used[node] = used.get(node, 0) + need
-            pod = copy.deepcopy(pod)
-            pod["spec"]["nodeName"] = node
-            meta = pod["metadata"]
-            self.api._store(PODS, meta["namespace"], meta["name"], pod)
-            status.update(phase="Pending", conditions=[{"type": "PodScheduled", "status": "True"}])
-            self.api._store(PODS, meta["namespace"], meta["name"], {"status": status}, subresource="status")
-            return
-        short = sum(1 for n in nodes if not any((n["metadata"].get("labels", {}) or {}).get(k) != v
-                                                for k, v in selector.items()))
-        msg = (f"0/{len(nodes)} nodes are available: {short} Insufficient {GPU}, "
-               f"{len(nodes) - short} node(s) didn't match Pod's node affinity/selector.")
-        cond = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": msg}
-        if status.get("conditions") != [cond]:
-            status.update(phase="Pending", conditions=[cond])
-            self.api._store(PODS, pod["metadata"]["namespace"], pod["metadata"]["name"], {"status": status},
-                            subresource="status")
-
-    def _start(self, pod: dict[str, Any]) -> None:
-        ready = self.auto_ready and pod["metadata"]["name"] not in self.not_ready
-        status = {
-            "phase": "Running", "podIP": self._next_ip(),
-            "startTime": _now(),
-            "conditions": [{"type": "PodScheduled", "status": "True"},
-                           {"type": "Ready", "status": "True" if ready else "False"}],
-            "containerStatuses": [{"name": c["name"], "restartCount": 0, "ready": ready,
-                                   "state": {"running": {"startedAt": _now()}}}
-                                  for c in pod["spec"].get("containers", [])],
-        }
-        self.api._store(PODS, pod["metadata"]["namespace"], pod["metadata"]["name"], {"status": status},
-                        subresource="status")
-
-    def _next_ip(self) -> str:
-        n = next(self._ips)
-        return f"10.0.{n // 250}.{n % 250 + 1}"
-
-    @staticmethod
-    def _is_ready(pod: dict[str, Any]) -> bool:
-        return any(c.get("type") == "Ready" and c.get("status") == "True"
-                   for c in pod.get("status", {}).get("conditions", []))
-
-    def _set_ready(self, pod: dict[str, Any], ready: bool) -> None:
-        status = copy.deepcopy(pod["status"])
-        status["conditions"] = [c for c in status.get("conditions", []) if c.get("type") != "Ready"] + [
-            {"type": "Ready", "status": "True" if ready else "False"}]
-        for cs in status.get("containerStatuses", []):
-            cs["ready"] = ready
-        self.api._store(PODS, pod["metadata"]["namespace"], pod["metadata"]["name"], {"status": status},
-                        subresource="status")
-
-    # -- test controls
-    def _pod(self, namespace: str, name: str) -> dict[str, Any]:
-        pod = self.api.read(PODS, namespace, name)
-        assert pod is not None, f"no pod {namespace}/{name}"
-        return pod
-
-    def set_ready(self, namespace: str, name: str, ready: bool = True) -> None:
-        (self.not_ready.discard if ready else self.not_ready.add)(name)
-        pod = self._pod(namespace, name)
-        if pod.get("status", {}).get("phase") == "Running":
-            self._set_ready(pod, ready and self.auto_ready)
-
-    def restart_container(self, namespace: str, name: str, *, oom: bool = False) -> None:
-        """The container died and the kubelet restarted it: restartCount rises, lastState says why."""
-        pod = self._pod(namespace, name)
-        status = copy.deepcopy(pod["status"])
-        for cs in status["containerStatuses"]:
-            cs["restartCount"] += 1
-            cs["lastState"] = {"terminated": {"reason": "OOMKilled" if oom else "Error",
-                                              "exitCode": 137 if oom else 1, "finishedAt": _now()}}
-            cs["state"] = {"running": {"startedAt": _now()}}
-        self.api._store(PODS, namespace, name, {"status": status}, subresource="status")
-
-    def evict(self, namespace: str, name: str) -> None:
-        pod = self._pod(namespace, name)
-        status = copy.deepcopy(pod["status"])
-        status.update(phase="Failed", reason="Evicted", message="The node was low on resource: memory.")
-        status["conditions"] = [c for c in status.get("conditions", []) if c.get("type") != "Ready"] + [
-            {"type": "Ready", "status": "False"}]
-        self.api._store(PODS, namespace, name, {"status": status}, subresource="status")
+# the simulated scheduler / kubelets / Deployment controller live in emu_kubelet (imported here for callers)
+from emu_kubelet import DEPLOYMENTS, NODES, Kubelet  # noqa: E402,F401

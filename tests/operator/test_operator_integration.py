@@ -75,7 +75,8 @@ async def test_two_pairs_all_children_exist_and_ready_within_5s_of_pods_ready(op
     print(f"Ready {elapsed:.3f}s after the simulated pods became ready")
     # one writer: every status version in the object's history has exactly the operator's own fields
     # (kopf stores no handler progress or results there)
-    ours = {"phase", "observedGeneration", "currentRevision", "updateRevision", "readyPairs", "pairs", "conditions"}
+    ours = {"phase", "observedGeneration", "currentRevision", "updateRevision", "readyPairs", "pairs", "conditions",
+            "topologyVersion"}
     statuses = [v["status"] for v in c.api.history(PDDS, NS, "alpha") if v and "status" in v]
     assert statuses and all(set(st) == ours for st in statuses)
     assert metric("pdstack_operator_pairs_ready", namespace=NS, deployment="alpha") == 2
@@ -289,26 +290,26 @@ async def test_hand_edits_of_children_are_reported_as_drift_then_reverted(operat
     name = "drifty"
     await _ready_pairs(c, name, pairs=1)
     svc = c.api.read(SERVICES, NS, f"{name}-router")
-    svc["spec"]["ports"][0]["port"] = 9999
-    c.api._store(SERVICES, NS, f"{name}-router", svc)
+    svc["spec"]["ports"][0]["targetPort"] = 9999
+    c.api._store(SERVICES, NS, f"{name}-router", svc, manager="kubectl-edit")  # as `kubectl edit` does
 
     def drifted():
         cond = c.condition(name, "ConfigDrift")
         return cond.get("status") == "True" and cond
     cond = await eventually(drifted, what="ConfigDrift=True")
-    assert cond["reason"] == "Drifted" and f"Service/{name}-router: spec.ports[0].port" in cond["message"]
-    assert c.api.read(SERVICES, NS, f"{name}-router")["spec"]["ports"][0]["port"] == 9999  # Report leaves it
+    assert cond["reason"] == "Drifted" and f"Service/{name}-router: spec.ports[0].targetPort" in cond["message"]
+    assert c.api.read(SERVICES, NS, f"{name}-router")["spec"]["ports"][0]["targetPort"] == 9999  # Report leaves it
 
     # the topology is operator-owned live state: a hand edit is reverted even under Report
     cm = c.api.read(CONFIGMAPS, NS, f"{name}-topology")
     cm["data"]["topology.yaml"] = "version: 1\npairs: []\n"
-    c.api._store(CONFIGMAPS, NS, f"{name}-topology", cm)
+    c.api._store(CONFIGMAPS, NS, f"{name}-topology", cm, manager="kubectl-edit")
     await eventually(lambda: (t := topology(c, name)) and len(t["pairs"]) == 1, what="topology restored")
-    assert c.api.read(SERVICES, NS, f"{name}-router")["spec"]["ports"][0]["port"] == 9999
+    assert c.api.read(SERVICES, NS, f"{name}-router")["spec"]["ports"][0]["targetPort"] == 9999
 
     c.patch_spec(name, {"drift": {"policy": "Revert"}})
     await eventually(lambda: c.condition(name, "ConfigDrift").get("status") == "False", what="drift reverted")
-    assert c.api.read(SERVICES, NS, f"{name}-router")["spec"]["ports"][0]["port"] == 8000
+    assert c.api.read(SERVICES, NS, f"{name}-router")["spec"]["ports"][0]["targetPort"] == 8000
     # a drift-policy change is not a new revision: no pod was replaced
     assert c.events(name, "RollingOut") == []
 
@@ -316,11 +317,11 @@ async def test_hand_edits_of_children_are_reported_as_drift_then_reverted(operat
 async def test_api_errors_are_counted_and_retried_until_ready(operator):
     c = operator
     name = "flaky"
-    c.api.inject_fault("POST", "pods", times=1)  # the first prefill create fails
-    c.api.inject_fault("POST", "pods", skip=1, times=1)  # the next prefill goes through, its decode fails
+    c.api.inject_fault("PATCH", "pods", times=1)  # the first prefill create (an apply) fails
+    c.api.inject_fault("PATCH", "pods", skip=1, times=1)  # the next prefill goes through, its decode fails
     c.apply(manifest(name, pairs=1))
     await eventually(lambda: is_ready(c, name), what="Ready despite failing pod creation")
-    errors = metric("pdstack_operator_reconcile_errors_total", namespace=NS, deployment=name, error="ApiError")
+    errors = metric("pdstack_operator_reconcile_errors_total", namespace=NS, deployment=name, error="ApiRejected")
     assert errors == 2
     assert metric("pdstack_operator_reconcile_duration_seconds_count", namespace=NS, deployment=name) >= 1
     # a failed create leaves no half pair behind (rolled back), so no co-restart was ever needed
@@ -347,11 +348,14 @@ async def test_repeated_faults_back_off_exponentially(operator):
                                      for e in c.events(name, "CoRestart"))]
     assert [m.split("after ")[1].split(" backoff")[0] for m in messages] == ["0.2s", "0.4s", "0.8s"]
     # each new incarnation was created no sooner than its backoff after the co-restart deleted the old pods
-    # (the backoff runs from the decision, which precedes the deletions by a few ms)
+    # (the backoff runs from the decision, which precedes the delete requests by a few ms; the deletion is
+    # the request, i.e. the deletionTimestamp, not the kubelet's later confirmation)
     log = c.api._log[PODS]
     first_delete, gaps = None, []
     for rv, ev in log:
-        if ev["type"] == "DELETED" and first_delete is None:
+        deleting = ev["type"] == "DELETED" or (ev["type"] == "MODIFIED"
+                                               and ev["object"]["metadata"].get("deletionTimestamp"))
+        if deleting and first_delete is None:
             first_delete = rv
         elif ev["type"] == "ADDED" and first_delete is not None:
             gaps.append(c.api.event_times[rv] - c.api.event_times[first_delete])
@@ -389,15 +393,18 @@ async def test_python_m_pdoperator_process_reconciles_against_the_emulator(clust
     from pdop_harness import KUBECONFIG
 
     env = dict(os.environ, KUBECONFIG=KUBECONFIG, PDSTACK_OPERATOR_METRICS_PORT="0")
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "pdoperator", "--standalone", "--liveness", "",
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "pdoperator", "--standalone", "--liveness", "", "--verbose",
                                                 env=env, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.STDOUT)
     try:
         cluster.apply(manifest("proc", pairs=1))
-        await eventually(lambda: is_ready(cluster, "proc"), timeout=60, what="Ready via python -m pdoperator")
+        await eventually(lambda: is_ready(cluster, "proc") or proc.returncode is not None, timeout=60,
+                         what="Ready via python -m pdoperator")
     finally:
-        proc.send_signal(signal.SIGTERM)
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
         out, _ = await asyncio.wait_for(proc.communicate(), timeout=30)
+        assert is_ready(cluster, "proc"), out.decode()[-3000:]
     assert proc.returncode == 0, out.decode()[-2000:]
 
 

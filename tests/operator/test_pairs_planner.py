@@ -195,3 +195,88 @@ def test_unschedulable_message_has_requested_and_allocatable_gpus():
     assert "16 allocatable on 2 node(s) matching nodeSelector {'gpu': 'h100'} (6 held by other workloads)." in msg
     p = plan(pending + healthy(1))
     assert p.pairs[1].phase == "Unschedulable" and {v.name for v in p.unschedulable} == {v.name for v in pending}
+
+
+# ---------------------------------------------------------------- drain before delete, lost nodes
+from pdoperator.pairs import DrainPair, ForceDelete, RouterView  # noqa: E402
+
+ROUTER_V5 = RouterView(present=True, version=5)
+DRAINING = PairMemory(drain_started_at=NOW - 1.0, drain_version=5)
+
+DRAIN_CASES = [
+    # (id, pods, memory, router, expected actions)
+    ("no router pod to ask: delete at once", swap(H, 1, "decode", restarts=1), {}, RouterView(),
+     [("CoRestart", 1, "ContainerRestart", NAMES1)]),
+    ("router present: first mark pair 1 draining", swap(H, 1, "decode", restarts=1), {}, ROUTER_V5,
+     [DrainPair(1, "ContainerRestart", "router")]),
+    ("published, router still on an older version: wait", swap(H, 1, "decode", restarts=1),
+     {1: replace(DRAINING, drain_version=6)}, ROUTER_V5, [DrainPair(1, "ContainerRestart", "router")]),
+    ("router confirmed, nothing in flight: co-restart", swap(H, 1, "decode", restarts=1), {1: DRAINING},
+     ROUTER_V5, [("CoRestart", 1, "ContainerRestart", NAMES1)]),
+    ("router confirmed, requests in flight: wait", swap(H, 1, "decode", restarts=1), {1: DRAINING},
+     RouterView(True, 5, {1: 2}), [DrainPair(1, "ContainerRestart", "router")]),
+    ("in flight past drainSeconds: delete anyway", swap(H, 1, "decode", restarts=1),
+     {1: replace(DRAINING, drain_confirmed_at=NOW - 31)}, RouterView(True, 5, {1: 2}),
+     [("CoRestart", 1, "ContainerRestart", NAMES1)]),
+    ("router never answers: held until drainSeconds + confirm timeout", swap(H, 1, "decode", restarts=1),
+     {1: replace(DRAINING, drain_started_at=NOW - 59)}, RouterView(True, None), [DrainPair(1, "ContainerRestart",
+                                                                                         "router")]),
+    ("router never answers, bound passed: delete", swap(H, 1, "decode", restarts=1),
+     {1: replace(DRAINING, drain_started_at=NOW - 61)}, RouterView(True, None),
+     [("CoRestart", 1, "ContainerRestart", NAMES1)]),
+    ("rollout drains before deleting", healthy(rev="r0"), {}, ROUTER_V5, [DrainPair(0, "Rollout", "router")]),
+    ("rollout: a draining pair holds the budget; confirmed -> rolled",
+     healthy(rev="r0"), {0: DRAINING}, ROUTER_V5, [RolloutPair(0, "r0", "r1", ("d-0-prefill-r0", "d-0-decode-r0"))]),
+    ("scale down drains first", H + healthy(3)[4:], {}, ROUTER_V5, [DrainPair(2, "ScaleDown", "router")]),
+]
+
+
+@pytest.mark.parametrize("pods,memory,router,expected", [c[1:] for c in DRAIN_CASES],
+                         ids=[c[0] for c in DRAIN_CASES])
+def test_drain_before_delete(pods, memory, router, expected):
+    p = plan_pairs(desired_revision="r1", pairs=2, policy=PAIR, max_unavailable=1, pods=pods, memory=memory,
+                   now=NOW, router=router, drain_s=30.0, drain_confirm_timeout_s=30.0)
+    assert kinds(p) == expected
+    for a in p.actions:  # a pair about to lose its pods is draining in the topology the same reconcile
+        if isinstance(a, (DrainPair, RolloutPair)) or (isinstance(a, CoRestart)):
+            states = {s.index: s for s in p.pairs + p.retiring}
+            assert states[a.pair].draining and not states[a.pair].ready
+
+
+def test_unconfirmed_drain_is_reported():
+    p = plan_pairs(desired_revision="r1", pairs=2, policy=PAIR, max_unavailable=1,
+                   pods=swap(H, 1, "decode", restarts=1), memory={1: replace(DRAINING, drain_started_at=NOW - 61)},
+                   now=NOW, router=RouterView(True, None), drain_s=30.0, drain_confirm_timeout_s=30.0)
+    assert p.unconfirmed_drains == (1,)
+
+
+LOST = [replace(p, terminating=True, node="n1", delete_deadline=NOW - 10) if p.pair == 1 else p for p in H]
+
+
+@pytest.mark.parametrize("lost,margin,expected", [
+    (frozenset({"n1"}), 5.0, [ForceDelete(1, "d-1-prefill-r1", "n1", 10.0), ForceDelete(1, "d-1-decode-r1", "n1", 10.0)]),
+    (frozenset({"n1"}), 30.0, []),  # within deadline + margin: wait (at 0 s, 600 s, 3600 s it acts once past)
+    (frozenset(), 5.0, []),  # node healthy: its kubelet will confirm
+], ids=["lost node past the bound: force delete", "lost node within the bound", "node ready"])
+def test_lost_node(lost, margin, expected):
+    p = plan_pairs(desired_revision="r1", pairs=2, policy=PAIR, max_unavailable=1, pods=LOST, memory={}, now=NOW,
+                   lost_nodes=lost, lost_node_margin_s=margin)
+    assert [a for a in p.actions if isinstance(a, ForceDelete)] == expected
+    if not expected and lost:
+        assert p.requeue_after is not None and p.requeue_after <= 20.0  # wakes up at the bound
+
+
+def test_outranked_names_live_higher_priority_peers_only():
+    import datetime
+
+    from pdoperator.peering import outranked
+    now = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
+    status = {
+        "a@host/1": {"priority": 100, "lifetime": 15, "lastseen": "2026-01-01T11:59:50+00:00"},  # alive, higher
+        "c@host/3": {"priority": 200, "lifetime": 15, "lastseen": "2026-01-01T11:59:00+00:00"},  # dead
+        "b@host/2": {"priority": 50, "lifetime": 15, "lastseen": "2026-01-01T11:59:59"},  # us / lower
+        "gone": None,  # kopf nulls a peer it cleaned up
+    }
+    assert outranked(status, 50, now) == ["a@host/1"]
+    assert outranked(status, 100, now) == []
+    assert outranked(None, 0, now) == []

@@ -126,15 +126,34 @@ def test_tensor_parallel_size_defaults_to_gpus_and_must_match_across_the_pair():
 
 def test_topology_file_format():
     text = topology_yaml("abc123", [TopologyPair(0, True, "10.0.0.11", "10.0.0.12"),
-                                    TopologyPair(1, True, "10.0.0.13", None)])
-    assert yaml.safe_load(text) == {
-        "version": 1, "revision": "abc123",
-        "pairs": [{"index": 0, "ready": True,
+                                    TopologyPair(1, True, "10.0.0.13", None),
+                                    TopologyPair(2, True, "10.0.0.14", "10.0.0.15", draining=True)], generation=7)
+    doc = yaml.safe_load(text)
+    assert doc == {
+        "version": 1, "generation": 7, "revision": "abc123",
+        "pairs": [{"index": 0, "ready": True, "draining": False,
                    "prefill": {"url": "http://10.0.0.11:8000", "bootstrap_host": "10.0.0.11", "bootstrap_port": 8998},
                    "decode": {"url": "http://10.0.0.12:8000"}},
-                  {"index": 1, "ready": False,  # a pair without a decode address is never ready
+                  {"index": 1, "ready": False, "draining": False,  # a pair without a decode address is never ready
                    "prefill": {"url": "http://10.0.0.13:8000", "bootstrap_host": "10.0.0.13", "bootstrap_port": 8998},
-                   "decode": {"url": None}}]}
+                   "decode": {"url": None}},
+                  {"index": 2, "ready": False, "draining": True,  # draining: no new requests
+                   "prefill": {"url": "http://10.0.0.14:8000", "bootstrap_host": "10.0.0.14", "bootstrap_port": 8998},
+                   "decode": {"url": "http://10.0.0.15:8000"}}]}
+    # the router's own parser reads it: the half-created pair is skipped, the draining one is kept, not ready
+    from pdruntime.server.topology import load_topology_text
+    topo = load_topology_text(text)
+    assert topo.generation == 7 and [p.index for p in topo.pairs] == [0, 2]
+    assert topo.ready_pairs()[0].index == 0 and topo.draining() == [2]
+
+
+def test_topology_generation_moves_only_when_the_content_changes():
+    from pdoperator.render import topology_doc, topology_generation
+    a = topology_doc("r", [TopologyPair(0, True, "10.0.0.1", "10.0.0.2")], 4)
+    assert topology_generation(None, a) == 1
+    assert topology_generation(a, dict(a, generation=0)) == 4
+    b = topology_doc("r", [TopologyPair(0, False, "10.0.0.1", "10.0.0.2", draining=True)], 0)
+    assert topology_generation(a, b) == 5
 
 
 def test_cli_diff_names_the_changed_knob(tmp_path):

@@ -29,7 +29,15 @@ def test_all_ready():
     assert st["currentRevision"] == st["updateRevision"] == "r1"
     assert conds(st) == {"Ready": ("True", "AllPairsReady"), "Progressing": ("True", "RolloutComplete"),
                          "Degraded": ("False", "AsExpected"), "CoRestarting": ("False", "Idle"),
-                         "ConfigDrift": ("False", "NoDrift"), "Stalled": ("False", "AsExpected")}
+                         "ConfigDrift": ("False", "NoDrift"), "Stalled": ("False", "AsExpected"),
+                         "ApiRejected": ("False", "AsExpected")}
+
+
+def test_api_rejections_are_a_condition_naming_verb_object_and_message():
+    line = 'apply pods/x-0-prefill-abc: HTTP 403: pods is forbidden: User "u" cannot patch resource "pods"'
+    st = build_status({}, Plan((), (state(0),)), Facts(1, "r1", router_ready=True, rejections=[line]), NOW)
+    cond = next(c for c in st["conditions"] if c["type"] == "ApiRejected")
+    assert (cond["status"], cond["reason"], cond["message"]) == ("True", "Rejected", line)
 
 
 def test_co_restarting_pair_is_degraded_and_recorded():
@@ -59,7 +67,8 @@ def test_invalid_spec_status_keeps_pair_records_and_stalls():
     old = build_status({}, Plan((), (state(0),)), Facts(1, "r1", router_ready=True), NOW)
     st = invalid_status(old, Facts(2, None, spec_error="spec.pairs=-1 is invalid"), NOW + 5)
     assert st["phase"] == "Invalid" and st["pairs"] == old["pairs"] and st["observedGeneration"] == 2
-    assert conds(st)["Stalled"] == ("True", "InvalidSpec") and "spec.pairs=-1" in st["conditions"][-1]["message"]
+    stalled = next(c for c in st["conditions"] if c["type"] == "Stalled")
+    assert conds(st)["Stalled"] == ("True", "InvalidSpec") and "spec.pairs=-1" in stalled["message"]
 
 
 def test_transition_times_are_kept_while_a_condition_holds_and_rewrites_are_skipped():
@@ -72,21 +81,45 @@ def test_transition_times_are_kept_while_a_condition_holds_and_rewrites_are_skip
     assert times["Ready"] == iso(NOW + 60) and times["Stalled"] == iso(NOW)
 
 
-@pytest.mark.parametrize("live_patch,policy,enforce,action", [
-    (None, "Report", False, "create"),
-    ({}, "Report", False, "none"),
-    ({"spec": {"ports": [{"port": 1}]}}, "Report", False, "report"),
-    ({"spec": {"ports": [{"port": 1}]}}, "Revert", False, "revert"),
-    ({"spec": {"ports": [{"port": 1}]}}, "Report", True, "revert"),
-    ({"spec": {"clusterIP": "10.0.0.1", "ports": [{"port": 80, "protocol": "TCP"}]}}, "Report", False, "none"),
+DESIRED = {"kind": "Deployment", "metadata": {"name": "r", "labels": {"a": "b"}},
+           "spec": {"replicas": 1, "template": {"spec": {"containers": [
+               {"name": "router", "env": [], "resources": {"requests": {"cpu": "0.5", "memory": "1024Mi"}},
+                "ports": [{"name": "http", "containerPort": 8000}]}]}}}}
+OURS = {"manager": "pdstack-operator", "operation": "Apply", "fieldsV1": {"f:spec": {"f:replicas": {}}}}
+EDIT_REPLICAS = {"manager": "kubectl-edit", "operation": "Update", "fieldsV1": {"f:spec": {"f:replicas": {}}}}
+EDIT_PORT = {"manager": "kubectl-edit", "operation": "Update", "fieldsV1": {"f:spec": {"f:template": {"f:spec": {
+    "f:containers": {'k:{"name":"router"}': {"f:ports": {'k:{"containerPort":8000,"protocol":"TCP"}': {
+        "f:name": {}}}}}}}}}}
+EDIT_OTHER = {"manager": "hpa", "operation": "Update", "fieldsV1": {"f:spec": {"f:minReadySeconds": {}}}}
+STATUS = {"manager": "kube-controller-manager", "operation": "Update", "subresource": "status",
+          "fieldsV1": {"f:status": {"f:replicas": {}}}}
+
+
+def live(*managers, **spec_changes):
+    obj = drift.with_hash(DESIRED)
+    # what the server returns: env omitted, quantities canonical, defaults filled in
+    ctr = obj["spec"]["template"]["spec"]["containers"][0]
+    ctr.pop("env")
+    ctr["resources"]["requests"] = {"cpu": "500m", "memory": "1Gi"}
+    ctr["terminationMessagePath"] = "/dev/termination-log"
+    obj["spec"].update(spec_changes)
+    obj["metadata"]["managedFields"] = [OURS, *managers]
+    return obj
+
+
+@pytest.mark.parametrize("live_obj,policy,enforce,action,paths", [
+    (None, "Report", False, "create", ()),
+    (live(), "Report", False, "none", ()),  # env [] omitted, 0.5 -> 500m, 1024Mi -> 1Gi, defaults: no drift
+    (live(STATUS), "Report", False, "none", ()),  # status writers are not drift
+    (live(EDIT_OTHER, minReadySeconds=5), "Report", False, "none", ()),  # a field we do not declare
+    (live(EDIT_REPLICAS, replicas=3), "Report", False, "report", ("spec.replicas",)),
+    (live(EDIT_REPLICAS, replicas=3), "Revert", False, "revert", ("spec.replicas",)),
+    (live(EDIT_REPLICAS, replicas=3), "Report", True, "revert", ("spec.replicas",)),
+    (live(EDIT_PORT), "Report", False, "report", ("spec.template.spec.containers[0].ports[0].name",)),
 ])
-def test_drift_decisions(live_patch, policy, enforce, action):
-    desired = {"kind": "Service", "metadata": {"name": "s", "labels": {"a": "b"}}, "spec": {"ports": [{"port": 80}]}}
-    live = None
-    if live_patch is not None:
-        live = drift.with_hash(desired)
-        live["spec"] = {**live["spec"], **live_patch.get("spec", {})}
-    assert drift.decide(desired, live, policy, enforce=enforce).action == action
+def test_drift_decisions(live_obj, policy, enforce, action, paths):
+    d = drift.decide(DESIRED, live_obj, policy, enforce=enforce)
+    assert (d.action, d.paths) == (action, paths)
 
 
 def test_desired_change_is_applied_not_reported():

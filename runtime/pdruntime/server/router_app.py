@@ -35,6 +35,7 @@ from pdruntime.server.router_policy import Outcome, PairPicker, PairState
 from pdruntime.server.schemas import (MAX_BODY_BYTES, ApiError, ChatCompletionRequest, CompletionRequest, error_body,
                                       openapi_components, parse_body, validate)
 from pdruntime.server.topology import Topology, TopologyWatcher
+from pdruntime.server.topology_source import TopologySource
 
 log = logging.getLogger("pdruntime.router")
 
@@ -155,6 +156,7 @@ class Router:
         self.prober: HealthProber | None = None  # worker /health polling: stale (frozen) workers' pairs are skipped
         self.instance_id = instance_id(env)
         self._set_topology(self.topology)
+        self.topology_source = TopologySource(self._set_topology, self.topology, env.resolve_kv_auth_token())
 
     # ---- topology --------------------------------------------------------------------------------
     def _set_topology(self, topo: Topology) -> None:
@@ -170,7 +172,7 @@ class Router:
     def _on_reload(self, topo: Topology) -> None:
         self.topology_error = None
         self.metrics.topology_reloads.labels("ok").inc()
-        self._set_topology(topo)
+        self.topology_source.offer(topo, "file")
 
     def _on_reload_error(self, msg: str) -> None:
         if msg != self.topology_error:
@@ -494,9 +496,18 @@ class Router:
         return {"role": "router", "live": len(own), "requests": own, "workers": workers, "live_total": total,
                 "verdict": verdict}
 
+    def _inflight_by_pair(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for live in self.live.values():
+            if live.pair is not None:
+                out[live.pair] = out.get(live.pair, 0) + 1
+        return out
+
     def config(self) -> dict:
         """Effective configuration; secrets appear only as whether they are set (API keys: their names)."""
         return {"role": "router", "env": self.env.as_config(), "topology": self.topology.as_dict(),
+                "topology_version": self.topology.generation, "draining": self.topology.draining(),
+                "inflight_by_pair": {str(k): n for k, n in sorted(self._inflight_by_pair().items())},
                 "topology_file": self.topology_file, "topology_error": self.topology_error,
                 "router": {"request_timeout_s": self.cfg.request_timeout_s, "breaker_threshold": self.cfg.breaker_threshold,
                            "breaker_cooldown_s": self.cfg.breaker_cooldown_s,
@@ -577,6 +588,15 @@ class Router:
         async def config(request: Request):
             self.require_admin(request)
             return self.config()
+
+        @app.post("/admin/topology")
+        async def push_topology(request: Request):
+            try:
+                doc = await request.json()
+            except ValueError:
+                doc = None
+            status, body = self.topology_source.push(doc, request.headers.get("authorization"))
+            return JSONResponse(body, status_code=status)
 
         @app.get("/debug/requests")
         async def debug_requests(request: Request):

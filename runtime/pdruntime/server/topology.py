@@ -4,10 +4,12 @@ Source: CLI flags or a YAML file (written by the operator into the router Config
 ``topology.yaml``) that the router hot-reloads. Format::
 
     version: 1
+    generation: 7        # topology version: the operator bumps it on every change (newest wins)
     revision: "abc123"
     pairs:
       - index: 0
         ready: true
+        draining: false  # true: finish in-flight requests, take no new ones (pods go after the router confirms)
         prefill: {url: "http://10.0.0.11:8000", bootstrap_host: "10.0.0.11", bootstrap_port: 8998}
         decode:  {url: "http://10.0.0.12:8000"}
 """
@@ -39,6 +41,7 @@ class Pair:
     bootstrap_host: str
     bootstrap_port: int
     decode_url: str
+    draining: bool = False  # no new requests; in-flight ones finish (a draining pair is never ready)
 
     @property
     def key(self) -> str:
@@ -50,13 +53,17 @@ class Topology:
     version: int
     revision: str
     pairs: tuple[Pair, ...]
+    generation: int = 0  # the topology version the operator published (monotonic per deployment)
+
+    def draining(self) -> list[int]:
+        return [p.index for p in self.pairs if p.draining]
 
     def ready_pairs(self) -> list[Pair]:
         return [p for p in self.pairs if p.ready]
 
     def as_dict(self) -> dict:
-        return {"version": self.version, "revision": self.revision, "pairs": [
-            {"index": p.index, "ready": p.ready,
+        return {"version": self.version, "generation": self.generation, "revision": self.revision, "pairs": [
+            {"index": p.index, "ready": p.ready, "draining": p.draining,
              "prefill": {"url": p.prefill_url, "bootstrap_host": p.bootstrap_host, "bootstrap_port": p.bootstrap_port},
              "decode": {"url": p.decode_url}} for p in self.pairs]}
 
@@ -74,6 +81,9 @@ def parse_topology(doc: Any) -> Topology:
     if version != 1:
         raise TopologyError(f"topology.version: {version!r} is not accepted; accepted: 1")
     revision = str(doc.get("revision", ""))
+    generation = doc.get("generation", 0)
+    if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+        raise TopologyError(f"topology.generation: {generation!r} is not accepted; accepted: an integer >= 0")
     raw_pairs = doc.get("pairs")
     if not isinstance(raw_pairs, list):
         raise TopologyError("topology.pairs: expected a list of pairs")
@@ -90,17 +100,23 @@ def parse_topology(doc: Any) -> Topology:
         ready = rp.get("ready", True)
         if not isinstance(ready, bool):
             raise TopologyError(f"{where}.ready: {ready!r} is not accepted; accepted: true or false")
+        draining = rp.get("draining", False)
+        if not isinstance(draining, bool):
+            raise TopologyError(f"{where}.draining: {draining!r} is not accepted; accepted: true or false")
         pre = rp.get("prefill")
         dec = rp.get("decode")
         if not isinstance(pre, dict) or not isinstance(dec, dict):
             raise TopologyError(f"{where}: prefill and decode must be mappings")
+        if not (ready and not draining) and (pre.get("url") is None or dec.get("url") is None):
+            continue  # a pair still being created (no pod IPs yet): nothing to route to
         purl = _url(pre.get("url"), f"{where}.prefill.url")
         bhost = pre.get("bootstrap_host") or urlparse(purl).hostname
         bport = pre.get("bootstrap_port", 8998)
         if not isinstance(bport, int) or isinstance(bport, bool) or not 0 < bport < 65536:
             raise TopologyError(f"{where}.prefill.bootstrap_port: {bport!r} is not accepted; accepted: a port 1..65535")
-        pairs.append(Pair(index, ready, purl, str(bhost), bport, _url(dec.get("url"), f"{where}.decode.url")))
-    return Topology(1, revision, tuple(pairs))
+        pairs.append(Pair(index, ready and not draining, purl, str(bhost), bport,
+                          _url(dec.get("url"), f"{where}.decode.url"), draining))
+    return Topology(1, revision, tuple(pairs), generation)
 
 
 def load_topology_text(text: str) -> Topology:
