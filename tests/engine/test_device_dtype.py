@@ -129,6 +129,9 @@ def test_auto_device_would_pick_cuda_on_such_a_host_and_fail_loudly_here(tiny_di
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     cfg = _engine_config(_serve_args(tiny_dir))
     assert (cfg.device, cfg.dtype, cfg.cuda_graphs) == ("cuda:0", "bf16", True)
+    prefill = _serve_args(tiny_dir)
+    prefill.role = "prefill"
+    assert _engine_config(prefill).cuda_graphs is False  # prefill never decodes: nothing to capture
 
 
 def test_bad_device_flag_is_a_clear_start_up_error(tiny_dir, capsys):
