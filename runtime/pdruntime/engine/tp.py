@@ -175,11 +175,6 @@ class TPDriver:
         self._kv = kv
         _broadcast(Command("setup_kv", {"num_blocks": kv.num_blocks, "block_size": kv.block_size}))
 
-    def kv_layouts(self) -> list[tuple[int, int, int, int, str]]:
-        """Per rank (rank, num_layers, page_size, Hkv_rank, D): every rank holds the same shape."""
-        kv = self._kv
-        return [(r, len(kv.k), kv.block_size, kv.num_kv_heads, kv.head_dim) for r in range(self.tp_size)]
-
     def gather_pages(self, block_ids: list[int]) -> list[_PageKV]:
         """Every rank's pages ``block_ids`` of one request, on rank 0's host, one _PageKV per rank."""
         ids = torch.tensor(block_ids, dtype=torch.int64)
