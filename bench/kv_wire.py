@@ -159,6 +159,16 @@ async def wire_once(port: int, kv, ids: list[int], nbytes: int, room: int, conti
     return stats.seconds
 
 
+def cpu_seconds(child_pid: int) -> float:
+    """CPU seconds used so far by this process and the peer process (user + system): unlike wall time, this
+    barely moves when other jobs share the cores."""
+    with open(f"/proc/{child_pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    t = os.times()
+    return t.user + t.system + (int(fields[11]) + int(fields[12])) / tick
+
+
 def checksum_gbps() -> dict[str, float]:
     buf = memoryview(os.urandom(RAW_CHUNK))
     return {name: RAW_CHUNK / min(_timed(lambda: wire.chunk_digest(name, [buf])) for _ in range(20)) / 1e9
@@ -192,20 +202,34 @@ def main() -> int:
         kv = make_kv(num_blocks, fill=False)
         ids = page_ids(num_blocks, 2)
         results: dict[tuple[int, str], list[float]] = {}
+        cpu: dict[str, list[float]] = {}  # kind -> [cpu seconds both processes, GB]
+
+        async def measure(kind: str, mib: int, run) -> None:
+            c0 = cpu_seconds(child.pid)
+            seconds = await run()
+            c = cpu_seconds(child.pid) - c0
+            results.setdefault((mib, kind), []).append((mib << 20) / seconds / 1e9)
+            acc = cpu.setdefault(kind, [0.0, 0.0])
+            acc[0] += c
+            acc[1] += (mib << 20) / 1e9
 
         async def rounds() -> None:
             room = 0
             for _ in range(args.rounds):
                 for mib in args.sizes_mib:
                     nbytes = mib << 20
-                    results.setdefault((mib, "raw"), []).append(nbytes / raw_once(raw_port, nbytes) / 1e9)
-                    results.setdefault((mib, "rawpages"), []).append(
-                        nbytes / raw_pages_once(raw_port, kv, ids, nbytes) / 1e9)
-                    room += 1
-                    results.setdefault((mib, "wire"), []).append(nbytes / await wire_once(wire_port, kv, ids, nbytes, room) / 1e9)
-                    room += 1
-                    results.setdefault((mib, "contig"), []).append(
-                        nbytes / await wire_once(wire_port, kv, ids, nbytes, room, contiguous=True) / 1e9)
+                    room += 2
+
+                    async def raw():
+                        return raw_once(raw_port, nbytes)
+
+                    async def rawpages():
+                        return raw_pages_once(raw_port, kv, ids, nbytes)
+
+                    await measure("raw", mib, raw)
+                    await measure("rawpages", mib, rawpages)
+                    await measure("wire", mib, lambda r=room: wire_once(wire_port, kv, ids, nbytes, r))
+                    await measure("contig", mib, lambda r=room + 1: wire_once(wire_port, kv, ids, nbytes, r, True))
 
         asyncio.run(rounds())
     finally:
@@ -224,6 +248,10 @@ def main() -> int:
         raw, wr, rp, ct = (results[(mib, k)] for k in ("raw", "wire", "rawpages", "contig"))
         print(f"| {mib} MiB | {bm(raw)} | {bm(wr)} | {ratio(wr, raw)} | {bm(rp)} | {ratio(wr, rp)} | {bm(ct)} |")
     print("(each cell: best / median; a ratio is best/best and median/median)")
+    names = {"raw": "raw socket", "rawpages": "raw socket, same scattered pages", "wire": "pdstack wire",
+             "contig": "pdstack wire, contiguous page tables"}
+    print("CPU seconds per GB moved, both processes together (sum over all rounds and sizes): "
+          + "; ".join(f"{names[k]} {c / gb:.2f}" for k, (c, gb) in cpu.items()))
     print(f"chunk checksum: {wire.CHECKSUMS[0]}; alone on one core over 4 MiB: "
           + ", ".join(f"{name} {gbps:.1f} GB/s" for name, gbps in checksum_gbps().items())
           + " (computed once per byte on each end)")

@@ -116,6 +116,8 @@ def test_layout_mismatch_on_tp_rank_and_size():
     assert "tensor-parallel size: prefill sends 2, decode expects 1" in wire.layout_mismatch(BASE, r0)
     assert "prefill runs tp_size=2, decode runs tp_size=1" in wire.tp_mismatch(2, 1)
     assert wire.tp_mismatch(4, 4) is None
+    assert "decode asks for TP ranks [1], this prefill endpoint serves [0]" in wire.rank_mismatch((0,), (1,))
+    assert wire.rank_mismatch((0, 1), (0, 1)) is None
 
 
 @pytest.mark.parametrize("kw,needle", [({"dtype": "int7"}, "not supported"), ({"page_size": 0}, "page_size"),
@@ -155,7 +157,7 @@ def test_frame_heads_reject_unknown_types_and_oversize():
     with pytest.raises(WireError, match="exceeds the limit"):
         wire.decode_frame_head(bytes([4, 0xFF, 0, 0, 0]))
     with pytest.raises(WireError, match="kind 7"):
-        ChunkHead.unpack(ChunkHead(0, 0, 7, 0, 1, 0).pack())
+        ChunkHead.unpack(ChunkHead(0, 0, 7, 0, 1).pack())
 
 
 def test_log_limiter_allows_one_line_per_interval_and_counts_the_rest():
@@ -240,7 +242,7 @@ def _flipping_proxy(flip_chunk: int):
                         payload = bytearray(await s_reader.readexactly(int.from_bytes(head[1:], "big")))
                         if head[0] == FrameType.CHUNK:
                             if seen == flip_chunk:
-                                payload[-1] ^= 0x01
+                                payload[len(payload) // 2] ^= 0x01  # a KV byte, not the digest
                             seen += 1
                         c_writer.write(head + payload)
                         await c_writer.drain()
@@ -298,7 +300,7 @@ def test_a_peer_that_vanishes_mid_stream_ends_in_closed_not_a_hang():
             h = transfer.make_header(1, "r", 4, 0, wire.prompt_crc([1, 2, 3, 4]), "", [transfer.layout_of(_kv())])
             fs.send_control(FrameType.HEADER, wire.header_to_json(h))
             fs.read_control(FrameType.READY)
-            fs.send_all(wire._FRAME.pack(FrameType.CHUNK, ChunkHead.SIZE + 96) + ChunkHead(0, 0, 0, 0, 1, 0).pack()
+            fs.send_all(wire._FRAME.pack(FrameType.CHUNK, ChunkHead.SIZE + 96 + 8) + ChunkHead(0, 0, 0, 0, 1).pack()
                         + b"x" * 40)
             fs.close()
 
@@ -333,7 +335,8 @@ def _valid_prefill_stream() -> bytes:
            wire.encode_control(FrameType.HEADER, wire.header_to_json(h))]
     for kind in (0, 1):
         raw = kv_staging.page_rows((_FUZZ_KV.k if kind == 0 else _FUZZ_KV.v)[0])[[0, 1]].numpy().tobytes()
-        out.append(wire.encode_frame(FrameType.CHUNK, ChunkHead(0, 0, kind, 0, 2, zlib.crc32(raw)).pack() + raw))
+        out.append(wire.encode_frame(FrameType.CHUNK, ChunkHead(0, 0, kind, 0, 2).pack() + raw
+                                     + zlib.crc32(raw).to_bytes(8, "big")))
     out.append(wire.encode_control(FrameType.END, {"bytes": 2 * 2 * _FUZZ_LAYOUT.page_bytes, "chunks": 2}))
     return b"".join(out)
 
@@ -426,3 +429,29 @@ def test_bf16_pages_move_between_cuda_caches_bit_exactly(monkeypatch):
     assert not isinstance(out["client"], Exception), out["client"]
     torch.cuda.synchronize()
     assert _pages_equal(src, s_ids, dst, d_ids)
+
+
+def test_after_io_waits_for_a_blocked_receive_to_end_before_pages_may_be_freed():
+    """Decode frees a failed request's pages through KVConn.after_io: never while a receive thread can
+    still write into them."""
+
+    async def main():
+        a, b = socket.socketpair()
+        conn = transfer.KVConn(b, 10)
+        freed = []
+        task = asyncio.ensure_future(conn.run(conn.fs.recv_exact, 10))  # blocks: nothing is sent
+        await asyncio.sleep(0.2)
+        task.cancel()  # what decode's _fail does to the transfer task
+        conn.after_io(lambda: freed.append("freed"))
+        await asyncio.sleep(0.2)
+        early = list(freed)
+        conn.close()  # wakes the blocked receive; only then the pages go
+        for _ in range(100):
+            if freed:
+                break
+            await asyncio.sleep(0.02)
+        a.close()
+        return early, freed
+
+    early, freed = run(main())
+    assert early == [] and freed == ["freed"]

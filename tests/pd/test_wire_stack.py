@@ -92,6 +92,36 @@ def test_layer_count_mismatch_fails_both_legs_with_both_values_and_frees_both_po
         assert dbg["live"] == 0 and dbg["pool"]["free"] == dbg["pool"]["total"], (name, dbg)
 
 
+def _serve_supports(flag: str) -> bool:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "pdruntime.server", "serve", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    return flag in out.stdout
+
+
+def test_dtype_mismatch_fails_both_legs_with_both_values_and_frees_both_pools(mismatched, tiny_model, tmp_path):
+    if not _serve_supports("--dtype"):
+        pytest.skip("needs `pdrt serve --dtype` (the device/dtype part of issue 8); the wire-level dtype refusal is "
+                    "tests/pd/test_wire.py::test_decode_refuses_a_layout_mismatch_and_prefill_fails_with_the_same_message")
+    procs, bp = mismatched
+    port = free_port()
+    dec = spawn("decode-bf16", ["--role", "decode", "--port", str(port), "--model", tiny_model, "--dtype", "bf16",
+                                *_flags(16)], base_env(), str(tmp_path), port)
+    try:
+        wait_healthy([dec])
+        pr, dr = _dual(procs["prefill"].url, dec.url, bp, room=4711)
+        for leg, resp in (("prefill", pr), ("decode", dr)):
+            assert resp.status_code >= 500, (leg, resp.text)
+            assert "KV dtype: prefill sends float32, decode expects bfloat16" in resp.text, (leg, resp.text)
+        for proc in (procs["prefill"], dec):
+            dbg = _pool_idle(proc)
+            assert dbg["live"] == 0 and dbg["pool"]["free"] == dbg["pool"]["total"], dbg
+    finally:
+        dec.stop()
+
+
 def test_tp_size_mismatch_is_refused_at_bootstrap_and_counted(mismatched):
     procs, bp = mismatched
     before = _metric(procs["prefill"], "pdrt_kv_transfer_rejected_total", 'reason="mismatch"')

@@ -15,6 +15,7 @@ socket depends on where the cache lives (the cache's own device decides, never t
 
 from __future__ import annotations
 
+import threading
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -98,6 +99,33 @@ def _layer_bytes(kv) -> list[list[memoryview]]:
     return [[_cache_bytes(kv.k[layer]), _cache_bytes(kv.v[layer])] for layer in range(len(kv.k))]
 
 
+class _PinnedPool:
+    """Pinned host staging buffers kept between transfers: cudaHostAlloc of tens of MiB costs milliseconds,
+    as much as moving the bytes. At most MAX_KEPT buffers are kept."""
+
+    MAX_KEPT = 16
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, rows: int, row_bytes: int) -> torch.Tensor:
+        with self._lock:
+            kept = self._free.get((rows, row_bytes))
+            if kept:
+                return kept.pop()
+        return torch.empty((rows, row_bytes), dtype=torch.uint8, pin_memory=True)
+
+    def put(self, bufs: list[torch.Tensor]) -> None:
+        with self._lock:
+            for b in bufs:
+                if sum(len(v) for v in self._free.values()) < self.MAX_KEPT:
+                    self._free.setdefault(tuple(b.shape), []).append(b)
+
+
+_PINNED = _PinnedPool()
+
+
 def _check_ids(block_ids: Sequence[int], kv) -> np.ndarray:
     ids = np.asarray(list(block_ids), dtype=np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= kv.k[0].shape[0]):
@@ -152,7 +180,7 @@ class ShardSource:
         stream.wait_stream(torch.cuda.current_stream(dev))  # KV written on the engine's stream is complete
         # slot i % 3: run i is being sent, run i+1 is being gathered and copied; the third is spare
         dev_stage = [torch.empty((per_run, pb), dtype=torch.uint8, device=dev) for _ in range(3)]
-        host_stage = [torch.empty((per_run, pb), dtype=torch.uint8, pin_memory=True) for _ in range(3)]
+        host_stage = [_PINNED.get(per_run, pb) for _ in range(3)]
         done = [torch.cuda.Event() for _ in range(3)]
 
         def launch(i: int) -> None:
@@ -163,15 +191,18 @@ class ShardSource:
                 host_stage[s][:n].copy_(dev_stage[s][:n], non_blocking=True)
                 done[s].record(stream)
 
-        launch(0)
-        for i, (layer, kind, r0, n) in enumerate(runs):
-            if i + 1 < len(runs):
-                launch(i + 1)  # device gather + D2H of the next run overlaps the send of this one
-            done[i % 3].synchronize()
-            mv = memoryview(host_stage[i % 3].numpy()).cast("B")
-            for p0, cnt in chunk_bounds(n, per_chunk):
-                yield layer, kind, r0 + p0, cnt, [mv[p0 * pb:(p0 + cnt) * pb]]
-        stream.synchronize()
+        try:
+            launch(0)
+            for i, (layer, kind, r0, n) in enumerate(runs):
+                if i + 1 < len(runs):
+                    launch(i + 1)  # device gather + D2H of the next run overlaps the send of this one
+                done[i % 3].synchronize()
+                mv = memoryview(host_stage[i % 3].numpy()).cast("B")
+                for p0, cnt in chunk_bounds(n, per_chunk):
+                    yield layer, kind, r0 + p0, cnt, [mv[p0 * pb:(p0 + cnt) * pb]]
+        finally:
+            stream.synchronize()  # no copy in flight into a buffer handed back to the pool
+            _PINNED.put(host_stage)
 
 
 class ShardSink:
@@ -214,8 +245,8 @@ class ShardSink:
                 bufs += _span_views(self._mvs[lay][kd], self._spans(ps, c), pb)
             return bufs
         if not self._host or self._host[0].shape[0] < n:
-            self._stream.synchronize()
-            self._host = [torch.empty((n, pb), dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            self.release()
+            self._host = [_PINNED.get(n, pb) for _ in range(2)]
             self._dev = [torch.empty((n, pb), dtype=torch.uint8, device=self.device) for _ in range(2)]
             self._used = [False, False]
         s = self._slot
@@ -241,3 +272,10 @@ class ShardSink:
     def finish(self) -> None:
         if self.device.type == "cuda":
             self._stream.synchronize()
+
+    def release(self) -> None:
+        """Hand staging buffers back (after the transfer, failed or not). Idempotent."""
+        if self.device.type == "cuda" and self._host:
+            self._stream.synchronize()
+            _PINNED.put(self._host)
+            self._host = []

@@ -32,7 +32,7 @@ import secrets
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 
@@ -124,6 +124,7 @@ class KVConn:
         self.fs = FrameSocket(sock, timeout_s)
         self.stats = TransferStats()
         self.attach: Attach | None = None  # what the peer attached with (prefill side, after accept_attach)
+        self._io: Future | None = None  # the blocking step running on the transfer pool, if any
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future, int] | None = None
         self._lock = threading.Lock()
 
@@ -146,10 +147,22 @@ class KVConn:
         self.fs.close()
 
     async def run(self, fn: Callable, *args):
-        """Run blocking ``fn(*args)`` on the transfer pool."""
+        """Run blocking ``fn(*args)`` on the transfer pool. Cancelling the caller does not stop the thread:
+        ``close()`` does (the blocked socket call fails), and ``after_io()`` runs once it has."""
         if self.closed:
             raise WireError("closed", "connection already closed")
-        return await asyncio.get_running_loop().run_in_executor(_EXECUTOR, fn, *args)
+        self._io = _EXECUTOR.submit(fn, *args)
+        return await asyncio.wrap_future(self._io)
+
+    def after_io(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the event loop once no blocking step of this connection is running (now, if
+        none is). Free a request's pages this way: a receive still in flight writes into them."""
+        io = self._io
+        if io is None or io.done():
+            callback()
+            return
+        loop = asyncio.get_running_loop()
+        io.add_done_callback(lambda _f: loop.call_soon_threadsafe(callback))
 
     async def wait_readable(self, timeout_s: float | None = None) -> None:
         """Until the peer sent something (or closed); holds no thread. WireError('closed'/'timeout')."""
@@ -298,13 +311,9 @@ def _send_body(fs: FrameSocket, header: KVHeader, sources: Sequence[ShardSource]
         for si, src in enumerate(sources):
             per_chunk = wire.chunk_pages_for(src.layout.page_bytes)
             for layer, kind, p0, n, bufs in src.chunks(header.num_pages, per_chunk):
-                head = ChunkHead(si, layer, kind, p0, n, wire.chunk_digest(header.checksum, bufs))
-                if corrupt_first_chunk:  # fault injection: one flipped byte "in flight", after the checksum
-                    bad = bytearray(b"".join(bufs))
-                    bad[len(bad) // 2] ^= 0xFF
-                    bufs, corrupt_first_chunk = [memoryview(bad)], False
-                fs.send_chunk(head, bufs)
-                stats.bytes += sum(len(b) for b in bufs)
+                # fault injection: one byte flipped "in flight", after the digest saw it
+                stats.bytes += fs.send_chunk(ChunkHead(si, layer, kind, p0, n), bufs, header.checksum, corrupt_first_chunk)
+                corrupt_first_chunk = False
                 stats.chunks += 1
         fs.send_control(FrameType.END, {"bytes": stats.bytes, "chunks": stats.chunks})
     except WireError as exc:
@@ -389,6 +398,14 @@ def check_header(h: KVHeader, att: Attach, expected: Sequence[KVLayout], model_s
 
 
 def _recv_body(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], stats: TransferStats) -> None:
+    try:
+        _recv_chunks(fs, header, sinks, stats)
+    finally:  # on this thread: nothing receives into a staging buffer once it is back in the pool
+        for sink in sinks:
+            sink.release()
+
+
+def _recv_chunks(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], stats: TransferStats) -> None:
     fs.send_control(FrameType.READY, {"room": header.room})
     stats.start()
     P = header.num_pages
@@ -411,18 +428,17 @@ def _recv_body(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], st
             head = ChunkHead.unpack(fs.recv_exact(ChunkHead.SIZE, "reading a chunk head"))
             n = head.page_count
             if (head.shard, head.layer, head.kind, head.page_start) != (si, layer, kind, p) \
-                    or not 1 <= n <= total - u or length - ChunkHead.SIZE != n * pb:
+                    or not 1 <= n <= total - u or length - ChunkHead.SIZE - wire.DIGEST_SIZE != n * pb:
                 raise WireError("protocol", f"CHUNK {index} (shard {head.shard} layer {head.layer} kind {head.kind} "
                                 f"pages {head.page_start}+{n}, {length} bytes) is not the expected shard {si} "
                                 f"layer {layer} kind {kind} from page {p}")
             bufs = sink.buffers(layer, kind, p, n, P)
-            fs.recv_exact_into_views(list(bufs), f"receiving CHUNK {index}")
-            digest = wire.chunk_digest(header.checksum, bufs)
-            if digest != head.digest:
+            digest, sent = fs.recv_digested(bufs, header.checksum, f"receiving CHUNK {index}")
+            if digest != sent:
                 raise WireError("checksum", f"CHUNK {index} (shard {si} from layer {layer} {'KV'[kind]} page {p}, "
-                                f"{n} pages) {header.checksum} {digest:#x} != sender's {head.digest:#x}")
+                                f"{n} pages) {header.checksum} {digest:#x} != sender's {sent:#x}")
             sink.commit(layer, kind, p, n, P)
-            stats.bytes += length - ChunkHead.SIZE
+            stats.bytes += n * pb
             stats.chunks += 1
             index += 1
             u += n

@@ -22,13 +22,15 @@ Grammar::
     decode  -> prefill  READY {room}                          decode checked HEADER against its own layout
                       | ERROR {reason: "mismatch", message}   naming the field and both values; both free pages
     prefill -> decode   CHUNK*   binary payload:
-                        u8 shard, u16 layer, u8 kind (0=K, 1=V), u32 page_start, u32 page_count, u64 digest, raw
+                        u8 shard, u16 layer, u8 kind (0=K, 1=V), u32 page_start, u32 page_count, raw, u64 digest
                         raw = page_count whole pages, [page_count, page_size, num_kv_heads, head_dim] in the
-                        shard's dtype (bf16/fp16/fp32 bytes as stored); digest = HEADER.checksum over raw:
+                        shard's dtype (bf16/fp16/fp32 bytes as stored); digest (a trailer, so each piece
+                        is digested while cache-hot on both ends) = HEADER.checksum over raw:
                         xxh3_64 (preferred) or zlib crc32 (always supported), the first of decode's list
                         prefill supports.
                         Order is fixed: for shard: for layer: K pages then V pages, page_start ascending,
-                        contiguous; a chunk never spans two (shard, layer, kind) runs.
+                        contiguous; a chunk may run on into the next (layer, kind) (never the next shard):
+                        (layer, kind, page_start) is its first page.
     prefill -> decode   END {bytes, chunks}
     decode  -> prefill  ACK {room}                            receipt verified: closes the transfer phase
     either              ERROR {reason, message}               reason: auth | unknown_room | mismatch | ...
@@ -41,16 +43,16 @@ Python API (blocking layer here; the asyncio API a worker calls is in :mod:`tran
     KVLayout(dtype, page_size, num_layers, num_kv_heads, head_dim, tp_rank=0, tp_size=1)
         .page_bytes  .run_bytes(num_pages)  .shard_bytes(num_pages)  .describe()
     layout_mismatch(expected: KVLayout, got: KVLayout) -> str | None      (pure; names field + both values)
-    tp_mismatch(prefill_tp_size, decode_tp_size) -> str | None
+    tp_mismatch(prefill_tp_size, decode_tp_size) -> str | None; rank_mismatch(served, asked) -> str | None
     Attach(room, rid, num_tokens, prompt_crc, tp_size=1, tp_ranks=(0,), checksums=CHECKSUMS)
     KVHeader(room, rid, num_tokens, num_pages, first_token_id, prompt_crc, model_sha256, chunk_bytes, shards,
              checksum="crc32")
         .total_bytes;  header_to_json / header_from_json (typed rejection of any bad field)
-    ChunkHead(shard, layer, kind, page_start, page_count, digest) .pack() / ChunkHead.unpack(bytes)
+    ChunkHead(shard, layer, kind, page_start, page_count) .pack() / ChunkHead.unpack(bytes); Digest(algo); pieces(views)
     CHECKSUMS; pick_checksum(offered) -> str; chunk_digest(algo, bufs) -> int   (xxh3_64 | crc32)
-    FrameSocket(sock, timeout_s): send_frame, send_control, send_chunk(head, bufs) (sendmsg, zero-copy),
-        read_frame, read_control(expect), read_frame_head, recv_exact_into(view),
-        recv_exact_into_views(views) (recvmsg_into), close() (from any thread)
+    FrameSocket(sock, timeout_s): send_frame, send_control, send_chunk(head, bufs, algo) (sendmsg, zero-copy),
+        read_frame, read_control(expect), read_frame_head, recv_exact_into(view), recv_exact_into_views(views)
+        (recvmsg_into), recv_digested(views, algo), close() (from any thread)
     WireError(reason, message): every malformed, truncated, timed-out or refused input ends in one.
 """
 
@@ -78,7 +80,10 @@ MAX_DIM = 1 << 20  # bound on any layout integer: a header cannot make the recei
 MAX_IOV = 512  # buffers per sendmsg/recvmsg_into call (Linux IOV_MAX is 1024)
 
 _FRAME = struct.Struct(">BI")
-_CHUNK = struct.Struct(">BHBIIQ")
+_CHUNK = struct.Struct(">BHBII")
+_DIGEST = struct.Struct(">Q")
+DIGEST_SIZE = _DIGEST.size
+PIECE_BYTES = 1 << 20  # bytes digested then sent (or received then digested) at a time, while still cached
 
 try:  # xxh3_64 is ~15x faster than zlib's crc32; crc32 stays the always-available fallback
     import xxhash as _xxhash
@@ -186,6 +191,15 @@ def tp_mismatch(prefill_tp_size: int, decode_tp_size: int) -> str | None:
         return None
     return (f"tensor-parallel size mismatch: prefill runs tp_size={prefill_tp_size}, decode runs "
             f"tp_size={decode_tp_size}; accepted: equal tensor-parallel sizes on both sides of a pair")
+
+
+def rank_mismatch(served: tuple[int, ...], asked: tuple[int, ...]) -> str | None:
+    """Pure. Bootstrap-time refusal text when decode asks for TP shards this prefill endpoint does not
+    serve (one endpoint serves either every rank of its group, or one rank)."""
+    if tuple(asked) == tuple(served):
+        return None
+    return (f"tensor-parallel rank mismatch: decode asks for TP ranks {list(asked)}, this prefill endpoint serves "
+            f"{list(served)}; accepted: the ranks the endpoint serves, in order")
 
 
 # ---- handshake and header ------------------------------------------------------------------------
@@ -302,19 +316,51 @@ def pick_checksum(offered) -> str:
     return "crc32"
 
 
+class Digest:
+    """Running CHUNK checksum (``algo``: xxh3_64 or crc32), fed piece by piece while the bytes are hot."""
+
+    __slots__ = ("algo", "_h", "_crc")
+
+    def __init__(self, algo: str) -> None:
+        self.algo = algo
+        self._h = _xxhash.xxh3_64() if algo == "xxh3_64" else None
+        self._crc = 0
+
+    def update(self, buf) -> None:
+        if self._h is not None:
+            self._h.update(buf)
+        else:
+            self._crc = zlib.crc32(buf, self._crc)
+
+    def value(self) -> int:
+        return self._h.intdigest() if self._h is not None else self._crc
+
+
 def chunk_digest(algo: str, bufs) -> int:
     """The CHUNK checksum over the payload buffers in order (no concatenation): xxh3_64 or zlib crc32."""
-    if algo == "xxh3_64":
-        if len(bufs) == 1:
-            return _xxhash.xxh3_64_intdigest(bufs[0])
-        h = _xxhash.xxh3_64()
-        for b in bufs:
-            h.update(b)
-        return h.intdigest()
-    crc = 0
+    d = Digest(algo)
     for b in bufs:
-        crc = zlib.crc32(b, crc)
-    return crc
+        d.update(b)
+    return d.value()
+
+
+def pieces(views: list, limit: int | None = None):
+    """Split byte memoryviews into consecutive lists of at most ``limit`` (default PIECE_BYTES) bytes; views
+    are sliced, not copied."""
+    limit = limit or PIECE_BYTES
+    out: list = []
+    room = limit
+    for v in views:
+        while len(v):
+            take = v[:room]
+            out.append(take)
+            v = v[len(take):]
+            room -= len(take)
+            if room == 0:
+                yield out
+                out, room = [], limit
+    if out:
+        yield out
 
 
 def prompt_crc(token_ids: list[int]) -> int:
@@ -345,12 +391,11 @@ class ChunkHead:
     kind: int  # 0 = K, 1 = V
     page_start: int
     page_count: int
-    digest: int  # chunk_digest(header.checksum, payload)
 
     SIZE = _CHUNK.size
 
     def pack(self) -> bytes:
-        return _CHUNK.pack(self.shard, self.layer, self.kind, self.page_start, self.page_count, self.digest)
+        return _CHUNK.pack(self.shard, self.layer, self.kind, self.page_start, self.page_count)
 
     @classmethod
     def unpack(cls, buf: bytes | memoryview) -> "ChunkHead":
@@ -483,10 +528,24 @@ class FrameSocket:
     def send_control(self, ftype: FrameType, obj: dict) -> None:
         self.send_frame(ftype, json.dumps(obj, separators=(",", ":")).encode())
 
-    def send_chunk(self, head: ChunkHead, bufs: list) -> None:
-        """One CHUNK frame whose payload is ``bufs`` (byte memoryviews) in order."""
+    def send_chunk(self, head: ChunkHead, bufs: list, algo: str, corrupt: bool = False) -> int:
+        """One CHUNK frame: head, ``bufs`` (byte memoryviews) in order, then their digest. Each piece is
+        digested right before it is sent, so the kernel copies bytes the digest just pulled into cache.
+        ``corrupt`` (fault injection) flips one byte of the first piece after digesting it. -> bytes sent."""
         nbytes = sum(len(b) for b in bufs)
-        self.send_views([memoryview(_FRAME.pack(int(FrameType.CHUNK), ChunkHead.SIZE + nbytes) + head.pack()), *bufs])
+        self.send_views([memoryview(_FRAME.pack(int(FrameType.CHUNK), ChunkHead.SIZE + nbytes + DIGEST_SIZE)
+                                    + head.pack())])
+        digest = Digest(algo)
+        for piece in pieces(bufs):
+            for v in piece:
+                digest.update(v)
+            if corrupt:
+                bad = bytearray(b"".join(piece))
+                bad[len(bad) // 2] ^= 0xFF
+                piece, corrupt = [memoryview(bad)], False
+            self.send_views(piece)
+        self.send_all(_DIGEST.pack(digest.value()))
+        return nbytes
 
     # ---- receive ----
     def recv_exact_into(self, view: memoryview, what: str = "receiving") -> None:
@@ -522,6 +581,17 @@ class FrameSocket:
                     views[i] = views[i][r:]
         except OSError as exc:
             raise self._io_error(exc, what) from None
+
+    def recv_digested(self, views: list, algo: str, what: str) -> tuple[int, int]:
+        """Receive a CHUNK's payload into ``views`` and its digest trailer, digesting each piece as soon as
+        it lands. -> (digest computed here, digest the sender sent)."""
+        digest = Digest(algo)
+        for piece in pieces(views):
+            self.recv_exact_into_views(list(piece), what)
+            for v in piece:
+                digest.update(v)
+        (sent,) = _DIGEST.unpack(self.recv_exact(DIGEST_SIZE, what))
+        return digest.value(), sent
 
     def recv_exact(self, n: int, what: str = "receiving") -> bytes:
         buf = bytearray(n)

@@ -87,13 +87,19 @@ class DecodeWorker(WorkerBase):
             req.writer.close()
         if req.task is not None and req.task is not asyncio.current_task():
             req.task.cancel()
-        if self.runner is not None:
-            # always: a reserve() may be queued on the engine thread but not yet answered; the engine runs
-            # commands in order, so this abort lands after it and frees those pages (unknown ids: no-op)
-            self.runner.call(lambda e, rid=req.rid: e.abort(rid))
-            self.runner.drop_sink(req.rid)
+        def free_pages(rid: str = req.rid) -> None:
+            if self.runner is not None:
+                # always: a reserve() may be queued on the engine thread but not yet answered; the engine runs
+                # commands in order, so this abort lands after it and frees those pages (unknown ids: no-op)
+                self.runner.call(lambda e: e.abort(rid))
+                self.runner.drop_sink(rid)
+            self._pages_freed()
+
         self.queues.remove(req.rid)
-        self._pages_freed()
+        if req.writer is not None:  # a KV receive may still be writing into the pages: free them after it stops
+            req.writer.after_io(free_pages)
+        else:
+            free_pages()
         if cause in ("client_disconnect", "abort_request", "watchdog"):
             self.metrics.aborts.labels(self.role, cause).inc()
         req.outputs.put_nowait(DecodeFailed(reason, status))

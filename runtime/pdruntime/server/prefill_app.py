@@ -152,7 +152,7 @@ class PrefillWorker(WorkerBase):
         self.metrics.transfer_rejected.labels(reason).inc()
         emit, suppressed = self.reject_log.allow(self.clock.now())
         if emit:
-            log.warning("KV pull rejected (%s): %s%s", reason, message,
+            log.warning("KV pull rejected (%s): %s%s", reason, message[:300],  # peer-controlled text: bounded
                         f" [{suppressed} more rejections suppressed in the last {REJECT_LOG_INTERVAL_S:.0f}s]"
                         if suppressed else "")
         await transfer.send_error(conn, reason, message)
@@ -163,7 +163,8 @@ class PrefillWorker(WorkerBase):
         except WireError as exc:
             await self._reject(conn, exc.reason if exc.reason == "auth" else "protocol", exc.message)
             return
-        tp_msg = wire.tp_mismatch(self.layout.tp_size, att.tp_size)
+        tp_msg = wire.tp_mismatch(self.layout.tp_size, att.tp_size) or wire.rank_mismatch((self.layout.tp_rank,),
+                                                                                          att.tp_ranks)
         if tp_msg:  # refused at bootstrap, before any prefill work
             await self._reject(conn, "mismatch", f"room {att.room}: {tp_msg}")
             return
