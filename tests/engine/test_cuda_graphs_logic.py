@@ -79,3 +79,25 @@ def test_torch_attention_backend_cannot_be_captured(make_engine):
     graphs = DecodeGraphs(engine.model, engine.kv, buckets=(1,), max_model_len=64, scratch_page=0)
     with pytest.raises(RuntimeError, match="cannot be captured; CUDA graphs need the Triton backend"):
         graphs._plan(1)
+
+
+def test_tensor_parallel_ranks_agree_on_each_capture_step():
+    """Under TP every rank reports each plan/capture step; one failure stops all of them together."""
+    from pdruntime.engine.cuda_graphs import CaptureRefused
+
+    votes = []
+
+    def agree_all_ok(ok: bool) -> bool:
+        votes.append(ok)
+        return ok
+
+    assert DecodeGraphs._agreed(agree_all_ok, lambda: "plan", "split plan for batch 8") == "plan"
+    with pytest.raises(CaptureRefused, match="capture of batch 8 failed on another tensor-parallel rank"):
+        DecodeGraphs._agreed(lambda ok: False, lambda: "graph", "capture of batch 8")
+
+    def broken():
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    with pytest.raises(CaptureRefused, match="failed on this rank: RuntimeError: CUDA error: operation not permitted"):
+        DecodeGraphs._agreed(agree_all_ok, broken, "capture of batch 4")
+    assert votes == [True, False]  # the failing rank still voted before raising

@@ -129,6 +129,9 @@ def test_auto_device_would_pick_cuda_on_such_a_host_and_fail_loudly_here(tiny_di
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     cfg = _engine_config(_serve_args(tiny_dir))
     assert (cfg.device, cfg.dtype, cfg.cuda_graphs) == ("cuda:0", "bf16", True)
+    prefill = _serve_args(tiny_dir)
+    prefill.role = "prefill"
+    assert _engine_config(prefill).cuda_graphs is False  # prefill never decodes: nothing to capture
 
 
 def test_bad_device_flag_is_a_clear_start_up_error(tiny_dir, capsys):
@@ -156,3 +159,22 @@ def test_kv_cache_and_weights_follow_the_config_dtype(tiny_dir):
     out = engine.generate([[5, 9, 44]], SamplingParams(max_tokens=4, temperature=0.8, seed=3, ignore_eos=True))
     assert len(out[0]) == 4
     assert engine.describe()["dtype"] == "float16"
+
+
+def test_checkpoints_are_read_one_tensor_at_a_time(tiny_dir, monkeypatch):
+    """Safetensors are read lazily: each tensor once, when the model copies it (converted and moved right
+    away), never the whole checkpoint up front; membership checks read nothing."""
+    from pdruntime.model import loader
+
+    reads: list[str] = []
+    original = loader._LazyTensors.__getitem__
+
+    def spy(self, name):
+        reads.append(name)
+        return original(self, name)
+
+    monkeypatch.setattr(loader._LazyTensors, "__getitem__", spy)
+    lazy = loader._LazyTensors([f"{tiny_dir}/model.safetensors"])
+    assert "lm_head.weight" in lazy and "nope" not in lazy and reads == []
+    load_model(tiny_dir, dtype=torch.bfloat16)
+    assert sorted(reads) == sorted(set(reads)) and len(reads) == len(lazy)  # every tensor exactly once

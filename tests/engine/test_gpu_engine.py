@@ -8,7 +8,7 @@ GPU hosts may have no package index and little disk.
   reorder them);
 * the Triton decode-attention path equals the torch path on CUDA;
 * CUDA graphs on and off give the same tokens (and graphs were really replayed);
-* TP=2 over NCCL equals TP=1 (needs 2 GPUs);
+* TP=2 over NCCL equals TP=1, with CUDA graphs captured on both ranks (needs 2 GPUs);
 * a PD pair on loopback with its KV cache on the GPU streams a chat completion.
 """
 
@@ -106,10 +106,13 @@ def test_cuda_graphs_on_and_off_give_the_same_tokens(realistic_dir):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for TP=2 over NCCL")
 def test_tp2_nccl_equals_tp1(realistic_dir):
     one = _engine(realistic_dir, device="cuda:0", dtype="bf16", cuda_graphs=False)
-    two = _engine(realistic_dir, device="cuda:0", dtype="bf16", cuda_graphs=False, tensor_parallel_size=2)
+    two = _engine(realistic_dir, device="cuda:0", dtype="bf16", cuda_graphs=True, tensor_parallel_size=2)
     try:
+        assert two.graphs is not None, two.graphs_status  # both ranks captured (NCCL all-reduces in the graphs)
         a, b = _teacher_forced(two), _teacher_forced(one)
         assert float(((a - b).abs().amax(-1) / b.abs().amax(-1)).max()) <= 0.05
+        assert two.generate(PROMPTS, GREEDY) == one.generate(PROMPTS, GREEDY)
+        assert two.graphs.replays > 0
         shards = two.gather_pages([0, 1])
         two.scatter_pages([100, 101], shards)
         assert all(torch.equal(x, y) for s, t in zip(shards, two.gather_pages([100, 101])) for x, y in zip(s.k, t.k))

@@ -9,13 +9,23 @@ The Triton decode kernel runs in the graph with a split plan built at capture ti
 longest possible context; it reads the real lengths from the device, so shorter sequences leave the
 extra splits empty (their LSE is -inf and the merge ignores them). The torch attention path reads
 lengths on the host and cannot be captured: with it, capture fails and the engine decodes eagerly.
+
+Tensor parallelism: every rank captures its own shard's graphs (their NCCL all-reduces are recorded in
+them) in the same bucket order, agreeing after each plan and capture, so either every rank has graphs or
+none does; rank 0 broadcasts each replay with its inputs (``tp.TPGraphs``).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .device import bucket_for
+
+
+class CaptureRefused(RuntimeError):
+    """Some tensor-parallel rank could not plan or capture a bucket; every rank raises this together."""
 
 
 class DecodeGraphs:
@@ -56,31 +66,58 @@ class DecodeGraphs:
                                  self.seq_lens[:b], attn_plan=plan)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every bucket, largest first, sharing one memory pool. Raises on any failure."""
+    def capture(self, agree: Callable[[bool], bool] | None = None) -> None:
+        """Capture every bucket, largest first, sharing one memory pool. Raises on any failure.
+
+        agree: tensor parallelism: ``agree(ok_here) -> ok_everywhere`` (a collective). Every rank calls it
+        after building a bucket's plan and after capturing it, so a rank that fails stops every rank before
+        the next real collective (the warm-up's all-reduces): no rank is left waiting on another."""
         pool = torch.cuda.graph_pool_handle()
         current = torch.cuda.current_stream(self.tokens.device)
         for b in reversed(self.buckets):
-            plan = self._plan(b)
+            plan = self._agreed(agree, lambda: self._plan(b), f"split plan for batch {b}")
             side = torch.cuda.Stream(self.tokens.device)
             side.wait_stream(current)
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels, outside the capture
                     self._decode(b, plan)
             current.wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._decode(b, plan)
+
+            def record():
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._decode(b, plan)
+                return graph, logits
+
+            graph, logits = self._agreed(agree, record, f"capture of batch {b}")
             self.graphs[b] = (graph, logits, plan)
         torch.cuda.synchronize(self.tokens.device)
+
+    @staticmethod
+    def _agreed(agree, fn, what: str):
+        """fn(); with ``agree``, also every other rank's verdict (RuntimeError if any rank failed)."""
+        if agree is None:
+            return fn()
+        try:
+            out, err = fn(), None
+        except Exception as exc:  # noqa: BLE001 - reported to the other ranks first, raised below
+            out, err = None, exc
+        if not agree(err is None):
+            raise CaptureRefused(f"CUDA graph {what} failed on "
+                               + (f"this rank: {type(err).__name__}: {err}" if err else "another tensor-parallel rank"))
+        return out
+
+    def fits(self, batch: int, width: int) -> bool:
+        """A captured bucket holds ``batch`` rows with page tables ``width`` pages wide."""
+        return bucket_for(batch, self.buckets) is not None and width <= self.max_pages
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
             seq_lens: torch.Tensor) -> torch.Tensor | None:
         """Host tensors of one step -> fp32 logits [B, V] from a graph, or None (no bucket fits: run eagerly)."""
         n = tokens.shape[0]
-        b = bucket_for(n, self.buckets)
-        if b is None or table.shape[1] > self.max_pages:
+        if not self.fits(n, table.shape[1]):
             return None
+        b = bucket_for(n, self.buckets)
         graph, logits, _plan = self.graphs[b]
         self.tokens[:n].copy_(tokens, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)

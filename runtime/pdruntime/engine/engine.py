@@ -119,14 +119,14 @@ class Engine:
         """Capture decode CUDA graphs per batch bucket; on any failure run eagerly, with one log line."""
         from .cuda_graphs import DecodeGraphs
 
-        if self.tp_size > 1:
-            self.graphs_status = "off (not captured with tensor parallelism: collectives run eagerly)"
-            log.info("CUDA graphs: %s", self.graphs_status)
-            return
+        buckets = cuda_graph_buckets(self.config.max_num_seqs)
         try:
-            self.graphs = DecodeGraphs(self.model, self.kv, buckets=cuda_graph_buckets(self.config.max_num_seqs),
-                                       max_model_len=self.max_model_len, scratch_page=num_blocks)
-            self.graphs.capture()
+            if self.tp_size > 1:  # every rank captures its shard's graphs in lockstep (NCCL all-reduces inside)
+                self.graphs = self.model.capture_graphs(buckets, self.max_model_len, num_blocks)
+            else:
+                self.graphs = DecodeGraphs(self.model, self.kv, buckets=buckets, max_model_len=self.max_model_len,
+                                           scratch_page=num_blocks)
+                self.graphs.capture()
             self.graphs_status = f"on (buckets {list(self.graphs.buckets)})"
             log.info("CUDA graphs: captured decode for batch sizes %s", list(self.graphs.buckets))
         except Exception as exc:  # noqa: BLE001 - any capture failure means eager mode, never a crash

@@ -46,7 +46,7 @@ LIVENESS_TICK_S = 1.0
 class Command:
     """One step of rank 0's schedule that every follower runs too. Tensors are host tensors."""
 
-    kind: str  # decode | prefill | agree_blocks | setup_kv | gather_pages | scatter_pages | stop
+    kind: str  # decode | prefill | agree_blocks | setup_kv | gather_pages | scatter_pages | capture_graphs | replay | stop
     args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -142,6 +142,24 @@ class TPDriver:
         return self.prefill_batch([PrefillChunk(token_ids, start_pos, block_ids)], k_cache, v_cache,
                                   all_logits=all_logits)[0]
 
+    # -- CUDA graphs -------------------------------------------------------------------------------
+    def capture_graphs(self, buckets: tuple[int, ...], max_model_len: int, scratch_page: int) -> "TPGraphs":
+        """Every rank captures decode graphs of its own shard, bucket by bucket in the same order, agreeing
+        after each step (``DecodeGraphs.capture(agree=...)``); raises (on every rank) if any rank failed."""
+        from .cuda_graphs import CaptureRefused, DecodeGraphs
+
+        _broadcast(Command("capture_graphs", {"buckets": tuple(buckets), "max_model_len": max_model_len,
+                                              "scratch_page": scratch_page}))
+        graphs = DecodeGraphs(self._model, self._kv, buckets=buckets, max_model_len=max_model_len,
+                              scratch_page=scratch_page)
+        try:
+            graphs.capture(agree=_agree_fn(self._coll_device()))
+        except CaptureRefused:
+            raise  # every rank stopped at the same point: the engine decodes eagerly
+        except BaseException:  # e.g. a warm-up step: the followers are inside its collectives
+            self._lockstep("CUDA graph warm-up", _reraise)
+        return TPGraphs(graphs)
+
     # -- KV cache ----------------------------------------------------------------------------------
     def agree_num_blocks(self, num_blocks: int) -> int:
         """The smallest page count any rank can hold (each follower sizes its own from its memory)."""
@@ -156,11 +174,6 @@ class TPDriver:
         """Followers allocate their KV share: the same pages and page size, their own KV heads."""
         self._kv = kv
         _broadcast(Command("setup_kv", {"num_blocks": kv.num_blocks, "block_size": kv.block_size}))
-
-    def kv_layouts(self) -> list[tuple[int, int, int, int, str]]:
-        """Per rank (rank, num_layers, page_size, Hkv_rank, D): every rank holds the same shape."""
-        kv = self._kv
-        return [(r, len(kv.k), kv.block_size, kv.num_kv_heads, kv.head_dim) for r in range(self.tp_size)]
 
     def gather_pages(self, block_ids: list[int]) -> list[_PageKV]:
         """Every rank's pages ``block_ids`` of one request, on rank 0's host, one _PageKV per rank."""
@@ -232,6 +245,41 @@ class TPDriver:
             dist.destroy_process_group()
 
 
+def _reraise() -> None:
+    raise  # noqa: PLE0704 - re-raise the exception being handled, inside _lockstep's try
+
+
+def _agree_fn(coll_device: torch.device):
+    """ok here -> ok on every rank (all-reduce MIN of a flag)."""
+    import torch.distributed as dist
+
+    def agree(ok: bool) -> bool:
+        t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=coll_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+
+    return agree
+
+
+class TPGraphs:
+    """Rank 0's decode graphs: a replay is broadcast first, so every rank replays the same bucket with the
+    same inputs (the graphs' all-reduces meet); steps no bucket fits return None (the engine runs eagerly)."""
+
+    def __init__(self, graphs) -> None:
+        self.local = graphs
+        self.buckets = graphs.buckets
+
+    @property
+    def replays(self) -> int:
+        return self.local.replays
+
+    def run(self, tokens, positions, table, seq_lens):
+        if not self.local.fits(tokens.shape[0], table.shape[1]):
+            return None
+        _broadcast(Command("replay", {"tokens": tokens, "positions": positions, "table": table, "seq_lens": seq_lens}))
+        return self.local.run(tokens, positions, table, seq_lens)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -287,7 +335,7 @@ def follow(model, config, rank: int, size: int) -> None:
     from .kv_cache import KVCache
 
     cfg = model.config
-    kv = None
+    kv = graphs = None
     coll_dev = model.device if model.device.type == "cuda" else torch.device("cpu")
     dev = model.device
     with torch.inference_mode():
@@ -321,6 +369,18 @@ def follow(model, config, rank: int, size: int) -> None:
                                    dtype=model.dtype, device=coll_dev)
                 dist.scatter(mine, None, src=0)
                 _write_pages(kv, a["block_ids"], mine)
+            elif cmd.kind == "capture_graphs":
+                from .cuda_graphs import CaptureRefused, DecodeGraphs
+
+                graphs = DecodeGraphs(model, kv, buckets=a["buckets"], max_model_len=a["max_model_len"],
+                                      scratch_page=a["scratch_page"])
+                try:
+                    graphs.capture(agree=_agree_fn(coll_dev))
+                except CaptureRefused as exc:  # every rank raised the same verdict: decode eagerly, like rank 0
+                    log.warning("CUDA graphs: %s; decoding eagerly", exc)
+                    graphs = None
+            elif cmd.kind == "replay":
+                graphs.run(a["tokens"], a["positions"], a["table"], a["seq_lens"])
             elif cmd.kind == "stop":
                 return
             else:

@@ -14,6 +14,8 @@ llama.cpp's converter permutes Q and K rows of llama attention so that its inter
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -236,26 +238,42 @@ def _hf_name(name: str) -> str | None:
     return None  # e.g. rope_freqs: not used by this architecture's supported variants
 
 
-def read_gguf(path: str) -> tuple[dict[str, Any], LlamaConfig, dict[str, torch.Tensor]]:
-    """Parse a llama GGUF file -> (metadata, config, HF-layout fp32 tensors)."""
-    meta, infos, data = _parse(path)
-    names = {t.name for t in infos}
-    cfg = config_from_gguf(meta, path, has_output="output.weight" in names)
-    tensors: dict[str, torch.Tensor] = {}
-    for t in infos:
-        hf = _hf_name(t.name)
-        if hf is None:
-            continue
+class _LazyGGUF(Mapping):
+    """HF name -> fp32 tensor, dequantised from the memory-mapped file when read (one tensor at a time, so a
+    large model never sits on the host whole in fp32)."""
+
+    def __init__(self, path: str, cfg: LlamaConfig, infos: list[_TensorInfo], data: np.ndarray) -> None:
+        self.path, self.cfg, self.data = path, cfg, data
+        self.infos = {hf: t for t in infos if (hf := _hf_name(t.name)) is not None}
+
+    def __getitem__(self, hf: str) -> torch.Tensor:
+        t = self.infos[hf]
         shape = [int(x) for x in reversed(t.shape)]  # GGUF lists ne0 first; torch wants [ne1, ne0]
         n = int(np.prod(shape))
         try:
-            flat = dequantize(data[t.offset: t.offset + t.nbytes], t.type_name, n)
+            flat = dequantize(self.data[t.offset: t.offset + t.nbytes], t.type_name, n)
         except ModelLoadError as exc:
-            raise ModelLoadError(f"{path}: tensor {t.name}: {exc}") from None
+            raise ModelLoadError(f"{self.path}: tensor {t.name}: {exc}") from None
         w = torch.from_numpy(np.array(flat, dtype=np.float32, copy=True)).reshape(shape)
         if t.name.endswith("attn_q.weight"):
-            w = unpermute_qk(w, cfg.num_heads)
+            w = unpermute_qk(w, self.cfg.num_heads)
         elif t.name.endswith("attn_k.weight"):
-            w = unpermute_qk(w, cfg.num_kv_heads)
-        tensors[hf] = w
-    return meta, cfg, tensors
+            w = unpermute_qk(w, self.cfg.num_kv_heads)
+        return w
+
+    def __contains__(self, name: object) -> bool:  # without reading the tensor (Mapping's default would)
+        return name in self.infos
+
+    def __iter__(self):
+        return iter(self.infos)
+
+    def __len__(self) -> int:
+        return len(self.infos)
+
+
+def read_gguf(path: str) -> tuple[dict[str, Any], LlamaConfig, Mapping[str, torch.Tensor]]:
+    """Parse a llama GGUF file -> (metadata, config, HF-layout fp32 tensors, dequantised when read)."""
+    meta, infos, data = _parse(path)
+    names = {t.name for t in infos}
+    cfg = config_from_gguf(meta, path, has_output="output.weight" in names)
+    return meta, cfg, _LazyGGUF(path, cfg, infos, data)

@@ -165,6 +165,9 @@ class _LazyTensors(Mapping):
         except Exception as exc:  # noqa: BLE001 - a truncated file fails on the tensor past its end
             raise ModelLoadError(f"{f}: tensor {name!r} cannot be read ({exc}); the file may be truncated or corrupt") from None
 
+    def __contains__(self, name: object) -> bool:  # without reading the tensor (Mapping's default would)
+        return name in self._where
+
     def __iter__(self):
         return iter(self._where)
 

@@ -86,7 +86,10 @@ def _engine_config(args: argparse.Namespace):
                           "kv_cache_mib": args.kv_cache_mib, "tensor_parallel_size": args.tensor_parallel_size}
     if args.kv_cache_memory_fraction is not None:
         kw["kv_cache_memory_fraction"] = args.kv_cache_memory_fraction
-    return EngineConfig.resolve(device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs, **kw)
+    graphs = args.cuda_graphs
+    if graphs is None and getattr(args, "role", None) == "prefill":
+        graphs = False  # a prefill worker never runs a decode step: nothing to capture
+    return EngineConfig.resolve(device=args.device, dtype=args.dtype, cuda_graphs=graphs, **kw)
 
 
 def _worker_args(args: argparse.Namespace) -> list[str]:

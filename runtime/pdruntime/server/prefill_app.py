@@ -170,8 +170,8 @@ class PrefillWorker(WorkerBase):
         except WireError as exc:
             await self._reject(conn, exc.reason if exc.reason == "auth" else "protocol", exc.message)
             return
-        tp_msg = wire.tp_mismatch(self.layout.tp_size, att.tp_size) or wire.rank_mismatch((self.layout.tp_rank,),
-                                                                                          att.tp_ranks)
+        tp_msg = wire.tp_mismatch(self.layout.tp_size, att.tp_size) or wire.rank_mismatch(
+            tuple(lay.tp_rank for lay in self.layouts), att.tp_ranks)  # rank 0 serves every rank's shard
         if tp_msg:  # refused at bootstrap, before any prefill work
             await self._reject(conn, "mismatch", f"room {att.room}: {tp_msg}")
             return
