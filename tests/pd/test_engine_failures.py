@@ -64,17 +64,22 @@ def test_defect2_tiny_temperature_request_is_served_and_does_not_freeze_concurre
 
 
 def test_poisoned_request_fails_alone_with_422_and_clean_concurrent_requests_are_served(own_stack):
-    # a request that makes every step it runs in raise (test hook): isolated by the retry in parts
+    # a request that makes every step it runs in raise (test hook), batched with 4 clean ones (the prefill
+    # engine holds its steps until all 5 are queued): the retry in parts isolates it
     s = own_stack
     model_id = _model_id(s)
     before_leg_failures = s.metric(s.router, "pdrt_router_leg_failures_total")
-    s.hooks(s.prefill, poison_seed=4242)
-    s.hooks(s.decode, poison_seed=4242)
+    s.hooks(s.prefill, poison_seed=4242, hold_steps=True)
     with cf.ThreadPoolExecutor(5) as pool:
         bad = pool.submit(httpx.post, s.router.url + "/v1/chat/completions",
                           json=chat(model_id, "poisoned prompt", seed=4242, temperature=0.7), timeout=120)
         clean = [pool.submit(httpx.post, s.router.url + "/v1/chat/completions",
                              json=chat(model_id, f"clean {i}", temperature=0.7, seed=i), timeout=120) for i in range(4)]
+        deadline = time.monotonic() + 60
+        while sum(r["stage"] == "waiting" for r in s.debug(s.prefill)["requests"]) < 5:
+            assert time.monotonic() < deadline, s.debug(s.prefill)
+            time.sleep(0.05)
+        s.hooks(s.prefill, hold_steps=False)  # one step with all five
         results = [f.result() for f in clean]
         bad = bad.result()
     assert all(r.status_code == 200 for r in results), [r.text for r in results]
@@ -88,7 +93,23 @@ def test_poisoned_request_fails_alone_with_422_and_clean_concurrent_requests_are
     assert s.metric(s.router, "pdrt_router_leg_failures_total") == before_leg_failures
     assert httpx.post(s.router.url + "/v1/chat/completions", json=chat(model_id), timeout=60).status_code == 200
     s.hooks(s.prefill, poison_seed=None)
-    s.hooks(s.decode, poison_seed=None)
+    p, d = s.wait_idle()
+    assert p["pool"]["free"] == p["pool"]["total"] and d["pool"]["free"] == d["pool"]["total"]
+
+
+def test_a_lone_poisoned_request_fails_alone_with_422_and_never_counts_towards_giving_up(own_stack):
+    # alone in its step, a canary step tells its fault from the engine's: repeating it cannot kill the worker
+    s = own_stack
+    model_id = _model_id(s)
+    s.hooks(s.prefill, poison_seed=777)
+    for _ in range(5):  # more than PDRT_ENGINE_MAX_STEP_FAILURES=4
+        r = httpx.post(s.router.url + "/v1/chat/completions", json=chat(model_id, seed=777, temperature=0.5),
+                       timeout=60)
+        assert r.status_code == 422 and "alone" in r.json()["error"]["message"], r.text
+    s.hooks(s.prefill, poison_seed=None)
+    assert httpx.get(s.prefill.url + "/health", timeout=5).status_code == 200
+    assert httpx.get(s.prefill.url + "/config", timeout=5).json()["engine_health"]["consecutive_failed_steps"] == 0
+    assert httpx.post(s.router.url + "/v1/chat/completions", json=chat(model_id), timeout=60).status_code == 200
     p, d = s.wait_idle()
     assert p["pool"]["free"] == p["pool"]["total"] and d["pool"]["free"] == d["pool"]["total"]
 

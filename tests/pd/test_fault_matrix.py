@@ -288,6 +288,7 @@ class KVProxy:
 
 # ---- the cases --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # the same fault, in make test: tests/pd/test_pd_failures.py
 def test_kill_decode_during_transfer(fs):
     s = fs
     s.hooks(s.decode, stall_transfers=1)  # decode reads the HEADER, then stops reading: a transfer in flight
@@ -360,6 +361,7 @@ def test_sigstop_decode_during_decode(fs):
     next_request_succeeds(s)
 
 
+@pytest.mark.slow  # the same fault, in make test: tests/pd/test_pd_failures.py
 def test_kill_prefill(fs):
     s = fs
     s.hooks(s.prefill, stall_prefill=1)  # held before the engine; decode attached and waiting for the KV

@@ -69,6 +69,18 @@ class FailingEngine:
         return {"num_running": len(self.live), "blocks_free": 10, "blocks_total": 10}
 
 
+class CanaryEngine(FailingEngine):
+    """A FailingEngine that can run the runner's one-token canary (as the real Engine does)."""
+
+    def add_canary(self) -> str:
+        self.add("__canary")
+        return "__canary"
+
+    def drop_canary(self, rid, outputs):
+        self.live.pop(rid, None)
+        return [o for o in outputs if o.request_id != rid]
+
+
 def run_runner(engine, rids, *, policy=None, until=None, timeout=10.0):
     """Start a runner, add ``rids`` in one command, collect tokens and errors until every rid is done."""
 
@@ -122,6 +134,20 @@ def test_poisoned_request_fails_alone_and_delays_clean_ones_by_at_most_one_step_
     for rid in "abc":
         assert sum(rid in ids for ids in clean_runs) == 3  # one successful step per token, none repeated
     assert runner.consecutive_failures == 0 and runner.fatal_reason is None
+
+
+def test_a_lone_poisoned_request_is_told_apart_by_a_canary_step_and_fails_alone_with_422():
+    eng = CanaryEngine(n=2, poison=("bad",))
+    runner, tokens, errors, verdicts, fatal = run_runner(eng, ["bad"])
+    assert errors["bad"][1] == REQUEST_ERROR_STATUS and verdicts == ["request"]
+    assert runner.consecutive_failures == 0  # a client repeating it alone can never make the worker give up
+    assert "__canary" not in eng.live
+
+
+def test_a_lone_request_under_an_engine_failure_fails_the_canary_too_and_counts_against_the_engine():
+    eng = CanaryEngine(n=2, global_failures=10**6)
+    runner, tokens, errors, verdicts, fatal = run_runner(eng, ["a"])
+    assert errors["a"][1] == STEP_ERROR_STATUS and verdicts == ["step"] and runner.consecutive_failures == 1
 
 
 def test_transient_step_failure_is_retried_in_parts_and_fails_nobody():
@@ -211,7 +237,8 @@ def test_step_backoff_doubles_from_base_up_to_the_cap(n, want):
     (4, 1, 2, False, "request"),   # one failed alone, the others ran: its fault
     (4, 0, 2, False, "transient"),  # every part ran
     (4, 4, 0, False, "step"),      # every request fails even alone: not theirs
-    (1, 1, 0, False, "step"),      # a lone request: cannot be told apart, counts against the engine
+    (1, 1, 0, False, "step"),      # a lone request whose canary step failed too: the engine's fault
+    (1, 1, 1, False, "request"),   # a lone request whose canary step ran: the request's fault
     (0, 0, 0, False, "step"),      # nothing to blame
     (4, 4, 0, True, "oom"),
     (4, 1, 3, True, "request"),    # one request does not fit even alone; the rest ran
@@ -279,5 +306,21 @@ def test_step_only_runs_the_named_requests_and_a_failed_step_loses_nothing(engin
         outs += eng.step()
     got = {r: sum(len(o.new_token_ids) for o in outs if o.request_id == r) for r in ("a", "b")}
     assert got["b"] == 3 and got["a"] == 2  # "a" had its first token from the isolated step
+    eng.check_accounting()
+    assert eng.pool.num_free == eng.pool.num_total
+
+
+def test_the_canary_runs_alone_and_leaves_no_trace(engine):
+    from pdruntime.engine import SamplingParams
+
+    eng = engine()
+    eng.add_request("a", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    rid = eng.add_canary()
+    outs = eng.step(only={rid})
+    assert {o.request_id for o in outs} == {rid}  # "a" did not run
+    assert eng.drop_canary(rid, outs) == []
+    assert eng.step_request_ids() == ["a"]
+    while eng.has_work():
+        eng.step()
     eng.check_accounting()
     assert eng.pool.num_free == eng.pool.num_total

@@ -306,6 +306,24 @@ class Engine:
         self._pending.append(StepOutput(request_id, [], "", True, "error", error=reason))
         return True
 
+    def add_canary(self) -> str:
+        """Queue a one-token greedy request (failure isolation: can the engine step without the suspect?)."""
+        rid = f"__canary-{next(self._arrivals)}"
+        self.add_request(rid, [0], SamplingParams(max_tokens=1, temperature=0))
+        return rid
+
+    def drop_canary(self, rid: str, outputs: list[StepOutput]) -> list[StepOutput]:
+        """Remove a canary without a trace; returns ``outputs`` minus the canary's own."""
+        seq = self._seqs.pop(rid, None)
+        if seq is not None:
+            for q in (self.scheduler.active, self.scheduler.waiting):
+                if seq in q:
+                    q.remove(seq)
+            self.scheduler.free_pages(seq)
+            seq.status = Status.FINISHED
+        self._pending = [o for o in self._pending if o.request_id != rid]
+        return [o for o in outputs if o.request_id != rid]
+
     def _sample_each(self, seqs: list[Sequence], rows: torch.Tensor) -> list[int | None]:
         """One token per row; a row whose sampling raises fails its own request (None) and no other."""
         try:

@@ -191,7 +191,11 @@ class DecodeWorker(WorkerBase):
         except DecodeFailed as exc:
             self._fail(req, exc.reason, status=exc.status)
         except WireError as exc:
-            self._fail(req, f"KV transfer failed: {exc}", status=502)
+            status = _request_failed_status(exc.reason)
+            if status is not None:  # prefill failed the request itself: its error, not the pair's
+                self._fail(req, exc.message, cause="engine_error", status=status)
+            else:
+                self._fail(req, f"KV transfer failed: {exc}", status=502)
         except (asyncio.IncompleteReadError, ConnectionError, OSError, asyncio.TimeoutError) as exc:
             self._fail(req, f"prefill peer unreachable or lost during {req.status.state.label}: {type(exc).__name__} {exc}",
                        status=502)
@@ -324,6 +328,14 @@ class DecodeWorker(WorkerBase):
 
     def add_routes(self, app: FastAPI) -> None:
         app.post("/generate")(self.generate)
+
+
+def _request_failed_status(reason: str) -> int | None:
+    """The 4xx of a KV-wire ERROR "request_failed:<status>" (prefill failed the request itself), else None."""
+    kind, _, code = reason.partition(":")
+    if kind != "request_failed":
+        return None
+    return int(code) if code.isdigit() and 400 <= int(code) < 500 and int(code) != 499 else 422
 
 
 class _Trimmed:

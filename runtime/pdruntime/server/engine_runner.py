@@ -84,10 +84,10 @@ def step_backoff(consecutive: int, policy: FailurePolicy) -> float:
 def isolation_verdict(num_suspects: int, num_culprits: int, parts_ok: int, oom: bool) -> str:
     """What a failed step was, after its retry in parts.
 
-    ``request``: some requests failed alone while others ran, so the failure is theirs (fail them alone).
-    ``transient``: every part ran, nobody failed (nothing to fail). ``oom``: out of device memory and no
-    part could run. ``step``: no part could run, so the failure is not tied to one request (a lone request
-    counts here too: alone, a request's fault and the engine's cannot be told apart)."""
+    ``request``: some requests failed alone while others ran, so the failure is theirs (fail them alone; a
+    lone request is run against a one-token canary step for this). ``transient``: every part ran, nobody
+    failed. ``oom``: out of device memory and no part could run. ``step``: no part (nor the canary) could run,
+    so the failure is not tied to one request."""
     if parts_ok > 0:
         return "request" if num_culprits else "transient"
     return "oom" if oom else "step"
@@ -113,6 +113,7 @@ class EngineRunner:
         self.inject_step_errors = 0  # the next N engine.step calls raise (not tied to a request)
         self.inject_oom = False  # ... with torch.cuda.OutOfMemoryError instead of RuntimeError
         self.poison_seed: int | None = None  # every step running a request with this seed raises
+        self.hold_steps = False  # run commands but do not step (queued requests then share the next step)
         self.steps = 0
         self.failed_rounds = 0
         self.consecutive_failures = 0
@@ -226,8 +227,11 @@ class EngineRunner:
         parts_ok = 0
         oom = is_oom(exc)
         work = [ids[: len(ids) // 2], ids[len(ids) // 2:]] if len(ids) > 1 else []
-        if len(ids) == 1:
+        if len(ids) == 1:  # alone: a canary step tells the request's fault from the engine's
             culprits.append((ids[0], exc))
+            canary_ok, canary_out = self._canary()
+            parts_ok += canary_ok
+            outputs.extend(canary_out)
         while work:
             live = set(engine.step_request_ids())
             part = [r for r in work.pop(0) if r in live]
@@ -262,6 +266,21 @@ class EngineRunner:
                        f"{self.consecutive_failures + 1} failing step(s) in a row")
                 self._fail_in_engine(rid, msg, status)
         return outputs, verdict
+
+    def _canary(self) -> tuple[bool, list]:
+        """Step a one-token request alone (through the same hooks). -> (it ran, other outputs it carried)."""
+        add = getattr(self.engine, "add_canary", None)
+        if add is None:
+            return False, []
+        try:
+            rid = add()
+        except Exception:  # noqa: BLE001 - an engine that cannot even admit a canary is not healthy
+            return False, []
+        try:
+            outs, ok = self._engine_step({rid}), True
+        except Exception:  # noqa: BLE001 - the canary failed too: the engine is at fault
+            outs, ok = [], False
+        return ok, self.engine.drop_canary(rid, outs)
 
     def _fail_in_engine(self, rid: str, msg: str, status: int) -> None:
         self._error_status[rid] = status
@@ -338,6 +357,14 @@ class EngineRunner:
                 if not self._run_command(self._commands.get()):
                     return
                 continue
+            if self.hold_steps:  # test hook: admit work, do not step yet
+                try:
+                    item = self._commands.get(timeout=0.02)
+                except queue.Empty:
+                    continue
+                if not self._run_command(item):
+                    return
+                continue
             # idle: block until a command arrives; busy: take what is queued and step
             if not engine.has_work():
                 if not self._run_command(self._commands.get()):
@@ -351,6 +378,8 @@ class EngineRunner:
                     return
             if not engine.has_work():
                 self.loop.call_soon_threadsafe(self._dispatch, [], engine.stats(), 0)
+                continue
+            if self.hold_steps:
                 continue
             outputs = self._step()
             self.steps += 1

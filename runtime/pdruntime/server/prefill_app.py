@@ -33,6 +33,8 @@ log = logging.getLogger("pdruntime.prefill")
 # can attach a moment before the prefill request arrives; longer than that is a wrong room
 ATTACH_GRACE_S = 2.0
 REJECT_LOG_INTERVAL_S = 10.0  # seconds between WARNING lines about rejected KV pulls (the rest are counted)
+# KV-wire ERROR reason "request_failed:<status>": prefill failed the request itself (a 4xx), not the pair
+REQUEST_FAILED = "request_failed"
 
 
 class TransferFailed(Exception):
@@ -82,7 +84,12 @@ class PrefillWorker(WorkerBase):
             return
         self.watchdog.disarm(req.rid)
         if req.writer is not None:
-            req.writer.close()
+            if 400 <= status < 500 and status != 499:
+                # a request error (e.g. the engine failed it alone): tell decode why, so its leg fails as this
+                # request's error and not as a lost peer (which a router counts against the pair)
+                asyncio.get_running_loop().create_task(transfer.send_error(req.writer, f"{REQUEST_FAILED}:{status}", reason))
+            else:
+                req.writer.close()
         if req.in_engine and self.runner is not None:
             self.runner.call(lambda e, rid=req.rid: e.abort(rid))  # frees prefill_done / running / waiting pages
             self.runner.drop_sink(req.rid)

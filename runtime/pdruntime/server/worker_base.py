@@ -209,7 +209,7 @@ class WorkerBase:
                     self.clock.advance(float(body["advance_clock_s"]))
                 if "step_delay_s" in body and self.runner is not None:
                     self.runner.step_delay_s = float(body["step_delay_s"])
-                for name in ("inject_step_errors", "inject_oom", "poison_seed"):  # make engine steps raise
+                for name in ("inject_step_errors", "inject_oom", "poison_seed", "hold_steps"):  # engine step faults
                     if name in body and self.runner is not None:
                         setattr(self.runner, name, body[name])
                 for name in ("stall_transfers", "stall_prefill", "corrupt_kv_chunk"):
