@@ -529,9 +529,6 @@ def test_topology_reload_during_traffic(tiny_model, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="defect 1 (issue 13): needs rel13a's breaker fix (a neutral trial re-arms it); on this "
-                          "branch the breaker sticks open and every request gets 503, as the issue describes",
-                   strict=False)
 def test_breaker_recovers_within_its_window_plus_one_trial_after_a_neutral_trial(fs):
     # Defect 1 of issue 13 (the breaker fix is rel13a's; this case covers it end to end). A decode dies, the
     # breaker opens; after the cooldown the trial request's client leaves before the first token (neutral).

@@ -49,6 +49,6 @@ def test_each_image_gets_only_its_own_extras() -> None:
                                            names(wh.requirements("operator", "cpu")))
     assert "torch==2.13.0" in wh.requirements("runtime", "cpu")  # pinned: an unpinned torch is the CUDA build
     assert "triton" not in runtime_cpu and "triton" in runtime_cuda
-    assert not runtime_cpu & {"kopf", "kubernetes", "pytest", "transformers"}
+    assert not runtime_cpu & {"kopf", "kubernetes_asyncio", "pytest", "transformers"}
     assert not operator & {"torch", "triton", "fastapi", "pytest", "kmock"}
-    assert {"kopf", "kubernetes", "prometheus-client"} <= operator
+    assert {"kopf", "kubernetes_asyncio", "prometheus-client"} <= operator
