@@ -160,3 +160,12 @@ def start_stack(tmp_dir: str, model: str, *, env_extra: dict | None = None, rout
     return stack
 
 
+def wait_for(pred, timeout: float, what: str, *, every: float = 0.05):
+    """Poll ``pred`` until it returns something truthy (returned); fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(every)

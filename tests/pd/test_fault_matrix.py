@@ -26,7 +26,7 @@ import httpx
 import pytest
 import yaml
 
-from pd_harness import WORKER_FLAGS, Proc, Stack, base_env, free_port, spawn, wait_healthy
+from pd_harness import WORKER_FLAGS, Proc, Stack, base_env, free_port, spawn, wait_for, wait_healthy
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -161,16 +161,6 @@ class Call:
         if self.exc is not None:
             return f"{type(self.exc).__name__}: {self.exc}"
         return ""
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.05)
 
 
 def assert_pages_free(s, *procs: Proc, timeout: float = 30.0) -> None:

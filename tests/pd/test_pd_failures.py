@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from pd_harness import base_env, free_port, start_stack
+from pd_harness import base_env, free_port, start_stack, wait_for
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -38,16 +38,6 @@ def run_in_thread(fn) -> tuple[threading.Thread, dict]:
     t = threading.Thread(target=target)
     t.start()
     return t, out
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -14,19 +14,9 @@ import time
 import httpx
 import pytest
 
-from pd_harness import base_env, free_port
+from pd_harness import base_env, free_port, wait_for
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def children_of(pid: int) -> set[int]:
