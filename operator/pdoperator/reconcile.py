@@ -18,7 +18,7 @@ import secrets
 import time
 import uuid
 from dataclasses import replace
-from typing import Any, Awaitable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 import yaml
 
@@ -27,7 +27,8 @@ from .config import OperatorConfig
 from .kube import ApiError, Kube, object_path, path
 from .pairs import (CoRestart, CreatePods, DeletePods, DrainPair, ForceDelete, Plan, RolloutPair, plan_pairs,
                     pod_view, unschedulable_message)
-from .render import (KV_AUTH_KEY, LABEL_COMPONENT, LABEL_DEPLOYMENT, TOPOLOGY_KEY, Owner, TopologyPair, kv_secret,
+from .render import (ADMIN_KEY, KV_AUTH_KEY, LABEL_COMPONENT, LABEL_DEPLOYMENT, TOPOLOGY_KEY, Owner, TopologyPair, admin_secret,
+                     admin_secret_name, kv_secret,
                      kv_secret_name, router_name, static_children, topology_doc, topology_generation, topology_name,
                      worker_pod)
 from .revisions import controller_revision, prune_history, revision_hash
@@ -123,23 +124,24 @@ async def _ensure_revision(kube: Kube, owner: Owner, spec: Any, revision: str, n
         await kube.delete(path("apps/v1", "ControllerRevision", owner.namespace, victim))
 
 
-async def _kv_token(kube: Kube, owner: Owner) -> str | None:
-    """The deployment's KV-transfer token (generated once, never rotated by a reconcile)."""
-    url = path("v1", "Secret", owner.namespace, kv_secret_name(owner.name))
+async def _secret_token(kube: Kube, owner: Owner, name: str, key: str,
+                        make: Callable[[Owner, str], dict[str, Any]]) -> str | None:
+    """A per-deployment token Secret: generated once, never rotated by a reconcile; its token."""
+    url = path("v1", "Secret", owner.namespace, name)
     secret = await kube.get(url)
     if secret is None:
         token = secrets.token_urlsafe(32)
         try:
-            await kube.create(kv_secret(owner, token))
+            await kube.create(make(owner, token))
             return token
         except ApiError as e:
             if e.status != 409:
                 raise
             secret = await kube.get(url) or {}
-    raw = (secret.get("data") or {}).get(KV_AUTH_KEY)
+    raw = (secret.get("data") or {}).get(key)
     if raw:
         return base64.b64decode(raw).decode()
-    return (secret.get("stringData") or {}).get(KV_AUTH_KEY)
+    return (secret.get("stringData") or {}).get(key)
 
 
 async def _lost_nodes(kube: Kube, steps: Steps, views: list[Any]) -> frozenset[str]:
@@ -240,7 +242,10 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     owner = Owner(name, namespace, meta["uid"])
     revision = revision_hash(spec)
     await steps.run(_ensure_revision(kube, owner, spec, revision, now))
-    token = await steps.run(_kv_token(kube, owner))
+    # the KV-transfer token (workers only) and the router-admin token (router only; authenticates our pushes)
+    await steps.run(_secret_token(kube, owner, kv_secret_name(name), KV_AUTH_KEY, kv_secret))
+    token = (await steps.run(_secret_token(kube, owner, admin_secret_name(name), ADMIN_KEY, admin_secret))
+             if spec.engine == "pdrt" else None)
 
     selector = f"{LABEL_DEPLOYMENT}={name},{LABEL_COMPONENT}=worker"
     raw_pods = await kube.list(path("v1", "Pod", namespace), label_selector=selector)
@@ -255,7 +260,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
         rsel = f"{LABEL_DEPLOYMENT}={name},{LABEL_COMPONENT}=router"
         router_ips = router_pods_ready(await steps.run(kube.list(path("v1", "Pod", namespace), label_selector=rsel),
                                                        default=[]))
-    view = await router.sync(router_ips, None, None) if drains else None
+    view = await router.sync(router_ips, None, token) if drains else None
     plan = plan_pairs(desired_revision=revision, pairs=spec.pairs, policy=spec.co_restart,
                       max_unavailable=spec.max_unavailable_pairs, pods=views,
                       memory=memory_from_status(old_status), now=now,

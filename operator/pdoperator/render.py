@@ -3,18 +3,20 @@
 Children: one Pod per pair and role (created directly, not through a StatefulSet, so the
 operator alone decides when a pair restarts), a headless worker Service (stable DNS per pod
 via hostname/subdomain), the router Deployment and Service, the router topology ConfigMap,
-the KV-transfer auth Secret, a NetworkPolicy and a PodDisruptionBudget. Every child carries an
+the KV-transfer auth Secret (workers only), the router-admin Secret (router only: it guards the
+router's /config, /debug and the operator's topology pushes), a NetworkPolicy and a PodDisruptionBudget. Every child carries an
 owner reference to the PDDeployment, so deleting it deletes them.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import yaml
 
-from .spec import BOOTSTRAP_PORT, GPU_RESOURCE, GROUP, HTTP_PORT, KIND, VERSION, PDSpec, RoleSpec
+from .spec import BOOTSTRAP_PORT, GPU_RESOURCE, GROUP, HTTP_PORT, KIND, VERSION, PDSpec, PodTemplate, RoleSpec
 
 LABEL_DEPLOYMENT = "pdstack.io/deployment"
 LABEL_PAIR = "pdstack.io/pair"
@@ -26,6 +28,8 @@ TOPOLOGY_KEY = "topology.yaml"
 TOPOLOGY_DIR = "/etc/pdstack"
 KV_AUTH_DIR = "/etc/pdstack/kv-auth"
 KV_AUTH_KEY = "token"
+ADMIN_DIR = "/etc/pdstack/router-admin"
+ADMIN_KEY = "token"
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,10 @@ def topology_name(name: str) -> str:
 
 def kv_secret_name(name: str) -> str:
     return f"{name}-kv-auth"
+
+
+def admin_secret_name(name: str) -> str:
+    return f"{name}-router-admin"
 
 
 def worker_hostname(name: str, pair: int, role: str) -> str:
@@ -124,7 +132,8 @@ def router_command(spec: PDSpec, owner: Owner) -> list[str]:
             cmd += ["--decode", f"http://{worker_dns(owner, k, 'decode')}:{HTTP_PORT}"]
         return cmd + ["--host", "0.0.0.0", "--port", str(HTTP_PORT)] + list(spec.router.args)
     return ["pdrt", "serve", "--role", "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
-            "--topology-file", f"{TOPOLOGY_DIR}/{TOPOLOGY_KEY}"] + list(spec.router.args)
+            "--topology-file", f"{TOPOLOGY_DIR}/{TOPOLOGY_KEY}",
+            "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_KEY}"] + list(spec.router.args)
 
 
 def worker_env(spec: PDSpec, role: str) -> list[dict[str, str]]:
@@ -142,7 +151,12 @@ def worker_env(spec: PDSpec, role: str) -> list[dict[str, str]]:
     ]
     if spec.model.source:
         env.append({"name": "PDRT_MODEL", "value": spec.model.source})
-    return env + [{"name": n, "value": v} for n, v in r.env]
+    return env + user_env(r)
+
+
+def user_env(r: RoleSpec) -> list[dict[str, Any]]:
+    """The user's env as rendered: literal values, or ``valueFrom`` references (never resolved here)."""
+    return [{"name": n, **v} if isinstance(v, Mapping) else {"name": n, "value": v} for n, v in r.env]
 
 
 def _num(x: float) -> str:
@@ -176,30 +190,132 @@ def _placement(spec: PDSpec) -> dict[str, Any]:
     return out
 
 
-def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures}
+def _probe(path: str, period: int, failures: int, timeout: int = 1) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures,
+            "timeoutSeconds": timeout}
+
+
+# ---------------------------------------------------------------- secure defaults
+# Pod Security "restricted" by default; every key can be overridden by spec.<role>.securityContext /
+# podSecurityContext (or spec.podTemplate.*), merged key by key over these.
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                      "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+                      "seccompProfile": {"type": "RuntimeDefault"}}
+POD_SECURITY = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+# Writable paths under a read-only root: the images point HOME, XDG_CACHE_HOME, HF_HOME, TRITON_CACHE_DIR and
+# TORCHINDUCTOR_CACHE_DIR under /tmp (images/runtime/Dockerfile), so one emptyDir covers every cache.
+SCRATCH_VOLUME = {"name": "tmp", "emptyDir": {}}
+SCRATCH_MOUNT = {"name": "tmp", "mountPath": "/tmp"}
+SHM_MOUNT = "/dev/shm"
+
+
+def container_security(pod: PodTemplate) -> dict[str, Any]:
+    return copy.deepcopy({**CONTAINER_SECURITY, **pod.security_context})
+
+
+def pod_security(pod: PodTemplate) -> dict[str, Any]:
+    return copy.deepcopy({**POD_SECURITY, **pod.pod_security_context})
+
+
+def readiness_timeout(spec: PDSpec) -> int:
+    """Seconds one /health probe may take: SGLang's /health runs a one-token generation, pdrt's is a lookup."""
+    if spec.probes.readiness_timeout_s is not None:
+        return spec.probes.readiness_timeout_s
+    return 10 if spec.engine == "sglang" else 2
+
+
+STARTUP_PERIOD_S = 10
+
+
+def worker_probes(spec: PDSpec) -> dict[str, Any]:
+    """startupProbe (the model-load budget), readiness and liveness (which the kubelet only starts once the
+    startup probe succeeded, so a slow model load never trips it), and a preStop drain."""
+    p, timeout = spec.probes, readiness_timeout(spec)
+    return {
+        # failureThreshold * periodSeconds >= startupSeconds: the load may take that long before a restart
+        "startupProbe": _probe("/health", STARTUP_PERIOD_S, -(-p.startup_s // STARTUP_PERIOD_S), timeout),
+        "readinessProbe": _probe("/health", 5, 3, timeout),
+        # a hung engine (no /health answer, or 503 unhealthy) restarts after period * failures seconds; a long
+        # busy step does not: /health is answered by the HTTP loop, not the engine step
+        "livenessProbe": _probe("/health", p.liveness_period_s, p.liveness_failures, timeout),
+        **({"lifecycle": {"preStop": {"exec": {"command": ["sleep", str(p.drain_s)]}}}} if p.drain_s else {}),
+    }
+
+
+def termination_grace(spec: PDSpec, pod: PodTemplate) -> int:
+    """The preStop drain plus 30 s for the process's own SIGTERM shutdown, unless set explicitly."""
+    if pod.termination_grace_period_s is not None:
+        return pod.termination_grace_period_s
+    return spec.probes.drain_s + 30
+
+
+def pod_template_fields(pod: PodTemplate, *, worker: bool) -> dict[str, Any]:
+    """PodSpec fields from the role's template (placement, identity, pull secrets) and the secure defaults."""
+    out: dict[str, Any] = {"securityContext": pod_security(pod)}
+    if pod.service_account_name:
+        out["serviceAccountName"] = pod.service_account_name
+    automount = pod.automount_service_account_token
+    # workers never talk to the API server; the router neither, but a user sidecar might (set it true)
+    out["automountServiceAccountToken"] = bool(automount) if automount is not None else False
+    if pod.image_pull_secrets:
+        out["imagePullSecrets"] = [{"name": n} for n in pod.image_pull_secrets]
+    if pod.node_selector:
+        out["nodeSelector"] = dict(pod.node_selector)
+    if pod.tolerations:
+        out["tolerations"] = [dict(t) for t in pod.tolerations]
+    if pod.affinity:
+        out["affinity"] = dict(pod.affinity)
+    if pod.topology_spread_constraints:
+        out["topologySpreadConstraints"] = [dict(t) for t in pod.topology_spread_constraints]
+    if pod.priority_class_name:
+        out["priorityClassName"] = pod.priority_class_name
+    return out
+
+
+def scratch_volumes(pod: PodTemplate) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts): /tmp always (read-only root), /dev/shm when sharedMemorySize is set."""
+    vols, mounts = [dict(SCRATCH_VOLUME)], [dict(SCRATCH_MOUNT)]
+    if pod.shared_memory_size:
+        vols.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": pod.shared_memory_size}})
+        mounts.append({"name": "dshm", "mountPath": SHM_MOUNT})
+    return vols, mounts
+
+
+def sidecars(pod: PodTemplate) -> list[dict[str, Any]]:
+    """The user's extra containers, with the secure container defaults under their own securityContext."""
+    return [copy.deepcopy({**dict(c), "securityContext": {**CONTAINER_SECURITY, **(c.get("securityContext") or {})}})
+            for c in pod.containers]
+
+
+def _container_image(container: dict[str, Any], image: str, pod: PodTemplate) -> dict[str, Any]:
+    container["image"] = image
+    if pod.image_pull_policy:
+        container["imagePullPolicy"] = pod.image_pull_policy
+    return container
 
 
 # ---------------------------------------------------------------- children
 def worker_pod(spec: PDSpec, owner: Owner, revision: str, pair: int, role: str, suffix: str) -> dict[str, Any]:
     """One worker Pod of pair ``pair``; ``suffix`` makes the name unique per incarnation."""
     r = spec.prefill if role == "prefill" else spec.decode
+    pod = r.pod
     ports = [{"name": "http", "containerPort": HTTP_PORT}]
     if role == "prefill":
         ports.append({"name": "bootstrap", "containerPort": BOOTSTRAP_PORT})
-    labels = {LABEL_COMPONENT: "worker", LABEL_PAIR: str(pair), LABEL_ROLE: role, LABEL_REVISION: revision}
-    container: dict[str, Any] = {
-        "name": role,
-        "image": spec.image,
+    labels = {**pod.labels, LABEL_COMPONENT: "worker", LABEL_PAIR: str(pair), LABEL_ROLE: role,
+              LABEL_REVISION: revision}
+    scratch, scratch_mounts = scratch_volumes(pod)
+    container: dict[str, Any] = _container_image({"name": role}, pod.image or spec.image, pod)
+    container.update({
         "command": worker_command(spec, owner, role),
         "env": worker_env(spec, role),
+        **({"envFrom": [dict(e) for e in pod.env_from]} if pod.env_from else {}),
         "ports": ports,
-        "readinessProbe": _probe("/health", 5, 3),
-        # Liveness is generous: a restart costs a co-restart of the whole pair.
-        "livenessProbe": _probe("/health", 10, 30),
-        "volumeMounts": [{"name": "kv-auth", "mountPath": KV_AUTH_DIR, "readOnly": True}]
+        **worker_probes(spec),
+        "securityContext": container_security(pod),
+        "volumeMounts": [{"name": "kv-auth", "mountPath": KV_AUTH_DIR, "readOnly": True}] + scratch_mounts
         + [dict(m) for m in r.volume_mounts],
-    }
+    })
     res = _resources(r)
     if res:
         container["resources"] = res
@@ -207,14 +323,18 @@ def worker_pod(spec: PDSpec, owner: Owner, revision: str, pair: int, role: str, 
         "hostname": worker_hostname(owner.name, pair, role),
         "subdomain": workers_service_name(owner.name),
         "restartPolicy": "Always",
-        "containers": [container],
-        "volumes": [{"name": "kv-auth", "secret": {"secretName": kv_secret_name(owner.name)}}]
+        "terminationGracePeriodSeconds": termination_grace(spec, pod),
+        "containers": [container] + sidecars(pod),
+        "volumes": [{"name": "kv-auth", "secret": {"secretName": kv_secret_name(owner.name)}}] + scratch
         + [dict(v) for v in r.volumes],
         **_placement(spec),
+        **pod_template_fields(pod, worker=True),
     }
+    if spec.placement.node_selector and pod.node_selector:  # the role's keys over spec.placement's
+        pod_spec["nodeSelector"] = {**spec.placement.node_selector, **pod.node_selector}
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": _meta(owner, pod_name(owner.name, pair, role, suffix), labels,
-                              annotations={"pdstack.io/engine": spec.engine}),
+                              annotations={**pod.annotations, "pdstack.io/engine": spec.engine}),
             "spec": pod_spec}
 
 
@@ -256,9 +376,18 @@ def topology_configmap(owner: Owner, revision: str, pairs: Iterable[TopologyPair
 
 
 def kv_secret(owner: Owner, token: str) -> dict[str, Any]:
+    """The KV-transfer token: mounted into worker pods only (the router never holds it)."""
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": _meta(owner, kv_secret_name(owner.name)),
+            "metadata": _meta(owner, kv_secret_name(owner.name), {LABEL_COMPONENT: "worker"}),
             "stringData": {KV_AUTH_KEY: token}}
+
+
+def admin_secret(owner: Owner, token: str) -> dict[str, Any]:
+    """The router-admin token: mounted into the router pod only (``--admin-token-file``); the operator
+    sends it on ``GET /config`` and ``POST /admin/topology``."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(owner, admin_secret_name(owner.name), {LABEL_COMPONENT: "router"}),
+            "stringData": {ADMIN_KEY: token}}
 
 
 def workers_service(owner: Owner) -> dict[str, Any]:
@@ -272,31 +401,40 @@ def workers_service(owner: Owner) -> dict[str, Any]:
 
 def router_deployment(spec: PDSpec, owner: Owner) -> dict[str, Any]:
     labels = {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "router"}
-    # the KV-transfer token also authenticates the operator's topology pushes (POST /admin/topology)
-    env = ([{"name": "PDRT_KV_AUTH_TOKEN_FILE", "value": f"{KV_AUTH_DIR}/{KV_AUTH_KEY}"}]
-           if spec.engine == "pdrt" else [])
-    container: dict[str, Any] = {
-        "name": "router", "image": spec.image, "command": router_command(spec, owner),
-        "env": env + [{"name": n, "value": v} for n, v in spec.router.env],
+    admin = spec.engine == "pdrt"  # the router-admin token; the KV-transfer token never reaches the router
+    pod = spec.router.pod
+    scratch, scratch_mounts = scratch_volumes(pod)
+    container: dict[str, Any] = _container_image({"name": "router"}, spec.router_image(), pod)
+    container.update({
+        "command": router_command(spec, owner),
+        "env": user_env(spec.router),
+        **({"envFrom": [dict(e) for e in pod.env_from]} if pod.env_from else {}),
         "ports": [{"name": "http", "containerPort": HTTP_PORT}],
-        "readinessProbe": _probe("/health", 5, 3),
+        "readinessProbe": _probe("/health", 5, 3, 2),
+        "securityContext": container_security(pod),
         "volumeMounts": [{"name": "topology", "mountPath": TOPOLOGY_DIR, "readOnly": True}]
-        + ([{"name": "kv-auth", "mountPath": KV_AUTH_DIR, "readOnly": True}] if env else [])
-        + [dict(m) for m in spec.router.volume_mounts],
-    }
+        + ([{"name": "router-admin", "mountPath": ADMIN_DIR, "readOnly": True}] if admin else [])
+        + scratch_mounts + [dict(m) for m in spec.router.volume_mounts],
+    })
     res = _resources(spec.router)
     if res:
         container["resources"] = res
+    pod_spec: dict[str, Any] = {
+        "containers": [container] + sidecars(pod),
+        "volumes": [{"name": "topology", "configMap": {"name": topology_name(owner.name)}}]
+        + ([{"name": "router-admin", "secret": {"secretName": admin_secret_name(owner.name)}}] if admin else [])
+        + scratch + [dict(v) for v in spec.router.volumes],
+        **pod_template_fields(pod, worker=False),
+    }
+    if pod.termination_grace_period_s is not None:
+        pod_spec["terminationGracePeriodSeconds"] = pod.termination_grace_period_s
+    meta: dict[str, Any] = {"labels": {**pod.labels, "app.kubernetes.io/name": "pdstack", **labels}}
+    if pod.annotations:
+        meta["annotations"] = dict(pod.annotations)
     return {"apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": _meta(owner, router_name(owner.name), {LABEL_COMPONENT: "router"}),
             "spec": {"replicas": spec.router.replicas, "selector": {"matchLabels": labels},
-                     "template": {"metadata": {"labels": {"app.kubernetes.io/name": "pdstack", **labels}},
-                                  "spec": {"containers": [container],
-                                           "volumes": [{"name": "topology",
-                                                        "configMap": {"name": topology_name(owner.name)}}]
-                                           + ([{"name": "kv-auth",
-                                                "secret": {"secretName": kv_secret_name(owner.name)}}] if env else [])
-                                           + [dict(v) for v in spec.router.volumes]}}}}
+                     "template": {"metadata": meta, "spec": pod_spec}}}
 
 
 def router_service(owner: Owner) -> dict[str, Any]:
@@ -340,9 +478,11 @@ def static_children(spec: PDSpec, owner: Owner, revision: str,
             disruption_budget(spec, owner)]
 
 
-def render(spec: PDSpec, owner: Owner, revision: str, *, kv_token: str, suffix: str = "0") -> list[dict[str, Any]]:
-    """Every child of a fresh PDDeployment: Secret, pods of every pair, services, router, topology."""
+def render(spec: PDSpec, owner: Owner, revision: str, *, kv_token: str,
+           admin_token: str = "generated-once-by-the-operator", suffix: str = "0") -> list[dict[str, Any]]:
+    """Every child of a fresh PDDeployment: Secrets, pods of every pair, services, router, topology."""
     pods = [worker_pod(spec, owner, revision, k, role, suffix) for k in range(spec.pairs) for role in ROLES]
     topology = [TopologyPair(k, False, worker_dns(owner, k, "prefill"), worker_dns(owner, k, "decode"))
                 for k in range(spec.pairs)]
-    return [kv_secret(owner, kv_token)] + pods + static_children(spec, owner, revision, topology)
+    admin = [admin_secret(owner, admin_token)] if spec.engine == "pdrt" else []
+    return [kv_secret(owner, kv_token)] + admin + pods + static_children(spec, owner, revision, topology)

@@ -13,7 +13,9 @@ import hashlib
 import json
 from typing import Any, Mapping
 
-from .spec import PDSpec, RoleSpec
+from dataclasses import asdict
+
+from .spec import PDSpec, PodTemplate, Probes, RoleSpec
 
 REVISION_LEN = 10
 
@@ -30,7 +32,18 @@ def _role_config(role: RoleSpec) -> dict[str, Any]:
         "volumeMounts": [dict(v) for v in role.volume_mounts],
         # only when set: a spec that leaves it out keeps its revision hash (the default derives from gpus)
         **({"tensorParallelSize": role.tensor_parallel} if role.tensor_parallel is not None else {}),
+        # pod template fields, only those set (a spec without them keeps its revision hash)
+        **({"pod": _jsonable({k: v for k, v in asdict(role.pod).items() if v not in (None, (), {})})}
+           if role.pod != PodTemplate() else {}),
     }
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in sorted(x.items())}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
 
 
 def effective_config(spec: PDSpec) -> dict[str, Any]:
@@ -59,6 +72,7 @@ def effective_config(spec: PDSpec) -> dict[str, Any]:
             "decodeTransferTimeoutSeconds": spec.watchdog.decode_transfer_timeout_s,
             "tickSeconds": spec.watchdog.tick_s,
         },
+        **({"probes": asdict(spec.probes)} if spec.probes != Probes() else {}),
     }
 
 

@@ -151,6 +151,7 @@ async def test_pairs_drain_in_the_router_before_their_pods_are_deleted(tmp_path)
     router_ip = f"127.0.{net}.2"
     checks: list[tuple[str, int, list[int], int]] = []  # (pod, pair, router draining, router topology version)
     router_proc = None
+    admin: dict[str, str] = {}  # the router-admin bearer header, once the operator has generated the Secret
     async with PDEmulator() as api, kmock.Server(api) as server:
         write_kubeconfig(str(server.url).rstrip("/"))
         kubelet = ProcessKubelet(api, net, str(tmp_path))
@@ -160,7 +161,7 @@ async def test_pairs_drain_in_the_router_before_their_pods_are_deleted(tmp_path)
             pod = api.read(PODS, ns, name)
             if not pod or pod["metadata"]["labels"].get("pdstack.io/component") != "worker":
                 return
-            cfg = httpx.get(f"http://{router_ip}:{PORT}/config", timeout=5).json()
+            cfg = httpx.get(f"http://{router_ip}:{PORT}/config", headers=admin, timeout=5).json()
             checks.append((name, int(pod["metadata"]["labels"]["pdstack.io/pair"]), cfg["draining"],
                            cfg["topology_version"]))
         api.on_pod_delete = on_pod_delete
@@ -173,16 +174,20 @@ async def test_pairs_drain_in_the_router_before_their_pods_are_deleted(tmp_path)
                     for role in ("prefill", "decode"):
                         body["spec"][role]["args"] = WORKER_ARGS
                     c.apply(body)
-                    secret = await eventually(lambda: api.read(SECRETS, NS, "drain-kv-auth"), what="KV secret")
+                    secret = await eventually(lambda: api.read(SECRETS, NS, "drain-router-admin"), what="admin secret")
                     cm = await eventually(lambda: api.read(CONFIGMAPS, NS, "drain-topology"), what="topology")
                     topo_file = tmp_path / "topology.yaml"  # the ConfigMap volume, as mounted; never refreshed
                     topo_file.write_text(cm["data"]["topology.yaml"])
+                    # the router pod mounts only the router-admin Secret, never the KV-transfer one
+                    admin_file = tmp_path / "router-admin.token"
+                    admin_file.write_text(base64.b64decode(secret["data"]["token"]).decode())
+                    admin["Authorization"] = f"Bearer {admin_file.read_text()}"
                     env = {k: v for k, v in os.environ.items() if not k.startswith("PDRT_")}
-                    env.update(PDRT_KV_AUTH_TOKEN=base64.b64decode(secret["data"]["token"]).decode(),
-                               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+                    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
                     router_proc = subprocess.Popen(
                         [sys.executable, "-m", "pdruntime.server", "serve", "--role", "router", "--host", router_ip,
-                         "--port", str(PORT), "--topology-file", str(topo_file)], env=env,
+                         "--port", str(PORT), "--topology-file", str(topo_file),
+                         "--admin-token-file", str(admin_file)], env=env,
                         stdout=open(tmp_path / "router.log", "wb"), stderr=subprocess.STDOUT)
                     kubelet.router_ip = router_ip  # the router Deployment's pod: this process
                     await eventually(lambda: c.condition("drain", "Ready").get("status") == "True", timeout=240,
@@ -190,7 +195,7 @@ async def test_pairs_drain_in_the_router_before_their_pods_are_deleted(tmp_path)
                     url = f"http://{router_ip}:{PORT}"
                     await eventually(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, timeout=60,
                                      what="router healthy")
-                    cfg = httpx.get(url + "/config", timeout=5).json()
+                    cfg = httpx.get(url + "/config", headers=admin, timeout=5).json()
                     assert cfg["topology_version"] > yaml.safe_load(cm["data"]["topology.yaml"])["generation"]
 
                     traffic = Traffic(url)
