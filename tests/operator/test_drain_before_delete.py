@@ -64,6 +64,7 @@ class ProcessKubelet(Kubelet):
         cmd = list(ctr["command"])
         assert cmd[:2] == ["pdrt", "serve"], cmd
         cmd[cmd.index("--host") + 1] = ip
+        cmd[cmd.index("--device") + 1] = "cpu"  # the emulated nodes' "GPUs" are this host's CPU
         secret = self.api.read(SECRETS, NS, pod["spec"]["volumes"][0]["secret"]["secretName"])
         token_file = os.path.join(self.log_dir, f"{name}.token")
         with open(token_file, "w") as fh:
