@@ -27,7 +27,7 @@ from .config import OperatorConfig
 from .kube import ApiError, Kube, object_path, path
 from .pairs import (CoRestart, CreatePods, DeletePods, DrainPair, ForceDelete, Plan, RolloutPair, plan_pairs,
                     pod_view, unschedulable_message)
-from .render import (ADMIN_KEY, KV_AUTH_KEY, LABEL_COMPONENT, LABEL_DEPLOYMENT, TOPOLOGY_KEY, Owner, TopologyPair, admin_secret,
+from .render import (ADMIN_KEY, KV_AUTH_KEY, LABEL_COMPONENT, LABEL_DEPLOYMENT, TOPOLOGY_KEY, Owner, TopologyPair, admin_secret, group_slots, slot_name,
                      admin_secret_name, kv_secret,
                      kv_secret_name, router_name, static_children, topology_doc, topology_generation, topology_name,
                      worker_pod)
@@ -262,6 +262,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
                                                        default=[]))
     view = await router.sync(router_ips, None, token) if drains else None
     plan = plan_pairs(desired_revision=revision, pairs=spec.pairs, policy=spec.co_restart,
+                      slots=group_slots(spec.prefill.replicas, spec.decode.replicas),
                       max_unavailable=spec.max_unavailable_pairs, pods=views,
                       memory=memory_from_status(old_status), now=now,
                       drain_s=spec.drain_seconds, lost_nodes=lost, lost_node_margin_s=cfg.lost_node_margin_s,
@@ -269,8 +270,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
                       **({"router": view} if view is not None else {}))
 
     # topology first: a pair marked draining is published (and pushed) before anything is deleted
-    topo_pairs = [TopologyPair(s.index, s.ready, s.hosts[0], s.hosts[1], s.draining)
-                  for s in plan.pairs + plan.retiring]
+    topo_pairs = [_topology_group(s, spec) for s in plan.pairs + plan.retiring]
     live_cm = await steps.run(kube.get(path("v1", "ConfigMap", namespace, topology_name(name))))
     try:
         previous = yaml.safe_load(((live_cm or {}).get("data") or {}).get(TOPOLOGY_KEY, "")) if live_cm else None
@@ -319,7 +319,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
 
     facts = Facts(generation=generation, desired_revision=revision, router_ready=router_ready,
                   unschedulable_message=unsched, drift=drift_lines, rejections=steps.rejections,
-                  topology_version=doc["generation"])
+                  topology_version=doc["generation"], selector=selector)
     new = build_status(old_status, plan, facts, now)
     if unsched and old_conds.get("Progressing", {}).get("reason") != "Unschedulable":
         await post_event(kube, body, "Warning", "Unschedulable", unsched)
@@ -336,6 +336,15 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     if not new["conditions"][0]["status"] == "True" and plan.requeue_after is None:
         return 10.0  # not ready yet: look again even if no event arrives
     return plan.requeue_after
+
+
+def _topology_group(s: Any, spec: Any) -> TopologyPair:
+    """A planned group as the router sees it: every member slot, with its pod IP once it has one."""
+    members = s.members or {}
+    prefills = tuple(members.get(slot_name("prefill", m)) for m in range(spec.prefill.replicas))
+    decodes = tuple(members.get(slot_name("decode", m)) for m in range(spec.decode.replicas))
+    return TopologyPair(s.index, s.ready, s.hosts[0], s.hosts[1], s.draining, prefill_hosts=prefills,
+                        decode_hosts=decodes)
 
 
 def _stamp_drain(state: Any, generation: int) -> Any:

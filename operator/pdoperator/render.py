@@ -23,7 +23,11 @@ LABEL_PAIR = "pdstack.io/pair"
 LABEL_ROLE = "pdstack.io/role"
 LABEL_REVISION = "pdstack.io/revision"
 LABEL_COMPONENT = "pdstack.io/component"  # worker | router
+LABEL_MEMBER = "pdstack.io/member"  # which prefill (decode) of its group: 0..replicas-1
 ROLES = ("prefill", "decode")
+# A group's router entries: one per (prefill, decode) combination; entry c of group k has index k + STRIDE * c,
+# so a 1P:1D group keeps index k and index % STRIDE is always the group (spec.pairs <= 256 < STRIDE).
+GROUP_INDEX_STRIDE = 1000
 TOPOLOGY_KEY = "topology.yaml"
 TOPOLOGY_DIR = "/etc/pdstack"
 KV_AUTH_DIR = "/etc/pdstack/kv-auth"
@@ -45,11 +49,38 @@ class Owner:
 
 @dataclass(frozen=True)
 class TopologyPair:
+    """One P:D group as the router sees it (a pair is the 1P:1D group)."""
+
     index: int
     ready: bool
-    prefill_host: str | None  # pod IP (or DNS name) of the prefill worker
+    prefill_host: str | None  # pod IP (or DNS name) of the prefill worker (member 0)
     decode_host: str | None
     draining: bool = False  # take no new requests; the pods go once the router confirms
+    prefill_hosts: tuple[str | None, ...] = ()  # every prefill member (default: (prefill_host,))
+    decode_hosts: tuple[str | None, ...] = ()
+
+    def members(self) -> tuple[tuple[str | None, ...], tuple[str | None, ...]]:
+        return (self.prefill_hosts or (self.prefill_host,)), (self.decode_hosts or (self.decode_host,))
+
+
+def slot_name(role: str, member: int) -> str:
+    """A pod's place in its group: ``prefill``/``decode`` for member 0 (the 1P:1D names), ``decode-2``..."""
+    return role if member == 0 else f"{role}-{member}"
+
+
+def split_slot(slot: str) -> tuple[str, int]:
+    role, _, member = slot.partition("-")
+    return role, int(member or 0)
+
+
+def group_slots(prefill: int, decode: int) -> tuple[str, ...]:
+    """Every member of a ``prefill``P:``decode``D group, prefills first."""
+    return tuple(slot_name("prefill", m) for m in range(prefill)) + tuple(slot_name("decode", m) for m in range(decode))
+
+
+def group_of(router_index: int) -> int:
+    """The group a router topology entry belongs to."""
+    return router_index % GROUP_INDEX_STRIDE
 
 
 # ---------------------------------------------------------------- names
@@ -73,16 +104,16 @@ def admin_secret_name(name: str) -> str:
     return f"{name}-router-admin"
 
 
-def worker_hostname(name: str, pair: int, role: str) -> str:
-    return f"{name}-{pair}-{role}"
+def worker_hostname(name: str, pair: int, slot: str) -> str:
+    return f"{name}-{pair}-{slot}"
 
 
-def worker_dns(owner: Owner, pair: int, role: str) -> str:
-    return f"{worker_hostname(owner.name, pair, role)}.{workers_service_name(owner.name)}.{owner.namespace}.svc"
+def worker_dns(owner: Owner, pair: int, slot: str) -> str:
+    return f"{worker_hostname(owner.name, pair, slot)}.{workers_service_name(owner.name)}.{owner.namespace}.svc"
 
 
-def pod_name(name: str, pair: int, role: str, suffix: str) -> str:
-    return f"{worker_hostname(name, pair, role)}-{suffix}"
+def pod_name(name: str, pair: int, slot: str, suffix: str) -> str:
+    return f"{worker_hostname(name, pair, slot)}-{suffix}"
 
 
 def _meta(owner: Owner, name: str, labels: Mapping[str, str] | None = None, **extra: Any) -> dict[str, Any]:
@@ -127,9 +158,12 @@ def router_command(spec: PDSpec, owner: Owner) -> list[str]:
         # SGLang's router takes a static list; worker DNS names are stable across co-restarts.
         cmd = ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
         for k in range(spec.pairs):
-            cmd += ["--prefill", f"http://{worker_dns(owner, k, 'prefill')}:{HTTP_PORT}", str(BOOTSTRAP_PORT)]
+            for m in range(spec.prefill.replicas):
+                cmd += ["--prefill", f"http://{worker_dns(owner, k, slot_name('prefill', m))}:{HTTP_PORT}",
+                        str(BOOTSTRAP_PORT)]
         for k in range(spec.pairs):
-            cmd += ["--decode", f"http://{worker_dns(owner, k, 'decode')}:{HTTP_PORT}"]
+            for m in range(spec.decode.replicas):
+                cmd += ["--decode", f"http://{worker_dns(owner, k, slot_name('decode', m))}:{HTTP_PORT}"]
         return cmd + ["--host", "0.0.0.0", "--port", str(HTTP_PORT)] + list(spec.router.args)
     return ["pdrt", "serve", "--role", "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
             "--topology-file", f"{TOPOLOGY_DIR}/{TOPOLOGY_KEY}",
@@ -295,15 +329,17 @@ def _container_image(container: dict[str, Any], image: str, pod: PodTemplate) ->
 
 
 # ---------------------------------------------------------------- children
-def worker_pod(spec: PDSpec, owner: Owner, revision: str, pair: int, role: str, suffix: str) -> dict[str, Any]:
-    """One worker Pod of pair ``pair``; ``suffix`` makes the name unique per incarnation."""
+def worker_pod(spec: PDSpec, owner: Owner, revision: str, pair: int, slot: str, suffix: str) -> dict[str, Any]:
+    """One worker Pod of group ``pair`` at ``slot`` (``prefill``, ``decode``, ``decode-1``...); ``suffix`` makes
+    the name unique per incarnation."""
+    role, member = split_slot(slot)
     r = spec.prefill if role == "prefill" else spec.decode
     pod = r.pod
     ports = [{"name": "http", "containerPort": HTTP_PORT}]
     if role == "prefill":
         ports.append({"name": "bootstrap", "containerPort": BOOTSTRAP_PORT})
     labels = {**pod.labels, LABEL_COMPONENT: "worker", LABEL_PAIR: str(pair), LABEL_ROLE: role,
-              LABEL_REVISION: revision}
+              LABEL_REVISION: revision, **({LABEL_MEMBER: str(member)} if member else {})}
     scratch, scratch_mounts = scratch_volumes(pod)
     container: dict[str, Any] = _container_image({"name": role}, pod.image or spec.image, pod)
     container.update({
@@ -320,7 +356,7 @@ def worker_pod(spec: PDSpec, owner: Owner, revision: str, pair: int, role: str, 
     if res:
         container["resources"] = res
     pod_spec: dict[str, Any] = {
-        "hostname": worker_hostname(owner.name, pair, role),
+        "hostname": worker_hostname(owner.name, pair, slot),
         "subdomain": workers_service_name(owner.name),
         "restartPolicy": "Always",
         "terminationGracePeriodSeconds": termination_grace(spec, pod),
@@ -333,7 +369,7 @@ def worker_pod(spec: PDSpec, owner: Owner, revision: str, pair: int, role: str, 
     if spec.placement.node_selector and pod.node_selector:  # the role's keys over spec.placement's
         pod_spec["nodeSelector"] = {**spec.placement.node_selector, **pod.node_selector}
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": _meta(owner, pod_name(owner.name, pair, role, suffix), labels,
+            "metadata": _meta(owner, pod_name(owner.name, pair, slot, suffix), labels,
                               annotations={**pod.annotations, "pdstack.io/engine": spec.engine}),
             "spec": pod_spec}
 
@@ -342,13 +378,19 @@ def topology_doc(revision: str, pairs: Iterable[TopologyPair], generation: int =
     """The router topology (``pdruntime.server.topology`` format); ``generation`` is its version."""
     doc: dict[str, Any] = {"version": 1, "generation": generation, "revision": revision, "pairs": []}
     for p in pairs:
-        entry: dict[str, Any] = {"index": p.index,
-                                 "ready": bool(p.ready and p.prefill_host and p.decode_host and not p.draining),
-                                 "draining": p.draining}
-        entry["prefill"] = {"url": f"http://{p.prefill_host}:{HTTP_PORT}" if p.prefill_host else None,
-                            "bootstrap_host": p.prefill_host, "bootstrap_port": BOOTSTRAP_PORT}
-        entry["decode"] = {"url": f"http://{p.decode_host}:{HTTP_PORT}" if p.decode_host else None}
-        doc["pairs"].append(entry)
+        prefills, decodes = p.members()
+        grouped = len(prefills) * len(decodes) > 1
+        # a group is one router entry per (prefill, decode) combination: the router dispatches within the group
+        for c, (ph, dh) in enumerate((ph, dh) for ph in prefills for dh in decodes):
+            entry: dict[str, Any] = {"index": p.index + GROUP_INDEX_STRIDE * c,
+                                     "ready": bool(p.ready and ph and dh and not p.draining),
+                                     "draining": p.draining}
+            if grouped:
+                entry["group"] = p.index
+            entry["prefill"] = {"url": f"http://{ph}:{HTTP_PORT}" if ph else None,
+                                "bootstrap_host": ph, "bootstrap_port": BOOTSTRAP_PORT}
+            entry["decode"] = {"url": f"http://{dh}:{HTTP_PORT}" if dh else None}
+            doc["pairs"].append(entry)
     return doc
 
 
@@ -461,7 +503,8 @@ def disruption_budget(spec: PDSpec, owner: Owner) -> dict[str, Any]:
     ``maxUnavailablePairs`` worker pods unavailable. A co-restarted pair stays "down" for the PDB until
     both its new pods are Ready (not-ready pods are unhealthy), so a second eviction waits for it.
     """
-    min_available = max(0, 2 * spec.pairs - spec.max_unavailable_pairs)
+    per_group = spec.prefill.replicas + spec.decode.replicas
+    min_available = max(0, per_group * spec.pairs - spec.max_unavailable_pairs)
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": _meta(owner, workers_service_name(owner.name), {LABEL_COMPONENT: "worker"}),
             "spec": {"minAvailable": min_available,
@@ -472,7 +515,8 @@ def static_children(spec: PDSpec, owner: Owner, revision: str,
                     topology: Iterable[TopologyPair] | None = None, generation: int = 0) -> list[dict[str, Any]]:
     """Children other than worker Pods and the Secret (those have their own lifecycles)."""
     if topology is None:
-        topology = [TopologyPair(k, False, None, None) for k in range(spec.pairs)]
+        topology = [TopologyPair(k, False, None, None, prefill_hosts=(None,) * spec.prefill.replicas,
+                                 decode_hosts=(None,) * spec.decode.replicas) for k in range(spec.pairs)]
     return [workers_service(owner), router_deployment(spec, owner), router_service(owner),
             topology_configmap(owner, revision, topology, generation), network_policy(owner),
             disruption_budget(spec, owner)]
@@ -481,8 +525,11 @@ def static_children(spec: PDSpec, owner: Owner, revision: str,
 def render(spec: PDSpec, owner: Owner, revision: str, *, kv_token: str,
            admin_token: str = "generated-once-by-the-operator", suffix: str = "0") -> list[dict[str, Any]]:
     """Every child of a fresh PDDeployment: Secrets, pods of every pair, services, router, topology."""
-    pods = [worker_pod(spec, owner, revision, k, role, suffix) for k in range(spec.pairs) for role in ROLES]
-    topology = [TopologyPair(k, False, worker_dns(owner, k, "prefill"), worker_dns(owner, k, "decode"))
+    slots = group_slots(spec.prefill.replicas, spec.decode.replicas)
+    pods = [worker_pod(spec, owner, revision, k, slot, suffix) for k in range(spec.pairs) for slot in slots]
+    topology = [TopologyPair(k, False, worker_dns(owner, k, "prefill"), worker_dns(owner, k, "decode"),
+                             prefill_hosts=tuple(worker_dns(owner, k, s) for s in slots if s.startswith("prefill")),
+                             decode_hosts=tuple(worker_dns(owner, k, s) for s in slots if s.startswith("decode")))
                 for k in range(spec.pairs)]
     admin = [admin_secret(owner, admin_token)] if spec.engine == "pdrt" else []
     return [kv_secret(owner, kv_token)] + admin + pods + static_children(spec, owner, revision, topology)

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 import aiohttp
 
 from .pairs import RouterView
+from .render import group_of
 
 
 def router_pods_ready(pods: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -37,7 +38,8 @@ def router_view(present: bool, configs: Sequence[Mapping[str, Any] | None]) -> R
             return RouterView(True, None, inflight)
         versions.append(cfg["topology_version"])
         for k, n in (cfg.get("inflight_by_pair") or {}).items():
-            inflight[int(k)] = inflight.get(int(k), 0) + int(n)
+            g = group_of(int(k))  # a group's entries (one per prefill x decode) count toward the group
+            inflight[g] = inflight.get(g, 0) + int(n)
     return RouterView(True, min(versions) if versions else None, inflight)
 
 

@@ -50,6 +50,7 @@ OPERATOR_OWNED_ENV = {
 }
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+MAX_GROUP_REPLICAS = 16  # prefill (decode) pods per group; "-<group>-decode-15-<suffix>" fits a DNS label
 MAX_NAME_LEN = 40  # leaves room for "-<pair>-prefill-<suffix>" within 63 chars
 
 
@@ -279,11 +280,8 @@ class _Reader:
 
 def _role(r: _Reader, raw: Any, path: str, *, gpu_role: bool) -> RoleSpec:
     d = r.obj(raw, path)
-    if gpu_role:
-        replicas = d.get("replicas", 1)
-        if replicas != 1 or isinstance(replicas, bool):
-            r.fail(f"{path}.replicas", replicas, "1 (a pair is one prefill + one decode pod; scale with spec.pairs)")
-            replicas = 1
+    if gpu_role:  # pods of this role per P:D group (spec.pairs counts groups)
+        replicas = r.int_(d, "replicas", path, 1, 1, MAX_GROUP_REPLICAS)
     else:
         replicas = r.int_(d, "replicas", path, 1, 0, 64)
     res = r.obj(d.get("resources"), f"{path}.resources")
