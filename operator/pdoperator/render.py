@@ -210,6 +210,29 @@ def _resources(r: RoleSpec) -> dict[str, Any]:
     return out
 
 
+HOSTNAME_KEY = "kubernetes.io/hostname"
+
+
+def group_affinity(spec: PDSpec, owner: Owner, pair: int) -> dict[str, Any]:
+    """The default placement of group ``pair``: its pods together on one node (the KV transfer stays on the
+    node), other groups elsewhere (a node failure takes one group). ``Preferred`` (default) lets the scheduler
+    break either rule when it must; ``Required`` makes co-location mandatory (a group that fits no single node
+    stays Pending); ``None`` renders neither."""
+    mode = spec.placement.group_placement
+    if mode == "None":
+        return {}
+    same = {"labelSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "worker",
+                                              LABEL_PAIR: str(pair)}}, "topologyKey": HOSTNAME_KEY}
+    others = {"labelSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "worker"},
+                                "matchExpressions": [{"key": LABEL_PAIR, "operator": "NotIn", "values": [str(pair)]}]},
+              "topologyKey": HOSTNAME_KEY}
+    together = ({"requiredDuringSchedulingIgnoredDuringExecution": [same]} if mode == "Required" else
+                {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": same}]})
+    return {"podAffinity": together,
+            "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 50, "podAffinityTerm": others}]}}
+
+
 def _placement(spec: PDSpec) -> dict[str, Any]:
     p = spec.placement
     out: dict[str, Any] = {}
@@ -368,6 +391,11 @@ def worker_pod(spec: PDSpec, owner: Owner, revision: str, pair: int, slot: str, 
     }
     if spec.placement.node_selector and pod.node_selector:  # the role's keys over spec.placement's
         pod_spec["nodeSelector"] = {**spec.placement.node_selector, **pod.node_selector}
+    # affinity: the group default, then spec.placement.affinity, then the role's, each winning per kind
+    # (nodeAffinity / podAffinity / podAntiAffinity)
+    affinity = {**group_affinity(spec, owner, pair), **spec.placement.affinity, **pod.affinity}
+    if affinity:
+        pod_spec["affinity"] = copy.deepcopy(affinity)
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": _meta(owner, pod_name(owner.name, pair, slot, suffix), labels,
                               annotations={**pod.annotations, "pdstack.io/engine": spec.engine}),

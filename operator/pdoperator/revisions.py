@@ -60,6 +60,8 @@ def effective_config(spec: PDSpec) -> dict[str, Any]:
             "tolerations": [dict(t) for t in spec.placement.tolerations],
             "affinity": dict(spec.placement.affinity),
             "priorityClassName": spec.placement.priority_class_name,
+            **({"groupPlacement": spec.placement.group_placement}
+               if spec.placement.group_placement != "Preferred" else {}),
         },
         "kernel": {
             "decodeTargetCTAs": spec.kernel.decode_target_ctas,

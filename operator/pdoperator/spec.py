@@ -144,8 +144,12 @@ class RoleSpec:
         return "cuda" if self.gpus > 0 else "cpu"
 
 
+GROUP_PLACEMENTS = ("Preferred", "Required", "None")
+
+
 @dataclass(frozen=True)
 class Placement:
+    group_placement: str = "Preferred"  # a group's pods on one node (KV transfer stays local), groups spread
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
     affinity: Mapping[str, Any] = field(default_factory=dict)
@@ -455,6 +459,7 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
 
     p = r.obj(d.get("placement"), "spec.placement")
     placement = Placement(
+        group_placement=r.choice(p, "groupPlacement", "spec.placement", "Preferred", GROUP_PLACEMENTS),
         node_selector=r.str_map(p, "nodeSelector", "spec.placement"),
         tolerations=r.list_of_obj(p, "tolerations", "spec.placement"),
         affinity=r.obj(p.get("affinity"), "spec.placement.affinity"),

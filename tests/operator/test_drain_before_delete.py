@@ -7,7 +7,8 @@ The router is a real ``pdrt serve --role router`` on the router pod's IP; its to
 written once and never refreshed (a slow ConfigMap volume): it learns every change from the
 operator's pushes. Under steady client traffic, through a rollout of both pairs and a co-restart:
 
-* every DELETE of a worker pod finds the router's ``/config`` already showing that pair draining;
+* every DELETE of a worker pod finds the router's ``/config`` already showing that pair draining, through a
+  rollout, a co-restart and ``kubectl scale`` (scale-subresource patches) 2 -> 1 -> 3 -> 1;
 * no client request fails.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
+import json
 import os
 import random
 import signal
@@ -219,6 +221,20 @@ async def test_pairs_drain_in_the_router_before_their_pods_are_deleted(tmp_path)
                                      timeout=240, interval=0.2, what="co-restart done")
                     await eventually(lambda: traffic.ok >= served_after_rollout + 5, timeout=60,
                                      what="traffic after the co-restart")
+                    # 3. `kubectl scale pdd drain --replicas N` (the scale subresource): 2 -> 1 -> 3 -> 1
+                    scale_url = f"{str(server.url).rstrip('/')}/apis/pdstack.io/v1alpha1/namespaces/{NS}/" \
+                                "pddeployments/drain/scale"
+                    for n in (1, 3, 1):
+                        r = httpx.patch(scale_url, content=json.dumps({"spec": {"replicas": n}}), timeout=10,
+                                        headers={"Content-Type": "application/merge-patch+json"})
+                        assert r.status_code == 200 and r.json()["spec"]["replicas"] == n, r.text
+                        before = traffic.ok
+                        await eventually(lambda: (st := c.pdd("drain")["status"]).get("replicas") == n
+                                         and st["readyPairs"] == n and len(st["pairs"]) == n
+                                         and len(c.pods("drain")) == 2 * n
+                                         and c.condition("drain", "Ready").get("status") == "True",
+                                         timeout=240, interval=0.2, what=f"scaled to {n}")
+                        await eventually(lambda: traffic.ok >= before + 3, timeout=60, what=f"traffic at {n}")
                     await traffic.stop()
         finally:
             kubelet.stop_all()
@@ -227,7 +243,7 @@ async def test_pairs_drain_in_the_router_before_their_pods_are_deleted(tmp_path)
                 router_proc.wait(10)
 
     assert traffic.failures == [], traffic.failures[:5]
-    assert len(checks) >= 6, checks  # 4 pods rolled + 2 co-restarted
+    assert len(checks) >= 6 + 2 + 4, checks  # 4 pods rolled + 2 co-restarted + 2 and 4 scaled down
     for pod, pair, draining, version in checks:
         assert pair in draining, f"pod {pod} of pair {pair} deleted while the router (version {version}) " \
                                  f"showed draining={draining}"

@@ -138,3 +138,37 @@ async def test_kubectl_scale_patches_the_scale_subresource_1_to_3_to_1(operator)
         await scale(1)
         await eventually(lambda: _ready(c, "sc", 1) and len(c.pods("sc")) == 2, timeout=30, what="back to 1 group")
     assert c.events("sc", "RollingOut") == [] and c.events("sc", "CoRestart") == []
+
+
+def test_default_placement_keeps_a_group_on_one_node_and_spreads_groups():
+    from pdoperator.render import worker_pod
+
+    owner = Owner("llm", "ns", "u")
+    spec = parse_spec({"image": "x", "pairs": 2, "decode": {"replicas": 2}})
+    aff = worker_pod(spec, owner, "r", 1, "decode-1", "0")["spec"]["affinity"]
+    together = aff["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert together["topologyKey"] == "kubernetes.io/hostname"
+    assert together["labelSelector"]["matchLabels"] == {"pdstack.io/deployment": "llm",
+                                                        "pdstack.io/component": "worker", "pdstack.io/pair": "1"}
+    apart = aff["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert apart["labelSelector"]["matchExpressions"] == [{"key": "pdstack.io/pair", "operator": "NotIn",
+                                                           "values": ["1"]}]
+    # a pod of group 1 matches its own group's term and not the spread term (labels as rendered)
+    labels = worker_pod(spec, owner, "r", 1, "prefill", "0")["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in together["labelSelector"]["matchLabels"].items())
+    assert labels["pdstack.io/pair"] in apart["labelSelector"]["matchExpressions"][0]["values"]
+
+    req = parse_spec({"image": "x", "placement": {"groupPlacement": "Required"}})
+    aff = worker_pod(req, owner, "r", 0, "prefill", "0")["spec"]["affinity"]
+    assert aff["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] == \
+        "kubernetes.io/hostname"
+    assert "affinity" not in worker_pod(parse_spec({"image": "x", "placement": {"groupPlacement": "None"}}),
+                                        owner, "r", 0, "prefill", "0")["spec"]
+    # the user's nodeAffinity adds to the default; their podAntiAffinity replaces the default of that kind
+    mine = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}]}},
+        "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": []}}
+    aff = worker_pod(parse_spec({"image": "x", "decode": {"affinity": mine}}), owner, "r", 0, "decode", "0")["spec"][
+        "affinity"]
+    assert aff["nodeAffinity"] == mine["nodeAffinity"] and aff["podAntiAffinity"] == mine["podAntiAffinity"]
+    assert "podAffinity" in aff
