@@ -139,6 +139,10 @@ def worker_command(spec: PDSpec, owner: Owner, role: str) -> list[str]:
             cmd += ["--served-model-name", spec.model.served_name]
         if role == "prefill":
             cmd += ["--disaggregation-bootstrap-port", str(BOOTSTRAP_PORT)]
+        # explicit: SGLang's default (mooncake over RDMA) fails on nodes without an RDMA device
+        cmd += ["--disaggregation-transfer-backend", spec.sglang.transfer_backend]
+        if spec.sglang.ib_device:
+            cmd += ["--disaggregation-ib-device", spec.sglang.ib_device]
         if r.tp_size > 1:
             cmd += ["--tp-size", str(r.tp_size)]
         return cmd + list(r.args)
@@ -197,11 +201,13 @@ def _num(x: float) -> str:
     return repr(int(x)) if float(x).is_integer() else repr(x)
 
 
-def _resources(r: RoleSpec) -> dict[str, Any]:
+def _resources(r: RoleSpec, extended: Mapping[str, str] | None = None) -> dict[str, Any]:
     requests, limits = dict(r.requests), dict(r.limits)
     if r.gpus:
         requests[GPU_RESOURCE] = str(r.gpus)
         limits[GPU_RESOURCE] = str(r.gpus)
+    for k, v in (extended or {}).items():  # extended resources (RDMA devices): requests == limits
+        requests[k] = limits[k] = v
     out: dict[str, Any] = {}
     if requests:
         out["requests"] = dict(sorted(requests.items()))
@@ -375,7 +381,7 @@ def worker_pod(spec: PDSpec, owner: Owner, revision: str, pair: int, slot: str, 
         "volumeMounts": [{"name": "kv-auth", "mountPath": KV_AUTH_DIR, "readOnly": True}] + scratch_mounts
         + [dict(m) for m in r.volume_mounts],
     })
-    res = _resources(r)
+    res = _resources(r, spec.sglang.rdma_resources if spec.engine == "sglang" else None)
     if res:
         container["resources"] = res
     pod_spec: dict[str, Any] = {
@@ -514,14 +520,24 @@ def router_service(owner: Owner) -> dict[str, Any]:
                      "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": HTTP_PORT}]}}
 
 
-def network_policy(owner: Owner) -> dict[str, Any]:
-    """Workers accept traffic only from pods of the same PDDeployment (router and peers)."""
+SGLANG_PEER_PORTS = (1024, 65535)  # TCP: SGLang's ZMQ sockets and transfer engines bind ports chosen at runtime
+
+
+def network_policy(spec: PDSpec, owner: Owner) -> dict[str, Any]:
+    """Workers accept traffic only from pods of the same PDDeployment (router and peers). With SGLang, its
+    workers also reach each other on the ZMQ / transfer-engine ports they open at runtime (not fixed ports):
+    TCP 1024-65535, from worker pods of the same deployment only."""
+    ingress: list[dict[str, Any]] = [{"from": [{"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name}}}],
+                                      "ports": [{"port": HTTP_PORT}, {"port": BOOTSTRAP_PORT}]}]
+    if spec.engine == "sglang":
+        lo, hi = SGLANG_PEER_PORTS
+        ingress.append({"from": [{"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name,
+                                                                  LABEL_COMPONENT: "worker"}}}],
+                        "ports": [{"protocol": "TCP", "port": lo, "endPort": hi}]})
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": _meta(owner, workers_service_name(owner.name), {LABEL_COMPONENT: "worker"}),
             "spec": {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "worker"}},
-                     "policyTypes": ["Ingress"],
-                     "ingress": [{"from": [{"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name}}}],
-                                  "ports": [{"port": HTTP_PORT}, {"port": BOOTSTRAP_PORT}]}]}}
+                     "policyTypes": ["Ingress"], "ingress": ingress}}
 
 
 def disruption_budget(spec: PDSpec, owner: Owner) -> dict[str, Any]:
@@ -546,7 +562,7 @@ def static_children(spec: PDSpec, owner: Owner, revision: str,
         topology = [TopologyPair(k, False, None, None, prefill_hosts=(None,) * spec.prefill.replicas,
                                  decode_hosts=(None,) * spec.decode.replicas) for k in range(spec.pairs)]
     return [workers_service(owner), router_deployment(spec, owner), router_service(owner),
-            topology_configmap(owner, revision, topology, generation), network_policy(owner),
+            topology_configmap(owner, revision, topology, generation), network_policy(spec, owner),
             disruption_budget(spec, owner)]
 
 

@@ -75,6 +75,7 @@ def effective_config(spec: PDSpec) -> dict[str, Any]:
             "tickSeconds": spec.watchdog.tick_s,
         },
         **({"probes": asdict(spec.probes)} if spec.probes != Probes() else {}),
+        **({"sglang": _jsonable(asdict(spec.sglang))} if spec.engine == "sglang" else {}),
     }
 
 

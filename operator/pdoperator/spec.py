@@ -156,6 +156,19 @@ class Placement:
     priority_class_name: str | None = None
 
 
+SGLANG_TRANSFER_BACKENDS = ("nixl", "mooncake", "mooncake_tcp", "fake")  # SGLang's own choices, minus NPU ones
+
+
+@dataclass(frozen=True)
+class SglangSpec:
+    """engine: sglang only. The KV-transfer backend is always rendered explicitly: SGLang's own default is
+    mooncake over RDMA, which fails on a node without an RDMA device."""
+
+    transfer_backend: str = "nixl"  # NIXL over UCX works on TCP; mooncake needs RDMA (ibDevice + rdmaResources)
+    ib_device: str | None = None  # --disaggregation-ib-device, e.g. mlx5_0
+    rdma_resources: Mapping[str, str] = field(default_factory=dict)  # e.g. {"rdma/ib": "1"}: requests == limits
+
+
 @dataclass(frozen=True)
 class KernelKnobs:
     decode_target_ctas: int = 0  # 0 = derive from the device (SMs x waves)
@@ -202,6 +215,7 @@ class PDSpec:
     drain_seconds: float = 30.0  # in-flight requests of a draining pair may finish this long before deletion
     revision_history_limit: int = 10
     probes: Probes = Probes()
+    sglang: SglangSpec = SglangSpec()
 
     def router_image(self) -> str:
         """spec.router.image, else pdstack's CPU runtime image (pdrt), else spec.image (sglang's router)."""
@@ -443,6 +457,14 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
         for i, c in enumerate(x.pod.containers):
             if c.get("name") == role:
                 r.fail(f"spec.{role}.containers[{i}].name", role, "a name other than the operator's container")
+    sg = r.obj(d.get("sglang"), "spec.sglang")
+    sglang = SglangSpec(
+        transfer_backend=r.choice(sg, "transferBackend", "spec.sglang", "nixl", SGLANG_TRANSFER_BACKENDS),
+        ib_device=r.str_(sg, "ibDevice", "spec.sglang"),
+        rdma_resources=r.str_map(sg, "rdmaResources", "spec.sglang"),
+    )
+    if sg and engine != "sglang":
+        r.problems.append("spec.sglang is set but spec.engine is 'pdrt'; accepted: spec.sglang only with engine 'sglang'")
     pr = r.obj(d.get("probes"), "spec.probes")
     probes = Probes(
         startup_s=r.int_(pr, "startupSeconds", "spec.probes", DEFAULT_STARTUP_SECONDS, 10, 86400),
@@ -513,6 +535,7 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
         drain_seconds=r.num(ro, "drainSeconds", "spec.rollout", 30.0, 0.0, 3600.0),
         revision_history_limit=r.int_(d, "revisionHistoryLimit", "spec", 10, 1, 1000),
         probes=probes,
+        sglang=sglang,
     )
     if r.problems:
         raise SpecError(r.problems)

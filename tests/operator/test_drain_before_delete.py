@@ -225,8 +225,9 @@ async def test_pairs_drain_in_the_router_before_their_pods_are_deleted(tmp_path)
                     scale_url = f"{str(server.url).rstrip('/')}/apis/pdstack.io/v1alpha1/namespaces/{NS}/" \
                                 "pddeployments/drain/scale"
                     for n in (1, 3, 1):
-                        r = httpx.patch(scale_url, content=json.dumps({"spec": {"replicas": n}}), timeout=10,
-                                        headers={"Content-Type": "application/merge-patch+json"})
+                        async with httpx.AsyncClient() as http:  # the emulator serves on this event loop
+                            r = await http.patch(scale_url, content=json.dumps({"spec": {"replicas": n}}), timeout=10,
+                                                 headers={"Content-Type": "application/merge-patch+json"})
                         assert r.status_code == 200 and r.json()["spec"]["replicas"] == n, r.text
                         before = traffic.ok
                         await eventually(lambda: (st := c.pdd("drain")["status"]).get("replicas") == n
