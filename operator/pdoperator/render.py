@@ -335,6 +335,51 @@ def pod_template_fields(pod: PodTemplate, *, worker: bool) -> dict[str, Any]:
     return out
 
 
+MODEL_VOLUME = "model"
+# The download init container: stdlib only, so any image with python3 works. Skips a file already there with
+# the expected hash (restarts and other groups' pods sharing a PVC do not download again); verifies the hash.
+DOWNLOAD_SCRIPT = """\
+import hashlib, os, sys, urllib.request
+url, dest, want = sys.argv[1], sys.argv[2], sys.argv[3] or None
+def digest(p):
+    h = hashlib.sha256()
+    with open(p, 'rb') as f:
+        for b in iter(lambda: f.read(1 << 20), b''):
+            h.update(b)
+    return h.hexdigest()
+if os.path.exists(dest) and (want is None or digest(dest) == want):
+    sys.exit(0)
+os.makedirs(os.path.dirname(dest), exist_ok=True)
+urllib.request.urlretrieve(url, dest + '.part')
+if want is not None and digest(dest + '.part') != want:
+    sys.exit(f'{url}: sha256 mismatch, expected {want}')
+os.replace(dest + '.part', dest)
+"""
+
+
+def model_volume(spec: PDSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, worker mounts, init containers) for spec.model.storage; empty without it."""
+    st = spec.model.storage
+    if st is None:
+        return [], [], []
+    from .spec import MODEL_STORAGE_KINDS
+    vol: dict[str, Any] = {"name": MODEL_VOLUME}
+    if st.kind == "emptyDir":
+        vol["emptyDir"] = {"sizeLimit": st.download_size} if st.download_size else {}
+    else:
+        vol[MODEL_STORAGE_KINDS[st.kind]] = dict(st.source)
+    mounts = [{"name": MODEL_VOLUME, "mountPath": st.mount_path, "readOnly": True}]
+    init: list[dict[str, Any]] = []
+    if st.download_url:
+        dest = spec.model.source or f"{st.mount_path.rstrip('/')}/{st.download_url.rsplit('/', 1)[-1]}"
+        init.append({"name": "model-download", "image": spec.prefill.pod.image or spec.image,
+                     "command": ["python3", "-c", DOWNLOAD_SCRIPT, st.download_url, dest, spec.model.sha256 or ""],
+                     "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": st.mount_path},
+                                      dict(SCRATCH_MOUNT)],
+                     "securityContext": copy.deepcopy(CONTAINER_SECURITY)})
+    return [vol], mounts, init
+
+
 def scratch_volumes(pod: PodTemplate) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(volumes, mounts): /tmp always (read-only root), /dev/shm when sharedMemorySize is set."""
     vols, mounts = [dict(SCRATCH_VOLUME)], [dict(SCRATCH_MOUNT)]
@@ -370,6 +415,7 @@ def worker_pod(spec: PDSpec, owner: Owner, revision: str, pair: int, slot: str, 
     labels = {**pod.labels, LABEL_COMPONENT: "worker", LABEL_PAIR: str(pair), LABEL_ROLE: role,
               LABEL_REVISION: revision, **({LABEL_MEMBER: str(member)} if member else {})}
     scratch, scratch_mounts = scratch_volumes(pod)
+    model_vols, model_mounts, model_init = model_volume(spec)
     container: dict[str, Any] = _container_image({"name": role}, pod.image or spec.image, pod)
     container.update({
         "command": worker_command(spec, owner, role),
@@ -379,7 +425,7 @@ def worker_pod(spec: PDSpec, owner: Owner, revision: str, pair: int, slot: str, 
         **worker_probes(spec),
         "securityContext": container_security(pod),
         "volumeMounts": [{"name": "kv-auth", "mountPath": KV_AUTH_DIR, "readOnly": True}] + scratch_mounts
-        + [dict(m) for m in r.volume_mounts],
+        + model_mounts + [dict(m) for m in r.volume_mounts],
     })
     res = _resources(r, spec.sglang.rdma_resources if spec.engine == "sglang" else None)
     if res:
@@ -389,9 +435,10 @@ def worker_pod(spec: PDSpec, owner: Owner, revision: str, pair: int, slot: str, 
         "subdomain": workers_service_name(owner.name),
         "restartPolicy": "Always",
         "terminationGracePeriodSeconds": termination_grace(spec, pod),
+        **({"initContainers": model_init} if model_init else {}),
         "containers": [container] + sidecars(pod),
         "volumes": [{"name": "kv-auth", "secret": {"secretName": kv_secret_name(owner.name)}}] + scratch
-        + [dict(v) for v in r.volumes],
+        + model_vols + [dict(v) for v in r.volumes],
         **_placement(spec),
         **pod_template_fields(pod, worker=True),
     }

@@ -52,6 +52,8 @@ def effective_config(spec: PDSpec) -> dict[str, Any]:
         "engine": spec.engine,
         "image": spec.image,
         "model": {"source": spec.model.source, "servedName": spec.model.served_name,
+                  **({"sha256": spec.model.sha256} if spec.model.sha256 else {}),
+                  **({"storage": _jsonable(asdict(spec.model.storage))} if spec.model.storage else {}),
                   **({"dtype": spec.model.dtype} if spec.model.dtype != "auto" else {})},
         "prefill": _role_config(spec.prefill),
         "decode": _role_config(spec.decode),

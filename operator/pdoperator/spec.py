@@ -63,10 +63,24 @@ class SpecError(ValueError):
 
 
 @dataclass(frozen=True)
+class ModelStorage:
+    """Where the weights live: exactly one of a PVC, a hostPath or an image volume, mounted read-only at
+    ``mount_path`` (writable while ``download`` fills it); or an emptyDir that ``download`` fills."""
+
+    kind: str  # pvc | hostPath | image | emptyDir
+    source: Mapping[str, Any]  # the core/v1 volume source of that kind
+    mount_path: str = "/models"
+    download_url: str | None = None  # an init container fetches it into the volume (clusters with network)
+    download_size: str | None = None  # emptyDir sizeLimit for a download
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     source: str | None = None  # path inside the image / mounted volume; None = runtime default model
     served_name: str | None = None
     dtype: str = "auto"  # weights/activations/KV: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32
+    sha256: str | None = None  # expected weights hash: recorded in the revision; the download verifies it
+    storage: ModelStorage | None = None
 
 
 @dataclass(frozen=True)
@@ -364,6 +378,41 @@ def _role(r: _Reader, raw: Any, path: str, *, gpu_role: bool) -> RoleSpec:
     )
 
 
+MODEL_STORAGE_KINDS = {"pvc": "persistentVolumeClaim", "hostPath": "hostPath", "image": "image"}
+
+
+def _model_storage(r: _Reader, raw: Any) -> ModelStorage | None:
+    if raw is None:
+        return None
+    d = r.obj(raw, "spec.model.storage")
+    kinds = [k for k in MODEL_STORAGE_KINDS if k in d]
+    dl = r.obj(d.get("download"), "spec.model.storage.download")
+    url = r.str_(dl, "url", "spec.model.storage.download", required=bool(dl)) if dl else None
+    if url is not None and not url.startswith(("https://", "http://")):
+        r.fail("spec.model.storage.download.url", url, "an http(s) URL")
+    mount = r.str_(d, "mountPath", "spec.model.storage") or "/models"
+    if not mount.startswith("/"):
+        r.fail("spec.model.storage.mountPath", mount, "an absolute path")
+    if len(kinds) > 1 or (not kinds and not dl):
+        r.problems.append(f"spec.model.storage sets {kinds or 'no source'}; accepted: exactly one of pvc, hostPath, "
+                          "image (or only download, into an emptyDir)")
+        return None
+    if not kinds:
+        return ModelStorage("emptyDir", {}, mount, url, r.str_(dl, "sizeLimit", "spec.model.storage.download"))
+    kind = kinds[0]
+    src = dict(r.obj(d[kind], f"spec.model.storage.{kind}"))
+    need = {"pvc": "claimName", "hostPath": "path", "image": "reference"}[kind]
+    if not isinstance(src.get(need), str) or not src[need]:
+        r.fail(f"spec.model.storage.{kind}.{need}", src.get(need), "a non-empty string")
+    if dl and kind != "pvc":
+        r.problems.append(f"spec.model.storage.download with {kind}: accepted: download into a pvc (or an emptyDir: "
+                          "no pvc/hostPath/image)")
+    if dl and src.get("readOnly"):
+        r.problems.append("spec.model.storage.pvc.readOnly=true with download: the init container must write it; "
+                          "accepted: readOnly false (workers still mount it read-only)")
+    return ModelStorage(kind, src, mount, url, None)
+
+
 _VALUE_FROM = {"secretKeyRef": ("name", "key"), "configMapKeyRef": ("name", "key"), "fieldRef": ("fieldPath",),
                "resourceFieldRef": ("resource",)}
 
@@ -440,8 +489,17 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
     image = r.str_(d, "image", "spec", required=True) or ""
     engine = r.choice(d, "engine", "spec", "pdrt", ENGINES)
     m = r.obj(d.get("model"), "spec.model")
+    sha = r.str_(m, "sha256", "spec.model")
+    if sha is not None and not re.fullmatch(r"[0-9a-f]{64}", sha):
+        r.fail("spec.model.sha256", sha, "64 lowercase hex digits")
+        sha = None
     model = ModelSpec(source=r.str_(m, "source", "spec.model"), served_name=r.str_(m, "servedName", "spec.model"),
-                      dtype=r.choice(m, "dtype", "spec.model", "auto", DTYPES))
+                      dtype=r.choice(m, "dtype", "spec.model", "auto", DTYPES), sha256=sha,
+                      storage=_model_storage(r, m.get("storage")))
+    if model.storage and model.source and not model.source.startswith(model.storage.mount_path.rstrip("/") + "/"):
+        r.problems.append(f"spec.model.source={model.source!r} is outside spec.model.storage.mountPath="
+                          f"{model.storage.mount_path!r}; accepted: a path under the mount, e.g. "
+                          f"{model.storage.mount_path.rstrip('/')}/model.gguf")
     if engine == "sglang" and not model.source:
         r.problems.append("spec.model.source is required with engine 'sglang'; accepted: a model path or HF id")
     pairs = r.int_(d, "pairs", "spec", 1, 0, 256)
