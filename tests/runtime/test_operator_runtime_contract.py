@@ -21,7 +21,7 @@ def _pdrt_containers(example: str):
     for obj in children:
         pod_spec = obj["spec"] if obj["kind"] == "Pod" else obj["spec"]["template"]["spec"] if obj["kind"] == "Deployment" else None
         for c in (pod_spec or {}).get("containers", []):
-            if c["command"][:2] == ["pdrt", "serve"]:
+            if c.get("command", [])[:2] == ["pdrt", "serve"]:  # sidecars may have none
                 yield obj["metadata"]["name"], c
 
 
