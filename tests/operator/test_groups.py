@@ -172,3 +172,14 @@ def test_default_placement_keeps_a_group_on_one_node_and_spreads_groups():
         "affinity"]
     assert aff["nodeAffinity"] == mine["nodeAffinity"] and aff["podAntiAffinity"] == mine["podAntiAffinity"]
     assert "podAffinity" in aff
+
+
+def test_rollout_replaces_one_whole_group_at_a_time():
+    from pdoperator.pairs import RolloutPair
+
+    pods = [_view(f"g{k}-{s}", k, s.split("-")[0], int(s.split("-")[1]) if "-" in s else 0)
+            for k in (0, 1) for s in SLOTS]
+    plan = plan_pairs(desired_revision="r2", pairs=2, policy=CoRestartSpec(), max_unavailable=1, pods=pods,
+                      memory={}, now=100.0, slots=SLOTS)
+    rolls = [a for a in plan.actions if isinstance(a, RolloutPair)]
+    assert len(rolls) == 1 and set(rolls[0].pods) == {f"g{rolls[0].pair}-{s}" for s in SLOTS}
