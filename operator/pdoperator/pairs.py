@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
-from .render import LABEL_PAIR, LABEL_REVISION, LABEL_ROLE, ROLES
+from .render import LABEL_MEMBER, LABEL_PAIR, LABEL_REVISION, LABEL_ROLE, ROLES, slot_name
 from .spec import GPU_RESOURCE, CoRestartSpec
 
 # co-restart reasons (also the `reason` label of pdstack_operator_co_restarts_total)
@@ -62,6 +62,12 @@ class PodView:
     node: str | None = None
     uid: str | None = None
     delete_deadline: float | None = None  # epoch seconds: deletionTimestamp (request time + grace period)
+    member: int = 0  # which prefill (or decode) of its group: 0..replicas-1
+
+    @property
+    def slot(self) -> str:
+        """The pod's place in its group: ``prefill``, ``decode`` (member 0), ``decode-1``, ..."""
+        return slot_name(self.role, self.member)
 
 
 def pod_view(pod: Mapping[str, Any]) -> PodView | None:
@@ -71,6 +77,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
     try:
         pair = int(labels[LABEL_PAIR])
         role = labels[LABEL_ROLE]
+        member = int(labels.get(LABEL_MEMBER, 0))
     except (KeyError, ValueError):
         return None
     if role not in ROLES:
@@ -104,6 +111,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
         node=(pod.get("spec", {}) or {}).get("nodeName"),
         uid=meta.get("uid"),
         delete_deadline=_epoch(meta.get("deletionTimestamp")),
+        member=member,
     )
 
 
@@ -162,7 +170,7 @@ class RolloutPair:
 class CreatePods:
     pair: int
     revision: str
-    roles: tuple[str, ...]  # both roles, except under coRestart.policy=Never
+    roles: tuple[str, ...]  # every slot of the group (render.group_slots), except under coRestart.policy=Never
 
 
 @dataclass(frozen=True)
@@ -206,8 +214,9 @@ class PairState:
     phase: str  # Ready | Starting | Unschedulable | CoRestarting | BackingOff | RollingOut | Terminating | Creating
     memory: PairMemory
     recovered_after_s: float | None = None  # set on the reconcile a pair turns ready after being down
-    hosts: tuple[str | None, str | None] = (None, None)  # (prefill IP, decode IP)
+    hosts: tuple[str | None, str | None] = (None, None)  # (prefill IP, decode IP) of member 0
     draining: bool = False
+    members: Mapping[str, str | None] = field(default_factory=dict)  # slot -> pod IP, every live member
 
 
 @dataclass(frozen=True)
@@ -224,17 +233,17 @@ class Plan:
         return tuple(a for a in self.actions if isinstance(a, CoRestart))
 
 
-def _trigger(live: Sequence[PodView]) -> tuple[str, str] | None:
-    """(reason, detail) if this pair must co-restart, judged from its live pods."""
+def _trigger(live: Sequence[PodView], slots: Sequence[str] = ROLES) -> tuple[str, str] | None:
+    """(reason, detail) if this group must co-restart, judged from its live pods."""
     for reason, hit in ((EVICTED, lambda p: p.evicted), (OOM_KILLED, lambda p: p.oom_killed),
                         (FAILED, lambda p: p.phase == "Failed"), (CONTAINER_RESTART, lambda p: p.restarts > 0)):
         for p in live:
             if hit(p):
-                detail = f"{p.role} pod {p.name}" + (f" restarted {p.restarts}x" if p.restarts else "")
+                detail = f"{p.slot} pod {p.name}" + (f" restarted {p.restarts}x" if p.restarts else "")
                 return reason, detail
-    roles = {p.role for p in live}
-    if live and roles != set(ROLES):
-        missing = sorted(set(ROLES) - roles)
+    roles = {p.slot for p in live}
+    if live and roles != set(slots):
+        missing = sorted(set(slots) - roles)
         return POD_DELETED, f"{'/'.join(missing)} pod gone while {'/'.join(sorted(roles))} survived"
     revisions = {p.revision for p in live}
     if len(revisions) > 1:
@@ -242,8 +251,8 @@ def _trigger(live: Sequence[PodView]) -> tuple[str, str] | None:
     return None
 
 
-def _role_order(p: PodView) -> tuple[int, str]:
-    return ROLES.index(p.role), p.name
+def _role_order(p: PodView) -> tuple[int, int, str]:
+    return ROLES.index(p.role), p.member, p.name
 
 
 def _min(a: float | None, b: float | None) -> float | None:
@@ -297,8 +306,10 @@ def plan_pairs(
     lost_nodes: frozenset[str] = frozenset(),
     lost_node_margin_s: float = LOST_NODE_MARGIN_S,
     drain_confirm_timeout_s: float = DRAIN_CONFIRM_TIMEOUT_S,
+    slots: tuple[str, ...] = ROLES,
 ) -> Plan:
-    """Decide the actions for one reconcile of the worker pods."""
+    """Decide the actions for one reconcile of the worker pods. ``pairs`` is the number of groups, ``slots``
+    the members of each (render.group_slots: one prefill + one decode by default); a group restarts whole."""
     actions: list[Action] = []
     states: dict[int, PairState] = {}
     retiring: list[PairState] = []
@@ -340,7 +351,8 @@ def plan_pairs(
             actions.append(DeletePods(k, names, "ScaleDown"))
         else:
             actions.append(DrainPair(k, "ScaleDown", "router"))
-        retiring.append(PairState(k, live_k[0].revision, False, "Draining", mem, hosts=hosts, draining=True))
+        retiring.append(PairState(k, live_k[0].revision, False, "Draining", mem, hosts=hosts, draining=True,
+                                  members=_members(live_k)))
 
     for k in range(pairs):
         mem = memory.get(k, PairMemory())
@@ -349,20 +361,24 @@ def plan_pairs(
         # duplicates of one role (e.g. a create retried after a timeout): keep the newest-named one
         seen: dict[str, PodView] = {}
         for p in live:
-            if p.role in seen:
-                actions.append(DeletePods(k, (seen[p.role].name,), "Duplicate"))
-            seen[p.role] = p
+            if p.slot not in slots:  # a member beyond the group's replicas (scaled down): goes with no co-restart
+                actions.append(DeletePods(k, (p.name,), "ScaleDown"))
+                continue
+            if p.slot in seen:
+                actions.append(DeletePods(k, (seen[p.slot].name,), "Duplicate"))
+            seen[p.slot] = p
         live = list(seen.values())
         hosts = (seen["prefill"].ip if "prefill" in seen else None, seen["decode"].ip if "decode" in seen else None)
+        members = _members(live)
 
-        trig = _trigger(live)
+        trig = _trigger(live, slots)
         if trig and policy.policy == "Pair":
             reason, detail = trig
             go, gmem = gate(k, mem)
             if not go:
                 actions.append(DrainPair(k, reason, "router"))
                 states[k] = PairState(k, live[0].revision, False, "Draining", replace(gmem, ready_since=None),
-                                      hosts=hosts, draining=True)
+                                      hosts=hosts, draining=True, members=members)
                 continue
             mem = gmem
             stable = mem.ready_since is not None and now - mem.ready_since >= policy.backoff_max_s
@@ -371,14 +387,14 @@ def plan_pairs(
                               last_co_restart_reason=reason, ready_since=None, recovering=True)
             actions.append(CoRestart(k, reason, tuple(p.name for p in live), detail))
             # still draining in the topology until its pods are gone (the router must not pick it up again)
-            states[k] = PairState(k, None, False, "CoRestarting", new_mem, hosts=hosts, draining=True)
+            states[k] = PairState(k, None, False, "CoRestarting", new_mem, hosts=hosts, draining=True, members=members)
             requeue = _min(requeue, max(policy.backoff(streak), 0.05))
             continue
         if trig and policy.policy == "Never" and live:
             # opt-out: replace only what is broken or missing, one side at a time (documented as unsafe);
             # container restarts are left to the kubelet
             broken = tuple(p.name for p in live if p.evicted or p.phase == "Failed")
-            missing = tuple(r for r in ROLES if r not in seen)
+            missing = tuple(r for r in slots if r not in seen)
             if broken:
                 actions.append(DeletePods(k, broken, FAILED))
             if missing:
@@ -390,7 +406,8 @@ def plan_pairs(
         if not live:
             mem = _undrained(mem)
             if all_pods:  # our deletions still draining: the router keeps the pair as draining
-                states[k] = PairState(k, None, False, "Terminating", mem, hosts=_hosts(all_pods), draining=True)
+                states[k] = PairState(k, None, False, "Terminating", mem, hosts=_hosts(all_pods), draining=True,
+                                      members=_members(all_pods))
                 requeue = _min(requeue, TERMINATING_RECHECK_S)
                 continue
             if mem.last_co_restart_at is not None:
@@ -399,7 +416,7 @@ def plan_pairs(
                     states[k] = PairState(k, None, False, "BackingOff", mem)
                     requeue = _min(requeue, wait)
                     continue
-            actions.append(CreatePods(k, desired_revision, ROLES))
+            actions.append(CreatePods(k, desired_revision, slots))
             states[k] = PairState(k, desired_revision, False, "Creating", mem)
             continue
 
@@ -407,7 +424,7 @@ def plan_pairs(
         if mem.drain_started_at is not None and revision != desired_revision:
             # a rollout drain in progress: the pair is out of service already
             states[k] = PairState(k, revision, False, "Draining", replace(mem, ready_since=None), hosts=hosts,
-                                  draining=True)
+                                  draining=True, members=members)
             continue
         mem = _undrained(mem)
         ready = all(p.ready and p.phase == "Running" for p in live)
@@ -416,10 +433,12 @@ def plan_pairs(
                          if mem.recovering and mem.last_co_restart_at is not None else None)
             new_mem = replace(mem, ready_since=mem.ready_since if mem.ready_since is not None else now,
                               recovering=False)
-            states[k] = PairState(k, revision, True, "Ready", new_mem, recovered_after_s=recovered, hosts=hosts)
+            states[k] = PairState(k, revision, True, "Ready", new_mem, recovered_after_s=recovered, hosts=hosts,
+                                  members=members)
         else:
             phase = "Unschedulable" if any(p.unschedulable for p in live) else "Starting"
-            states[k] = PairState(k, revision, False, phase, replace(mem, ready_since=None), hosts=hosts)
+            states[k] = PairState(k, revision, False, phase, replace(mem, ready_since=None), hosts=hosts,
+                                  members=members)
 
     # rollout: replace pairs at an old revision, never more than maxUnavailable pairs down at once
     unavailable = sum(1 for s in states.values() if not s.ready)
@@ -452,8 +471,12 @@ def plan_pairs(
 
 
 def _hosts(live: Sequence[PodView]) -> tuple[str | None, str | None]:
-    by_role = {p.role: p.ip for p in live}
-    return by_role.get("prefill"), by_role.get("decode")
+    by_slot = {p.slot: p.ip for p in live}
+    return by_slot.get("prefill"), by_slot.get("decode")
+
+
+def _members(live: Sequence[PodView]) -> dict[str, str | None]:
+    return {p.slot: p.ip for p in sorted(live, key=_role_order)}
 
 
 def _pod_gpu_requests(pod: Mapping[str, Any]) -> int:

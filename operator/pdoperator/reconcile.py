@@ -18,7 +18,7 @@ import secrets
 import time
 import uuid
 from dataclasses import replace
-from typing import Any, Awaitable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 import yaml
 
@@ -27,7 +27,8 @@ from .config import OperatorConfig
 from .kube import ApiError, Kube, object_path, path
 from .pairs import (CoRestart, CreatePods, DeletePods, DrainPair, ForceDelete, Plan, RolloutPair, plan_pairs,
                     pod_view, unschedulable_message)
-from .render import (KV_AUTH_KEY, LABEL_COMPONENT, LABEL_DEPLOYMENT, TOPOLOGY_KEY, Owner, TopologyPair, kv_secret,
+from .render import (ADMIN_KEY, KV_AUTH_KEY, LABEL_COMPONENT, LABEL_DEPLOYMENT, TOPOLOGY_KEY, Owner, TopologyPair, admin_secret, group_slots, slot_name,
+                     admin_secret_name, kv_secret,
                      kv_secret_name, router_name, static_children, topology_doc, topology_generation, topology_name,
                      worker_pod)
 from .revisions import controller_revision, prune_history, revision_hash
@@ -123,23 +124,24 @@ async def _ensure_revision(kube: Kube, owner: Owner, spec: Any, revision: str, n
         await kube.delete(path("apps/v1", "ControllerRevision", owner.namespace, victim))
 
 
-async def _kv_token(kube: Kube, owner: Owner) -> str | None:
-    """The deployment's KV-transfer token (generated once, never rotated by a reconcile)."""
-    url = path("v1", "Secret", owner.namespace, kv_secret_name(owner.name))
+async def _secret_token(kube: Kube, owner: Owner, name: str, key: str,
+                        make: Callable[[Owner, str], dict[str, Any]]) -> str | None:
+    """A per-deployment token Secret: generated once, never rotated by a reconcile; its token."""
+    url = path("v1", "Secret", owner.namespace, name)
     secret = await kube.get(url)
     if secret is None:
         token = secrets.token_urlsafe(32)
         try:
-            await kube.create(kv_secret(owner, token))
+            await kube.create(make(owner, token))
             return token
         except ApiError as e:
             if e.status != 409:
                 raise
             secret = await kube.get(url) or {}
-    raw = (secret.get("data") or {}).get(KV_AUTH_KEY)
+    raw = (secret.get("data") or {}).get(key)
     if raw:
         return base64.b64decode(raw).decode()
-    return (secret.get("stringData") or {}).get(KV_AUTH_KEY)
+    return (secret.get("stringData") or {}).get(key)
 
 
 async def _lost_nodes(kube: Kube, steps: Steps, views: list[Any]) -> frozenset[str]:
@@ -240,7 +242,10 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     owner = Owner(name, namespace, meta["uid"])
     revision = revision_hash(spec)
     await steps.run(_ensure_revision(kube, owner, spec, revision, now))
-    token = await steps.run(_kv_token(kube, owner))
+    # the KV-transfer token (workers only) and the router-admin token (router only; authenticates our pushes)
+    await steps.run(_secret_token(kube, owner, kv_secret_name(name), KV_AUTH_KEY, kv_secret))
+    token = (await steps.run(_secret_token(kube, owner, admin_secret_name(name), ADMIN_KEY, admin_secret))
+             if spec.engine == "pdrt" else None)
 
     selector = f"{LABEL_DEPLOYMENT}={name},{LABEL_COMPONENT}=worker"
     raw_pods = await kube.list(path("v1", "Pod", namespace), label_selector=selector)
@@ -255,8 +260,9 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
         rsel = f"{LABEL_DEPLOYMENT}={name},{LABEL_COMPONENT}=router"
         router_ips = router_pods_ready(await steps.run(kube.list(path("v1", "Pod", namespace), label_selector=rsel),
                                                        default=[]))
-    view = await router.sync(router_ips, None, None) if drains else None
+    view = await router.sync(router_ips, None, token) if drains else None
     plan = plan_pairs(desired_revision=revision, pairs=spec.pairs, policy=spec.co_restart,
+                      slots=group_slots(spec.prefill.replicas, spec.decode.replicas),
                       max_unavailable=spec.max_unavailable_pairs, pods=views,
                       memory=memory_from_status(old_status), now=now,
                       drain_s=spec.drain_seconds, lost_nodes=lost, lost_node_margin_s=cfg.lost_node_margin_s,
@@ -264,8 +270,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
                       **({"router": view} if view is not None else {}))
 
     # topology first: a pair marked draining is published (and pushed) before anything is deleted
-    topo_pairs = [TopologyPair(s.index, s.ready, s.hosts[0], s.hosts[1], s.draining)
-                  for s in plan.pairs + plan.retiring]
+    topo_pairs = [_topology_group(s, spec) for s in plan.pairs + plan.retiring]
     live_cm = await steps.run(kube.get(path("v1", "ConfigMap", namespace, topology_name(name))))
     try:
         previous = yaml.safe_load(((live_cm or {}).get("data") or {}).get(TOPOLOGY_KEY, "")) if live_cm else None
@@ -314,7 +319,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
 
     facts = Facts(generation=generation, desired_revision=revision, router_ready=router_ready,
                   unschedulable_message=unsched, drift=drift_lines, rejections=steps.rejections,
-                  topology_version=doc["generation"])
+                  topology_version=doc["generation"], selector=selector)
     new = build_status(old_status, plan, facts, now)
     if unsched and old_conds.get("Progressing", {}).get("reason") != "Unschedulable":
         await post_event(kube, body, "Warning", "Unschedulable", unsched)
@@ -331,6 +336,15 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     if not new["conditions"][0]["status"] == "True" and plan.requeue_after is None:
         return 10.0  # not ready yet: look again even if no event arrives
     return plan.requeue_after
+
+
+def _topology_group(s: Any, spec: Any) -> TopologyPair:
+    """A planned group as the router sees it: every member slot, with its pod IP once it has one."""
+    members = s.members or {}
+    prefills = tuple(members.get(slot_name("prefill", m)) for m in range(spec.prefill.replicas))
+    decodes = tuple(members.get(slot_name("decode", m)) for m in range(spec.decode.replicas))
+    return TopologyPair(s.index, s.ready, s.hosts[0], s.hosts[1], s.draining, prefill_hosts=prefills,
+                        decode_hosts=decodes)
 
 
 def _stamp_drain(state: Any, generation: int) -> Any:

@@ -13,7 +13,9 @@ import hashlib
 import json
 from typing import Any, Mapping
 
-from .spec import PDSpec, RoleSpec
+from dataclasses import asdict
+
+from .spec import PDSpec, PodTemplate, Probes, RoleSpec
 
 REVISION_LEN = 10
 
@@ -30,7 +32,18 @@ def _role_config(role: RoleSpec) -> dict[str, Any]:
         "volumeMounts": [dict(v) for v in role.volume_mounts],
         # only when set: a spec that leaves it out keeps its revision hash (the default derives from gpus)
         **({"tensorParallelSize": role.tensor_parallel} if role.tensor_parallel is not None else {}),
+        # pod template fields, only those set (a spec without them keeps its revision hash)
+        **({"pod": _jsonable({k: v for k, v in asdict(role.pod).items() if v not in (None, (), {})})}
+           if role.pod != PodTemplate() else {}),
     }
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in sorted(x.items())}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
 
 
 def effective_config(spec: PDSpec) -> dict[str, Any]:
@@ -39,6 +52,8 @@ def effective_config(spec: PDSpec) -> dict[str, Any]:
         "engine": spec.engine,
         "image": spec.image,
         "model": {"source": spec.model.source, "servedName": spec.model.served_name,
+                  **({"sha256": spec.model.sha256} if spec.model.sha256 else {}),
+                  **({"storage": _jsonable(asdict(spec.model.storage))} if spec.model.storage else {}),
                   **({"dtype": spec.model.dtype} if spec.model.dtype != "auto" else {})},
         "prefill": _role_config(spec.prefill),
         "decode": _role_config(spec.decode),
@@ -47,6 +62,8 @@ def effective_config(spec: PDSpec) -> dict[str, Any]:
             "tolerations": [dict(t) for t in spec.placement.tolerations],
             "affinity": dict(spec.placement.affinity),
             "priorityClassName": spec.placement.priority_class_name,
+            **({"groupPlacement": spec.placement.group_placement}
+               if spec.placement.group_placement != "Preferred" else {}),
         },
         "kernel": {
             "decodeTargetCTAs": spec.kernel.decode_target_ctas,
@@ -59,6 +76,8 @@ def effective_config(spec: PDSpec) -> dict[str, Any]:
             "decodeTransferTimeoutSeconds": spec.watchdog.decode_transfer_timeout_s,
             "tickSeconds": spec.watchdog.tick_s,
         },
+        **({"probes": asdict(spec.probes)} if spec.probes != Probes() else {}),
+        **({"sglang": _jsonable(asdict(spec.sglang))} if spec.engine == "sglang" else {}),
     }
 
 

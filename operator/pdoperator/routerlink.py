@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 import aiohttp
 
 from .pairs import RouterView
+from .render import group_of
 
 
 def router_pods_ready(pods: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -37,7 +38,8 @@ def router_view(present: bool, configs: Sequence[Mapping[str, Any] | None]) -> R
             return RouterView(True, None, inflight)
         versions.append(cfg["topology_version"])
         for k, n in (cfg.get("inflight_by_pair") or {}).items():
-            inflight[int(k)] = inflight.get(int(k), 0) + int(n)
+            g = group_of(int(k))  # a group's entries (one per prefill x decode) count toward the group
+            inflight[g] = inflight.get(g, 0) + int(n)
     return RouterView(True, min(versions) if versions else None, inflight)
 
 
@@ -59,15 +61,17 @@ class RouterLink:
             await self._session.close()
             self._session = None
 
-    async def config(self, ip: str) -> dict[str, Any] | None:
+    async def config(self, ip: str, token: str | None) -> dict[str, Any] | None:
+        """The router's ``/config`` (admin-guarded: bearer = the router-admin token); None when unreadable."""
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
-            async with self._http().get(f"http://{ip}:{self.port}/config") as r:
+            async with self._http().get(f"http://{ip}:{self.port}/config", headers=headers) as r:
                 return await r.json() if r.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return None
 
     async def push(self, ip: str, doc: Mapping[str, Any], token: str) -> int | None:
-        """POST the topology; the HTTP status (None when unreachable)."""
+        """POST the topology (bearer = the router-admin token); the HTTP status (None when unreachable)."""
         try:
             async with self._http().post(f"http://{ip}:{self.port}/admin/topology", json=dict(doc),
                                          headers={"Authorization": f"Bearer {token}"}) as r:
@@ -77,13 +81,16 @@ class RouterLink:
             return None
 
     async def sync(self, ips: Sequence[str], doc: Mapping[str, Any] | None, token: str | None) -> RouterView:
-        """Read every router's /config; push ``doc`` to those behind its generation; read those again."""
-        configs = list(await asyncio.gather(*(self.config(ip) for ip in ips)))
+        """Read every router's /config; push ``doc`` to those behind its generation; read those again.
+
+        ``token`` is the deployment's router-admin token (never the KV-transfer token: routers do not hold it).
+        """
+        configs = list(await asyncio.gather(*(self.config(ip, token) for ip in ips)))
         if doc is not None and token:
             behind = [i for i, c in enumerate(configs) if c is None or c.get("topology_version", -1) < doc["generation"]]
             if behind:
                 await asyncio.gather(*(self.push(ips[i], doc, token) for i in behind))
-                again = await asyncio.gather(*(self.config(ips[i]) for i in behind))
+                again = await asyncio.gather(*(self.config(ips[i], token) for i in behind))
                 for i, c in zip(behind, again):
                     configs[i] = c
         return router_view(bool(ips), configs)

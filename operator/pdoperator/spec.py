@@ -10,7 +10,7 @@ the cross-field rules a schema cannot express.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 GROUP = "pdstack.io"
@@ -24,6 +24,12 @@ DRIFT_POLICIES = ("Report", "Revert")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")  # mirrors pdruntime.env.ATTENTION_BACKENDS
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # mirrors pdruntime.engine.device.DTYPE_CHOICES
 GPU_RESOURCE = "nvidia.com/gpu"
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# The router is CPU-only: with engine pdrt it runs pdstack's CPU runtime image unless spec.router.image says
+# otherwise (spec.image is typically a CUDA image, gigabytes the router never uses).
+CPU_RUNTIME_IMAGE = "ghcr.io/pdstack/runtime:0.1.0"
+DEFAULT_STARTUP_SECONDS = 1800  # a 70B+ checkpoint from network storage can take tens of minutes
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?$")
 
 HTTP_PORT = 8000  # every pdrt/sglang server: HTTP API, /health, /metrics
 BOOTSTRAP_PORT = 8998  # prefill: KV-transfer bootstrap
@@ -44,6 +50,7 @@ OPERATOR_OWNED_ENV = {
 }
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+MAX_GROUP_REPLICAS = 16  # prefill (decode) pods per group; "-<group>-decode-15-<suffix>" fits a DNS label
 MAX_NAME_LEN = 40  # leaves room for "-<pair>-prefill-<suffix>" within 63 chars
 
 
@@ -56,10 +63,75 @@ class SpecError(ValueError):
 
 
 @dataclass(frozen=True)
+class ModelStorage:
+    """Where the weights live: exactly one of a PVC, a hostPath or an image volume, mounted read-only at
+    ``mount_path`` (writable while ``download`` fills it); or an emptyDir that ``download`` fills."""
+
+    kind: str  # pvc | hostPath | image | emptyDir
+    source: Mapping[str, Any]  # the core/v1 volume source of that kind
+    mount_path: str = "/models"
+    download_url: str | None = None  # an init container fetches it into the volume (clusters with network)
+    download_size: str | None = None  # emptyDir sizeLimit for a download
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     source: str | None = None  # path inside the image / mounted volume; None = runtime default model
     served_name: str | None = None
     dtype: str = "auto"  # weights/activations/KV: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32
+    sha256: str | None = None  # expected weights hash: recorded in the revision; the download verifies it
+    storage: ModelStorage | None = None
+
+
+@dataclass(frozen=True)
+class PodTemplate:
+    """Per-role pod fields; each role's own value wins over ``spec.podTemplate`` (the shared default).
+
+    Mappings/lists of Kubernetes types (tolerations, affinity, containers, ...) are kept as the user's
+    objects: the CRD schema validates them at admission, Kubernetes at pod creation.
+    """
+
+    image: str | None = None
+    image_pull_policy: str | None = None
+    image_pull_secrets: tuple[str, ...] = ()
+    service_account_name: str | None = None
+    automount_service_account_token: bool | None = None  # None = the secure default (False)
+    env_from: tuple[Mapping[str, Any], ...] = ()
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] = field(default_factory=dict)
+    topology_spread_constraints: tuple[Mapping[str, Any], ...] = ()
+    priority_class_name: str | None = None
+    containers: tuple[Mapping[str, Any], ...] = ()  # sidecars, appended after the main container
+    shared_memory_size: str | None = None  # a memory-backed emptyDir at /dev/shm of this size limit
+    termination_grace_period_s: int | None = None
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict)
+    security_context: Mapping[str, Any] = field(default_factory=dict)  # merged over the container default
+    pod_security_context: Mapping[str, Any] = field(default_factory=dict)  # merged over the pod default
+
+    def over(self, base: "PodTemplate") -> "PodTemplate":
+        """This template's set fields over ``base``'s (maps merge key by key, this side winning)."""
+        out = {}
+        for f in self.__dataclass_fields__:
+            mine, theirs = getattr(self, f), getattr(base, f)
+            if isinstance(mine, Mapping) and f in ("node_selector", "annotations", "labels", "security_context",
+                                                   "pod_security_context"):
+                out[f] = {**theirs, **mine}
+            else:
+                out[f] = mine if mine not in (None, (), {}) else theirs
+        return PodTemplate(**out)
+
+
+@dataclass(frozen=True)
+class Probes:
+    """Worker probes. Startup covers the model load; liveness only runs after startup succeeded."""
+
+    startup_s: int = DEFAULT_STARTUP_SECONDS  # model-load budget before the kubelet gives up and restarts
+    readiness_timeout_s: int | None = None  # None = the engine's default (pdrt 2 s, sglang 10 s: /health generates)
+    liveness_period_s: int = 10
+    liveness_failures: int = 6  # a hung engine is restarted after period * failures seconds
+    drain_s: int = 10  # preStop: stop taking requests and let in-flight ones finish (within the grace period)
 
 
 @dataclass(frozen=True)
@@ -68,11 +140,12 @@ class RoleSpec:
     gpus: int = 0  # nvidia.com/gpu per pod (requests == limits)
     requests: Mapping[str, str] = field(default_factory=dict)  # cpu / memory
     limits: Mapping[str, str] = field(default_factory=dict)
-    env: tuple[tuple[str, str], ...] = ()  # (name, value), in declared order
+    env: tuple[tuple[str, Any], ...] = ()  # (name, value or {"valueFrom": {...}}), in declared order
     args: tuple[str, ...] = ()  # appended to the rendered command line
     volumes: tuple[Mapping[str, Any], ...] = ()
     volume_mounts: tuple[Mapping[str, Any], ...] = ()
     tensor_parallel: int | None = None  # set explicitly; None = one rank per GPU (see tp_size)
+    pod: PodTemplate = PodTemplate()  # merged with spec.podTemplate at parse time
 
     @property
     def tp_size(self) -> int:
@@ -85,12 +158,29 @@ class RoleSpec:
         return "cuda" if self.gpus > 0 else "cpu"
 
 
+GROUP_PLACEMENTS = ("Preferred", "Required", "None")
+
+
 @dataclass(frozen=True)
 class Placement:
+    group_placement: str = "Preferred"  # a group's pods on one node (KV transfer stays local), groups spread
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
     affinity: Mapping[str, Any] = field(default_factory=dict)
     priority_class_name: str | None = None
+
+
+SGLANG_TRANSFER_BACKENDS = ("nixl", "mooncake", "mooncake_tcp", "fake")  # SGLang's own choices, minus NPU ones
+
+
+@dataclass(frozen=True)
+class SglangSpec:
+    """engine: sglang only. The KV-transfer backend is always rendered explicitly: SGLang's own default is
+    mooncake over RDMA, which fails on a node without an RDMA device."""
+
+    transfer_backend: str = "nixl"  # NIXL over UCX works on TCP; mooncake needs RDMA (ibDevice + rdmaResources)
+    ib_device: str | None = None  # --disaggregation-ib-device, e.g. mlx5_0
+    rdma_resources: Mapping[str, str] = field(default_factory=dict)  # e.g. {"rdma/ib": "1"}: requests == limits
 
 
 @dataclass(frozen=True)
@@ -138,6 +228,14 @@ class PDSpec:
     max_unavailable_pairs: int = 1
     drain_seconds: float = 30.0  # in-flight requests of a draining pair may finish this long before deletion
     revision_history_limit: int = 10
+    probes: Probes = Probes()
+    sglang: SglangSpec = SglangSpec()
+
+    def router_image(self) -> str:
+        """spec.router.image, else pdstack's CPU runtime image (pdrt), else spec.image (sglang's router)."""
+        if self.router.pod.image:
+            return self.router.pod.image
+        return CPU_RUNTIME_IMAGE if self.engine == "pdrt" else self.image
 
     @property
     def gpus_per_pair(self) -> int:
@@ -214,11 +312,8 @@ class _Reader:
 
 def _role(r: _Reader, raw: Any, path: str, *, gpu_role: bool) -> RoleSpec:
     d = r.obj(raw, path)
-    if gpu_role:
-        replicas = d.get("replicas", 1)
-        if replicas != 1 or isinstance(replicas, bool):
-            r.fail(f"{path}.replicas", replicas, "1 (a pair is one prefill + one decode pod; scale with spec.pairs)")
-            replicas = 1
+    if gpu_role:  # pods of this role per P:D group (spec.pairs counts groups)
+        replicas = r.int_(d, "replicas", path, 1, 1, MAX_GROUP_REPLICAS)
     else:
         replicas = r.int_(d, "replicas", path, 1, 0, 64)
     res = r.obj(d.get("resources"), f"{path}.resources")
@@ -245,6 +340,15 @@ def _role(r: _Reader, raw: Any, path: str, *, gpu_role: bool) -> RoleSpec:
             r.problems.append(f"{epath}.name={name!r} is declared twice; accepted: each name once")
             continue
         seen.add(name)
+        if item.get("valueFrom") is not None:
+            ref = _value_from(r, item["valueFrom"], f"{epath}.valueFrom")
+            if ref is None:
+                continue
+            if "value" in item:
+                r.problems.append(f"{epath} sets both value and valueFrom; accepted: one of them")
+                continue
+            env.append((name, {"valueFrom": ref}))
+            continue
         value = item.get("value", "")
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             r.fail(f"{epath}.value", value, "a string")
@@ -261,6 +365,7 @@ def _role(r: _Reader, raw: Any, path: str, *, gpu_role: bool) -> RoleSpec:
         r.fail(f"{path}.args", args, "a list of strings")
         args = []
     return RoleSpec(
+        pod=_pod_template(r, d, path),
         replicas=replicas,
         gpus=gpus,
         requests=r.str_map(res, "requests", f"{path}.resources"),
@@ -273,6 +378,108 @@ def _role(r: _Reader, raw: Any, path: str, *, gpu_role: bool) -> RoleSpec:
     )
 
 
+MODEL_STORAGE_KINDS = {"pvc": "persistentVolumeClaim", "hostPath": "hostPath", "image": "image"}
+
+
+def _model_storage(r: _Reader, raw: Any) -> ModelStorage | None:
+    if raw is None:
+        return None
+    d = r.obj(raw, "spec.model.storage")
+    kinds = [k for k in MODEL_STORAGE_KINDS if k in d]
+    dl = r.obj(d.get("download"), "spec.model.storage.download")
+    url = r.str_(dl, "url", "spec.model.storage.download", required=bool(dl)) if dl else None
+    if url is not None and not url.startswith(("https://", "http://")):
+        r.fail("spec.model.storage.download.url", url, "an http(s) URL")
+    mount = r.str_(d, "mountPath", "spec.model.storage") or "/models"
+    if not mount.startswith("/"):
+        r.fail("spec.model.storage.mountPath", mount, "an absolute path")
+    if len(kinds) > 1 or (not kinds and not dl):
+        r.problems.append(f"spec.model.storage sets {kinds or 'no source'}; accepted: exactly one of pvc, hostPath, "
+                          "image (or only download, into an emptyDir)")
+        return None
+    if not kinds:
+        return ModelStorage("emptyDir", {}, mount, url, r.str_(dl, "sizeLimit", "spec.model.storage.download"))
+    kind = kinds[0]
+    src = dict(r.obj(d[kind], f"spec.model.storage.{kind}"))
+    need = {"pvc": "claimName", "hostPath": "path", "image": "reference"}[kind]
+    if not isinstance(src.get(need), str) or not src[need]:
+        r.fail(f"spec.model.storage.{kind}.{need}", src.get(need), "a non-empty string")
+    if dl and kind != "pvc":
+        r.problems.append(f"spec.model.storage.download with {kind}: accepted: download into a pvc (or an emptyDir: "
+                          "no pvc/hostPath/image)")
+    if dl and src.get("readOnly"):
+        r.problems.append("spec.model.storage.pvc.readOnly=true with download: the init container must write it; "
+                          "accepted: readOnly false (workers still mount it read-only)")
+    return ModelStorage(kind, src, mount, url, None)
+
+
+_VALUE_FROM = {"secretKeyRef": ("name", "key"), "configMapKeyRef": ("name", "key"), "fieldRef": ("fieldPath",),
+               "resourceFieldRef": ("resource",)}
+
+
+def _value_from(r: _Reader, raw: Any, path: str) -> dict[str, Any] | None:
+    """An EnvVarSource: exactly one of secretKeyRef / configMapKeyRef / fieldRef / resourceFieldRef."""
+    if not isinstance(raw, Mapping) or len(raw) != 1 or next(iter(raw)) not in _VALUE_FROM:
+        r.fail(path, raw, "exactly one of " + " | ".join(_VALUE_FROM))
+        return None
+    kind, ref = next(iter(raw.items()))
+    if not isinstance(ref, Mapping) or any(not isinstance(ref.get(k), str) or not ref.get(k)
+                                           for k in _VALUE_FROM[kind]):
+        r.fail(f"{path}.{kind}", ref, "an object with " + ", ".join(_VALUE_FROM[kind]))
+        return None
+    return {kind: dict(ref)}
+
+
+def _pod_template(r: _Reader, d: Mapping[str, Any], path: str) -> PodTemplate:
+    pull = d.get("imagePullPolicy")
+    if pull is not None and pull not in PULL_POLICIES:
+        r.fail(f"{path}.imagePullPolicy", pull, " | ".join(PULL_POLICIES))
+        pull = None
+    secrets = []
+    for i, s in enumerate(d.get("imagePullSecrets") or []):
+        if isinstance(s, Mapping) and isinstance(s.get("name"), str) and s["name"]:
+            secrets.append(s["name"])
+        else:
+            r.fail(f"{path}.imagePullSecrets[{i}]", s, "{name: SECRET_NAME}")
+    shm = d.get("sharedMemorySize")
+    if shm is not None and (not isinstance(shm, (str, int)) or isinstance(shm, bool) or not _QUANTITY.match(str(shm))):
+        r.fail(f"{path}.sharedMemorySize", shm, "a quantity such as 16Gi")
+        shm = None
+    automount = d.get("automountServiceAccountToken")
+    if automount is not None and not isinstance(automount, bool):
+        r.fail(f"{path}.automountServiceAccountToken", automount, "true | false")
+        automount = None
+    grace = None
+    if d.get("terminationGracePeriodSeconds") is not None:
+        grace = r.int_(d, "terminationGracePeriodSeconds", path, 30, 0, 86400)
+    sidecars = r.list_of_obj(d, "containers", path)
+    for i, c in enumerate(sidecars):
+        if not isinstance(c.get("name"), str) or not _DNS_LABEL.match(c.get("name", "")) \
+                or c.get("name") in ("prefill", "decode", "router"):
+            r.fail(f"{path}.containers[{i}].name", c.get("name"),
+                   "a DNS label other than prefill/decode/router (the operator's own container)")
+    return PodTemplate(
+        image=r.str_(d, "image", path),
+        image_pull_policy=pull,
+        image_pull_secrets=tuple(secrets),
+        service_account_name=r.str_(d, "serviceAccountName", path),
+        automount_service_account_token=automount,
+        env_from=r.list_of_obj(d, "envFrom", path),
+        node_selector=r.str_map(d, "nodeSelector", path),
+        tolerations=r.list_of_obj(d, "tolerations", path),
+        affinity=r.obj(d.get("affinity"), f"{path}.affinity"),
+        topology_spread_constraints=r.list_of_obj(d, "topologySpreadConstraints", path),
+        priority_class_name=r.str_(d, "priorityClassName", path),
+        containers=sidecars,
+        shared_memory_size=None if shm is None else str(shm),
+        termination_grace_period_s=grace,
+        annotations=r.str_map(d, "podAnnotations", path),
+        labels=r.str_map(d, "podLabels", path),
+        security_context=r.obj(d.get("securityContext"), f"{path}.securityContext"),
+        pod_security_context=r.obj(d.get("podSecurityContext"), f"{path}.podSecurityContext"),
+    )
+
+
 def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
     """Validate and default a PDDeployment ``spec``; raise :class:`SpecError` with every problem."""
     r = _Reader()
@@ -282,14 +489,49 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
     image = r.str_(d, "image", "spec", required=True) or ""
     engine = r.choice(d, "engine", "spec", "pdrt", ENGINES)
     m = r.obj(d.get("model"), "spec.model")
+    sha = r.str_(m, "sha256", "spec.model")
+    if sha is not None and not re.fullmatch(r"[0-9a-f]{64}", sha):
+        r.fail("spec.model.sha256", sha, "64 lowercase hex digits")
+        sha = None
     model = ModelSpec(source=r.str_(m, "source", "spec.model"), served_name=r.str_(m, "servedName", "spec.model"),
-                      dtype=r.choice(m, "dtype", "spec.model", "auto", DTYPES))
+                      dtype=r.choice(m, "dtype", "spec.model", "auto", DTYPES), sha256=sha,
+                      storage=_model_storage(r, m.get("storage")))
+    if model.storage and model.source and not model.source.startswith(model.storage.mount_path.rstrip("/") + "/"):
+        r.problems.append(f"spec.model.source={model.source!r} is outside spec.model.storage.mountPath="
+                          f"{model.storage.mount_path!r}; accepted: a path under the mount, e.g. "
+                          f"{model.storage.mount_path.rstrip('/')}/model.gguf")
     if engine == "sglang" and not model.source:
         r.problems.append("spec.model.source is required with engine 'sglang'; accepted: a model path or HF id")
     pairs = r.int_(d, "pairs", "spec", 1, 0, 256)
+    shared = _pod_template(r, r.obj(d.get("podTemplate"), "spec.podTemplate"), "spec.podTemplate")
+    if shared.image:
+        r.problems.append("spec.podTemplate.image is not a field; accepted: spec.image (workers) and "
+                          "spec.<role>.image (per role)")
     prefill = _role(r, d.get("prefill"), "spec.prefill", gpu_role=True)
     decode = _role(r, d.get("decode"), "spec.decode", gpu_role=True)
     router = _role(r, d.get("router"), "spec.router", gpu_role=False)
+    prefill, decode, router = (replace(x, pod=x.pod.over(shared)) for x in (prefill, decode, router))
+    for role, x in (("prefill", prefill), ("decode", decode), ("router", router)):
+        for i, c in enumerate(x.pod.containers):
+            if c.get("name") == role:
+                r.fail(f"spec.{role}.containers[{i}].name", role, "a name other than the operator's container")
+    sg = r.obj(d.get("sglang"), "spec.sglang")
+    sglang = SglangSpec(
+        transfer_backend=r.choice(sg, "transferBackend", "spec.sglang", "nixl", SGLANG_TRANSFER_BACKENDS),
+        ib_device=r.str_(sg, "ibDevice", "spec.sglang"),
+        rdma_resources=r.str_map(sg, "rdmaResources", "spec.sglang"),
+    )
+    if sg and engine != "sglang":
+        r.problems.append("spec.sglang is set but spec.engine is 'pdrt'; accepted: spec.sglang only with engine 'sglang'")
+    pr = r.obj(d.get("probes"), "spec.probes")
+    probes = Probes(
+        startup_s=r.int_(pr, "startupSeconds", "spec.probes", DEFAULT_STARTUP_SECONDS, 10, 86400),
+        readiness_timeout_s=(r.int_(pr, "readinessTimeoutSeconds", "spec.probes", 2, 1, 600)
+                             if pr.get("readinessTimeoutSeconds") is not None else None),
+        liveness_period_s=r.int_(pr, "livenessPeriodSeconds", "spec.probes", 10, 1, 3600),
+        liveness_failures=r.int_(pr, "livenessFailureThreshold", "spec.probes", 6, 1, 1000),
+        drain_s=r.int_(pr, "preStopDrainSeconds", "spec.probes", 10, 0, 3600),
+    )
     if prefill.tp_size != decode.tp_size:
         r.problems.append(f"spec.prefill tensor-parallel size {prefill.tp_size} differs from spec.decode's "
                           f"{decode.tp_size} (from tensorParallelSize, else resources.gpus); KV transfer moves one "
@@ -297,6 +539,7 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
 
     p = r.obj(d.get("placement"), "spec.placement")
     placement = Placement(
+        group_placement=r.choice(p, "groupPlacement", "spec.placement", "Preferred", GROUP_PLACEMENTS),
         node_selector=r.str_map(p, "nodeSelector", "spec.placement"),
         tolerations=r.list_of_obj(p, "tolerations", "spec.placement"),
         affinity=r.obj(p.get("affinity"), "spec.placement.affinity"),
@@ -349,6 +592,8 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
         max_unavailable_pairs=r.int_(ro, "maxUnavailablePairs", "spec.rollout", 1, 1, 256),
         drain_seconds=r.num(ro, "drainSeconds", "spec.rollout", 30.0, 0.0, 3600.0),
         revision_history_limit=r.int_(d, "revisionHistoryLimit", "spec", 10, 1, 1000),
+        probes=probes,
+        sglang=sglang,
     )
     if r.problems:
         raise SpecError(r.problems)

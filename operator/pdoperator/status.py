@@ -64,6 +64,7 @@ class Facts:
     drift: Sequence[str] = ()
     rejections: Sequence[str] = ()  # "<verb> <kind>/<name>: HTTP <code>: <server message>", one per failed write
     topology_version: int | None = None
+    selector: str | None = None  # the worker pods' label selector (status.selector, for the scale subresource)
 
 
 def _cond(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -86,6 +87,9 @@ def pair_record(state: Any) -> dict[str, Any]:
     rec: dict[str, Any] = {"index": state.index, "revision": state.revision, "ready": state.ready,
                            "phase": state.phase, "restarts": m.restarts, "backoffStreak": m.streak,
                            "recovering": m.recovering}
+    members = getattr(state, "members", None) or {}
+    if set(members) - {"prefill", "decode"}:  # a P:D group beyond 1:1: which pod IP holds each slot
+        rec["members"] = {slot: ip for slot, ip in members.items()}
     if m.last_co_restart_at is not None:
         rec["lastCoRestart"] = {"time": iso(m.last_co_restart_at), "reason": m.last_co_restart_reason}
     if m.ready_since is not None:
@@ -177,6 +181,9 @@ def build_status(old: Mapping[str, Any] | None, plan: Plan, facts: Facts, now: f
     }
     if facts.topology_version is not None:
         out["topologyVersion"] = facts.topology_version
+    if facts.selector is not None:  # scale subresource: status.replicas (groups that exist) + selector
+        out["replicas"] = n
+        out["selector"] = facts.selector
     return out
 
 

@@ -66,6 +66,9 @@ _kmock_parsing.parse_path = _parse_path
 GPU = "nvidia.com/gpu"
 VERBS = ["list", "watch", "get", "create", "patch", "update", "delete", "deletecollection"]
 
+# plural -> the CRD's scale subresource paths (spec, status, label selector), as in crds/pddeployment.yaml
+SCALABLE = {"pddeployments": ("pairs", "replicas", "selector")}
+
 # (group, version, plural, kind, namespaced, has status subresource)
 RESOURCES = [
     ("", "v1", "namespaces", "Namespace", False, True),
@@ -485,6 +488,31 @@ class PDEmulator(kmock.KubernetesEmulator):
                                            f'"restricted:latest": {", ".join(bad)}')
 
     # ------------------------------------------------------------ eviction (policy/v1)
+    def _scale(self, res: Any, ns: str | None, name: str, method: str, ctype: str, body: Any) -> dict[str, Any]:
+        """The CRD scale subresource (``kubectl scale``, HPA, KEDA): an ``autoscaling/v1 Scale`` view of
+        ``specReplicasPath`` / ``statusReplicasPath`` / ``labelSelectorPath``; a write sets the spec path only."""
+        spec_path, status_path, selector_path = SCALABLE[res.plural]
+        current = self.read(res, ns, name)
+        if current is None:
+            raise _error(404, "NotFound", f'{res.plural} "{name}" not found')
+        if method in ("PATCH", "PUT"):
+            if ctype not in ("application/merge-patch+json", "application/strategic-merge-patch+json") \
+                    and method == "PATCH":
+                raise _error(415, "UnsupportedMediaType", f"the body of the request was in an unknown format: {ctype}")
+            replicas = ((body or {}).get("spec") or {}).get("replicas")
+            if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+                raise _error(422, "Invalid", f"Scale.autoscaling \"{name}\" is invalid: spec.replicas: Invalid value: "
+                                             f"{replicas!r}: must be greater than or equal to 0")
+            new = copy.deepcopy(current)
+            new["spec"][spec_path] = replicas
+            current = self._store(res, ns, name, new, manager="kubectl")
+        st = current.get("status") or {}
+        return {"apiVersion": "autoscaling/v1", "kind": "Scale",
+                "metadata": {"name": name, "namespace": ns, "resourceVersion": current["metadata"]["resourceVersion"],
+                             "uid": current["metadata"]["uid"]},
+                "spec": {"replicas": current["spec"].get(spec_path, 0)},
+                "status": {"replicas": st.get(status_path, 0), "selector": st.get(selector_path, "")}}
+
     def _evict(self, namespace: str, name: str) -> dict[str, Any]:
         pod = self.read(PODS, namespace, name)
         if pod is None:
@@ -575,7 +603,8 @@ class PDEmulator(kmock.KubernetesEmulator):
     # ------------------------------------------------------------ HTTP
     async def _handle(self, request: Any) -> aiohttp.web.StreamResponse:
         res = request.resource
-        if res is None or res not in self._info or request.subresource not in (None, "status", "eviction"):
+        if res is None or res not in self._info or request.subresource not in (None, "status", "eviction", "scale") \
+                or (request.subresource == "scale" and res.plural not in SCALABLE):
             self._authenticate(request)
             return await super()._handle(request)  # discovery, unknown endpoints
         user = self._authenticate(request)
@@ -618,6 +647,8 @@ class PDEmulator(kmock.KubernetesEmulator):
         manager = params.get("fieldManager") or None
         if watch:
             return await self._serve_watch_stream(request)
+        if sub == "scale":
+            return self._json(self._scale(res, ns, name, method, ctype, body))
         if method == "GET" and name is None:
             return self._json(self._list_body(res, ns, params))
         if method == "GET":

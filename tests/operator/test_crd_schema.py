@@ -50,7 +50,9 @@ def good() -> dict[str, Any]:
 def test_crd_identity_status_subresource_printer_columns_and_short_name():
     assert CRD["spec"]["group"] == "pdstack.io" and VERSION["name"] == "v1alpha1"
     assert CRD["spec"]["names"]["kind"] == "PDDeployment" and "pdd" in CRD["spec"]["names"]["shortNames"]
-    assert VERSION["subresources"] == {"status": {}}
+    assert VERSION["subresources"] == {"status": {}, "scale": {"specReplicasPath": ".spec.pairs",
+                                                                "statusReplicasPath": ".status.replicas",
+                                                                "labelSelectorPath": ".status.selector"}}
     cols = [c["name"] for c in VERSION["additionalPrinterColumns"]]
     assert {"Pairs", "Ready", "Revision", "Drift", "Age"} <= set(cols)
 
@@ -84,7 +86,7 @@ _DELETE = object()
     ("spec.engine", "vllm", "spec.engine: 'vllm' is not one of ['pdrt', 'sglang']"),
     ("spec.pairs", -1, "spec.pairs: -1 is less than the minimum of 0"),
     ("spec.pairs", "2", "spec.pairs: '2' is not of type 'integer'"),
-    ("spec.prefill.replicas", 2, "spec.prefill.replicas: 2 is greater than the maximum of 1"),
+    ("spec.prefill.replicas", 17, "spec.prefill.replicas: 17 is greater than the maximum of 16"),
     ("spec.decode.resources.gpus", 1.5, "spec.decode.resources.gpus: 1.5 is not of type 'integer'"),
     ("spec.decode.env", [{"value": "x"}], "spec.decode.env.0: 'name' is a required property"),
     ("spec.decode.env", [{"name": "1BAD", "value": "x"}], "spec.decode.env.0.name: '1BAD' does not match"),

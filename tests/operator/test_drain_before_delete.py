@@ -7,7 +7,8 @@ The router is a real ``pdrt serve --role router`` on the router pod's IP; its to
 written once and never refreshed (a slow ConfigMap volume): it learns every change from the
 operator's pushes. Under steady client traffic, through a rollout of both pairs and a co-restart:
 
-* every DELETE of a worker pod finds the router's ``/config`` already showing that pair draining;
+* every DELETE of a worker pod finds the router's ``/config`` already showing that pair draining, through a
+  rollout, a co-restart and ``kubectl scale`` (scale-subresource patches) 2 -> 1 -> 3 -> 1;
 * no client request fails.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
+import json
 import os
 import random
 import signal
@@ -64,6 +66,7 @@ class ProcessKubelet(Kubelet):
         cmd = list(ctr["command"])
         assert cmd[:2] == ["pdrt", "serve"], cmd
         cmd[cmd.index("--host") + 1] = ip
+        cmd[cmd.index("--device") + 1] = "cpu"  # the emulated nodes' "GPUs" are this host's CPU
         secret = self.api.read(SECRETS, NS, pod["spec"]["volumes"][0]["secret"]["secretName"])
         token_file = os.path.join(self.log_dir, f"{name}.token")
         with open(token_file, "w") as fh:
@@ -151,6 +154,7 @@ async def test_pairs_drain_in_the_router_before_their_pods_are_deleted(tmp_path)
     router_ip = f"127.0.{net}.2"
     checks: list[tuple[str, int, list[int], int]] = []  # (pod, pair, router draining, router topology version)
     router_proc = None
+    admin: dict[str, str] = {}  # the router-admin bearer header, once the operator has generated the Secret
     async with PDEmulator() as api, kmock.Server(api) as server:
         write_kubeconfig(str(server.url).rstrip("/"))
         kubelet = ProcessKubelet(api, net, str(tmp_path))
@@ -160,7 +164,7 @@ async def test_pairs_drain_in_the_router_before_their_pods_are_deleted(tmp_path)
             pod = api.read(PODS, ns, name)
             if not pod or pod["metadata"]["labels"].get("pdstack.io/component") != "worker":
                 return
-            cfg = httpx.get(f"http://{router_ip}:{PORT}/config", timeout=5).json()
+            cfg = httpx.get(f"http://{router_ip}:{PORT}/config", headers=admin, timeout=5).json()
             checks.append((name, int(pod["metadata"]["labels"]["pdstack.io/pair"]), cfg["draining"],
                            cfg["topology_version"]))
         api.on_pod_delete = on_pod_delete
@@ -173,16 +177,20 @@ async def test_pairs_drain_in_the_router_before_their_pods_are_deleted(tmp_path)
                     for role in ("prefill", "decode"):
                         body["spec"][role]["args"] = WORKER_ARGS
                     c.apply(body)
-                    secret = await eventually(lambda: api.read(SECRETS, NS, "drain-kv-auth"), what="KV secret")
+                    secret = await eventually(lambda: api.read(SECRETS, NS, "drain-router-admin"), what="admin secret")
                     cm = await eventually(lambda: api.read(CONFIGMAPS, NS, "drain-topology"), what="topology")
                     topo_file = tmp_path / "topology.yaml"  # the ConfigMap volume, as mounted; never refreshed
                     topo_file.write_text(cm["data"]["topology.yaml"])
+                    # the router pod mounts only the router-admin Secret, never the KV-transfer one
+                    admin_file = tmp_path / "router-admin.token"
+                    admin_file.write_text(base64.b64decode(secret["data"]["token"]).decode())
+                    admin["Authorization"] = f"Bearer {admin_file.read_text()}"
                     env = {k: v for k, v in os.environ.items() if not k.startswith("PDRT_")}
-                    env.update(PDRT_KV_AUTH_TOKEN=base64.b64decode(secret["data"]["token"]).decode(),
-                               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+                    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
                     router_proc = subprocess.Popen(
                         [sys.executable, "-m", "pdruntime.server", "serve", "--role", "router", "--host", router_ip,
-                         "--port", str(PORT), "--topology-file", str(topo_file)], env=env,
+                         "--port", str(PORT), "--topology-file", str(topo_file),
+                         "--admin-token-file", str(admin_file)], env=env,
                         stdout=open(tmp_path / "router.log", "wb"), stderr=subprocess.STDOUT)
                     kubelet.router_ip = router_ip  # the router Deployment's pod: this process
                     await eventually(lambda: c.condition("drain", "Ready").get("status") == "True", timeout=240,
@@ -190,7 +198,7 @@ async def test_pairs_drain_in_the_router_before_their_pods_are_deleted(tmp_path)
                     url = f"http://{router_ip}:{PORT}"
                     await eventually(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, timeout=60,
                                      what="router healthy")
-                    cfg = httpx.get(url + "/config", timeout=5).json()
+                    cfg = httpx.get(url + "/config", headers=admin, timeout=5).json()
                     assert cfg["topology_version"] > yaml.safe_load(cm["data"]["topology.yaml"])["generation"]
 
                     traffic = Traffic(url)
@@ -213,6 +221,21 @@ async def test_pairs_drain_in_the_router_before_their_pods_are_deleted(tmp_path)
                                      timeout=240, interval=0.2, what="co-restart done")
                     await eventually(lambda: traffic.ok >= served_after_rollout + 5, timeout=60,
                                      what="traffic after the co-restart")
+                    # 3. `kubectl scale pdd drain --replicas N` (the scale subresource): 2 -> 1 -> 3 -> 1
+                    scale_url = f"{str(server.url).rstrip('/')}/apis/pdstack.io/v1alpha1/namespaces/{NS}/" \
+                                "pddeployments/drain/scale"
+                    for n in (1, 3, 1):
+                        async with httpx.AsyncClient() as http:  # the emulator serves on this event loop
+                            r = await http.patch(scale_url, content=json.dumps({"spec": {"replicas": n}}), timeout=10,
+                                                 headers={"Content-Type": "application/merge-patch+json"})
+                        assert r.status_code == 200 and r.json()["spec"]["replicas"] == n, r.text
+                        before = traffic.ok
+                        await eventually(lambda: (st := c.pdd("drain")["status"]).get("replicas") == n
+                                         and st["readyPairs"] == n and len(st["pairs"]) == n
+                                         and len(c.pods("drain")) == 2 * n
+                                         and c.condition("drain", "Ready").get("status") == "True",
+                                         timeout=240, interval=0.2, what=f"scaled to {n}")
+                        await eventually(lambda: traffic.ok >= before + 3, timeout=60, what=f"traffic at {n}")
                     await traffic.stop()
         finally:
             kubelet.stop_all()
@@ -221,7 +244,7 @@ async def test_pairs_drain_in_the_router_before_their_pods_are_deleted(tmp_path)
                 router_proc.wait(10)
 
     assert traffic.failures == [], traffic.failures[:5]
-    assert len(checks) >= 6, checks  # 4 pods rolled + 2 co-restarted
+    assert len(checks) >= 6 + 2 + 4, checks  # 4 pods rolled + 2 co-restarted + 2 and 4 scaled down
     for pod, pair, draining, version in checks:
         assert pair in draining, f"pod {pod} of pair {pair} deleted while the router (version {version}) " \
                                  f"showed draining={draining}"

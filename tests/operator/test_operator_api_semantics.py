@@ -7,6 +7,7 @@ lost node is force-deleted after its bound; evictions respect pairs; Pod Securit
 
 from __future__ import annotations
 
+import base64
 import json
 
 import aiohttp
@@ -165,38 +166,36 @@ async def test_evictions_never_take_two_pairs_down(operator):
         assert (await evict(p1))[0] == 201  # budget back: the drain may proceed
 
 
-@pytest.mark.parametrize("explicit", [True, False], ids=["securityContext-set", "defaults-only"])
-async def test_workers_and_router_against_pod_security_restricted(cluster, explicit):
-    """Until the workloads issue sets these by default, the fields are set explicitly here."""
+@pytest.mark.parametrize("override", [False, True], ids=["secure-defaults", "overridden-to-privileged"])
+async def test_workers_and_router_against_pod_security_restricted(cluster, override):
+    """As rendered, worker and router pods pass Pod Security ``restricted``; overriding a default away fails."""
     from pdoperator.cli import render_manifest
 
     ns = cluster.api.read(NAMESPACES, None, NS)
     ns["metadata"]["labels"] = {"pod-security.kubernetes.io/enforce": "restricted"}
     cluster.api._store(NAMESPACES, None, NS, ns)
-    children = render_manifest(manifest("psa", pairs=1))
+    body = manifest("psa", pairs=1)
+    if override:
+        body["spec"]["podTemplate"] = {"securityContext": {"allowPrivilegeEscalation": True,
+                                                           "capabilities": {"drop": []}}}
+    children = render_manifest(body)
     pods = [o for o in children if o["kind"] == "Pod"]
     router = next(o for o in children if o["kind"] == "Deployment")
     router_pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "psa-router-x", "namespace": NS},
                   "spec": router["spec"]["template"]["spec"]}
-    sc = {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-          "seccompProfile": {"type": "RuntimeDefault"}}
     async with aiohttp.ClientSession(cluster.url) as http:
         for pod in pods + [router_pod]:
             pod = json.loads(json.dumps(pod))
             pod["metadata"].pop("ownerReferences", None)
-            if explicit:
-                for ctr in pod["spec"]["containers"]:
-                    ctr["securityContext"] = sc
             async with http.post(f"/api/v1/namespaces/{NS}/pods", data=json.dumps(pod),
                                  headers={"Content-Type": "application/json"}) as r:
                 body = await r.json()
-            if explicit:
+            if not override:
                 assert r.status == 201, body
             else:
                 assert r.status == 403, body
                 assert 'violates PodSecurity "restricted:latest"' in body["message"]
-                for check in ("allowPrivilegeEscalation != false", "unrestricted capabilities",
-                              "runAsNonRoot != true", "seccompProfile"):
+                for check in ("allowPrivilegeEscalation != false", "unrestricted capabilities"):
                     assert check in body["message"], body["message"]
 
 
@@ -239,3 +238,30 @@ async def test_watches_carry_server_side_label_selectors(strict_operator):
                 if plural in ("pods", "services", "configmaps", "deployments")]
     assert {p for p, _, _ in children} == {"pods", "services", "configmaps", "deployments"}
     assert all(sel == "pdstack.io/deployment" and ns == NS for _, ns, sel in children), children
+
+
+async def test_secure_defaults_admitted_under_restricted_and_secret_env_stays_a_reference(strict_operator):
+    """The operator in a namespace enforcing Pod Security ``restricted``: every pod it creates is admitted and
+    the deployment gets Ready; the value of the Secret behind a ``secretKeyRef`` env var appears in no object
+    but the Secret itself (pods, router, ControllerRevision, status, Events)."""
+    c = strict_operator
+    value = "hf_LiveSecretValue_9f8e7d6c5b4a"
+    ns = c.api.read(NAMESPACES, None, NS)
+    ns["metadata"]["labels"] = {"pod-security.kubernetes.io/enforce": "restricted"}
+    c.api._store(NAMESPACES, None, NS, ns)
+    c.api.seed(R("", "v1", "secrets"), NS, {"apiVersion": "v1", "kind": "Secret",
+                                              "metadata": {"name": "hf-token", "namespace": NS},
+                                              "stringData": {"token": value}})
+    env = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}]
+    body = manifest("sec", pairs=2)
+    for role in ("prefill", "decode", "router"):
+        body["spec"].setdefault(role, {})["env"] = env
+    c.apply(body)
+    await eventually(lambda: ready(c, "sec"), timeout=30, what="Ready under Pod Security restricted")
+    encoded = base64.b64encode(value.encode()).decode()  # the server stores stringData base64-encoded in data
+    holders = [(r, n) for (r, _, n), o in c.api.objects.items()
+               if not o.deleted and (value in json.dumps(o.raw) or encoded in json.dumps(o.raw))]
+    assert [n for _, n in holders] == ["hf-token"], holders
+    revs = c.api.select(R("apps", "v1", "controllerrevisions"), NS)
+    assert revs and all(r["data"]["config"]["decode"]["env"]["HF_TOKEN"] == {"valueFrom": env[0]["valueFrom"]}
+                        for r in revs)

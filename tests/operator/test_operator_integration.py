@@ -43,7 +43,7 @@ async def test_two_pairs_all_children_exist_and_ready_within_5s_of_pods_ready(op
     c.apply(manifest("alpha", pairs=2))
     await eventually(lambda: len(c.pods("alpha")) == 4 and all(p.get("status", {}).get("phase") == "Running"
                                                                for p in c.pods("alpha")), what="4 running pods")
-    expected = sorted(["Pod"] * 4 + ["Service", "Service", "ConfigMap", "Secret", "Deployment",
+    expected = sorted(["Pod"] * 4 + ["Service", "Service", "ConfigMap", "Secret", "Secret", "Deployment",
                                      "ControllerRevision", "NetworkPolicy", "PodDisruptionBudget"])
     await eventually(lambda: sorted(o["kind"] for o in children(c, "alpha")) == expected, what="every child")
     owner_uid = c.pdd("alpha")["metadata"]["uid"]
@@ -76,7 +76,7 @@ async def test_two_pairs_all_children_exist_and_ready_within_5s_of_pods_ready(op
     # one writer: every status version in the object's history has exactly the operator's own fields
     # (kopf stores no handler progress or results there)
     ours = {"phase", "observedGeneration", "currentRevision", "updateRevision", "readyPairs", "pairs", "conditions",
-            "topologyVersion"}
+            "topologyVersion", "replicas", "selector"}  # replicas + selector: the scale subresource
     statuses = [v["status"] for v in c.api.history(PDDS, NS, "alpha") if v and "status" in v]
     assert statuses and all(set(st) == ours for st in statuses)
     assert metric("pdstack_operator_pairs_ready", namespace=NS, deployment="alpha") == 2
@@ -279,7 +279,7 @@ async def test_deleting_the_pddeployment_deletes_every_child(operator):
     c = operator
     name = "gone"
     await _ready_pairs(c, name)
-    assert len(children(c, name)) == 12
+    assert len(children(c, name)) == 13  # 4 pods, 2 services, 2 secrets (KV, router admin), router, ...
     c.delete(PDDS, name)
     await eventually(lambda: c.pdd(name) is None, what="PDDeployment gone (finalizer released)")
     await eventually(lambda: children(c, name) == [], what="every child gone")

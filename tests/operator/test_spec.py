@@ -25,7 +25,7 @@ def test_defaults():
     (dict(BASE, engine="sglang"), "demo", "spec.model.source is required with engine 'sglang'"),
     (dict(BASE, pairs=-1), "demo", "spec.pairs=-1 is invalid; accepted: an integer in [0, 256]"),
     (dict(BASE, pairs=True), "demo", "spec.pairs=True is invalid; accepted: an integer in [0, 256]"),
-    (dict(BASE, prefill={"replicas": 2}), "demo", "spec.prefill.replicas=2 is invalid; accepted: 1 (a pair is one prefill + one decode pod; scale with spec.pairs)"),
+    (dict(BASE, prefill={"replicas": 17}), "demo", "spec.prefill.replicas=17 is invalid; accepted: an integer in [1, 16]"),
     (dict(BASE, decode={"resources": {"gpus": -1}}), "demo",
      "spec.decode.resources.gpus=-1 is invalid; accepted: an integer in [0, 64]"),
     (dict(BASE, router={"resources": {"gpus": 1}}), "demo",

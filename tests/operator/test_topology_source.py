@@ -7,7 +7,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pdruntime.env import RuntimeEnv
-from pdruntime.server.router_app import Router
+from pdruntime.server.router_app import Router, RouterConfig
 from pdruntime.server.topology import parse_topology
 from pdruntime.server.topology_source import TopologySource
 
@@ -52,12 +52,17 @@ def test_router_without_a_token_refuses_pushes():
 
 
 def test_router_http_push_then_config_reports_version_and_draining():
-    router = Router(RuntimeEnv(kv_auth_token="secret"), topology=parse_topology(doc(1)))
+    """Pushes and /config reads carry the router's admin token; the KV-transfer token opens nothing here."""
+    router = Router(RuntimeEnv(kv_auth_token="kv-secret"), topology=parse_topology(doc(1)),
+                    config=RouterConfig(admin_token="secret"))
+    admin = {"Authorization": "Bearer secret"}
     with TestClient(router.build_app()) as http:
-        assert http.get("/config").json()["topology_version"] == 1
-        r = http.post("/admin/topology", json=doc(2, draining=True), headers={"Authorization": "Bearer secret"})
+        assert http.get("/config").status_code == 401  # admin-guarded
+        assert http.get("/config", headers=admin).json()["topology_version"] == 1
+        assert http.post("/admin/topology", json=doc(2), headers={"Authorization": "Bearer kv-secret"}).status_code == 401
+        r = http.post("/admin/topology", json=doc(2, draining=True), headers=admin)
         assert r.status_code == 200 and r.json() == {"topology_version": 2, "draining": [0]}
-        cfg = http.get("/config").json()
+        cfg = http.get("/config", headers=admin).json()
         assert cfg["topology_version"] == 2 and cfg["draining"] == [0] and cfg["inflight_by_pair"] == {}
         assert http.post("/admin/topology", json=doc(3)).status_code == 401
         assert http.get("/health").status_code == 503  # the only pair is draining: nothing to route to

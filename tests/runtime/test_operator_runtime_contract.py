@@ -21,11 +21,11 @@ def _pdrt_containers(example: str):
     for obj in children:
         pod_spec = obj["spec"] if obj["kind"] == "Pod" else obj["spec"]["template"]["spec"] if obj["kind"] == "Deployment" else None
         for c in (pod_spec or {}).get("containers", []):
-            if c["command"][:2] == ["pdrt", "serve"]:
+            if c.get("command", [])[:2] == ["pdrt", "serve"]:  # sidecars may have none
                 yield obj["metadata"]["name"], c
 
 
-@pytest.mark.parametrize("example", ["cpu-demo.yaml", "gpu-8x-pairs.yaml"])
+@pytest.mark.parametrize("example", ["cpu-demo.yaml", "gpu-8x-pairs.yaml", "gpu-production.yaml"])
 def test_every_rendered_pdrt_command_parses_with_pdrt_serve(example):
     seen = set()
     for name, c in _pdrt_containers(example):
@@ -34,6 +34,17 @@ def test_every_rendered_pdrt_command_parses_with_pdrt_serve(example):
         env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
         RuntimeEnv.from_environ(env)  # raises ConfigError on a knob value the runtime would reject at start-up
     assert seen == {"prefill", "decode", "router"}
+
+
+def test_the_router_authenticates_with_its_admin_token_file_and_holds_no_kv_token():
+    """The router's rendered line names the router-admin Secret's mount; its env carries no KV-transfer token."""
+    routers = [c for _, c in _pdrt_containers("cpu-demo.yaml") if "router" in c["command"]]
+    assert routers
+    for c in routers:
+        args = build_parser().parse_args(c["command"][1:])
+        assert args.admin_token_file == "/etc/pdstack/router-admin/token"
+        assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/etc/pdstack/router-admin"}
+        assert not any(e["name"].startswith("PDRT_KV_AUTH") for e in c.get("env", []))
 
 
 @pytest.mark.parametrize("example, device, tp, resolved", [

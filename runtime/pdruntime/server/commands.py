@@ -59,7 +59,9 @@ def register(subparsers: Any) -> None:
     serve.set_defaults(func=cmd_serve, handler=cmd_serve)
 
     up = subparsers.add_parser("up", help="run the whole PD stack locally (router + N pairs) and supervise it")
-    up.add_argument("--pairs", type=int, default=1)
+    up.add_argument("--pairs", type=int, default=1, help="P:D groups (a pair is a 1P:1D group)")
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers per group")
+    up.add_argument("--decode", type=int, default=1, help="decode workers per group")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000, help="router port")
     up.add_argument("--base-port", type=int, default=8100, help="first worker port (3 per pair)")
@@ -193,8 +195,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # health polls
-    stack = LocalStack(pairs=args.pairs, host=args.host, port=args.port, base_port=args.base_port, model=args.model,
-                       worker_args=_worker_args(args))
+    try:
+        stack = LocalStack(pairs=args.pairs, prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
+                           base_port=args.base_port, model=args.model, worker_args=_worker_args(args))
+    except ValueError as exc:
+        print(f"pdrt up: {exc}", file=sys.stderr)
+        return 2
     busy = stack.check_ports()
     if busy:  # never run over orphans or strangers: their health checks would pass for ours
         for msg in busy:
@@ -210,7 +216,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         except Exception as exc:  # ModelLoadError names the path and the pip command
             print(f"pdrt up: {exc}", file=sys.stderr)
             return 2
-    print(f"pdrt up: starting a router and {args.pairs} PD pair(s); logs in {stack.log_dir}", flush=True)
+    shape = "PD pair(s)" if (args.prefill, args.decode) == (1, 1) else f"{args.prefill}P:{args.decode}D group(s)"
+    print(f"pdrt up: starting a router and {args.pairs} {shape}; logs in {stack.log_dir}", flush=True)
     stack.start()
     try:
         if not stack.wait_ready(args.ready_timeout_s):

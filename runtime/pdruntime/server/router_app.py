@@ -156,7 +156,7 @@ class Router:
         self.prober: HealthProber | None = None  # worker /health polling: stale (frozen) workers' pairs are skipped
         self.instance_id = instance_id(env)
         self._set_topology(self.topology)
-        self.topology_source = TopologySource(self._set_topology, self.topology, env.resolve_kv_auth_token())
+        self.topology_source = TopologySource(self._set_topology, self.topology, self.cfg.admin_token)
 
     # ---- topology --------------------------------------------------------------------------------
     def _set_topology(self, topo: Topology) -> None:

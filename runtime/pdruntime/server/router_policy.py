@@ -126,6 +126,16 @@ class PairPicker:
                     new[p.index].outstanding = old.outstanding
         self.states = new
 
+    def worker_loads(self) -> dict[str, int]:
+        """Outstanding requests per worker URL, over every entry using it: in a P:D group the entries (one per
+        prefill x decode) share workers, so the entry with the lowest prefill + decode load is the least-loaded
+        prefill with the least-loaded decode of its group."""
+        load: dict[str, int] = {}
+        for s in self.states.values():
+            load[s.pair.prefill_url] = load.get(s.pair.prefill_url, 0) + s.outstanding
+            load[s.pair.decode_url] = load.get(s.pair.decode_url, 0) + s.outstanding
+        return load
+
     def eligible(self, now: float, exclude: set[int] = frozenset()) -> list[PairState]:
         return [s for s in self.states.values() if s.pair.ready and s.pair.index not in exclude and s.breaker.allows(now)]
 
@@ -145,7 +155,9 @@ class PairPicker:
                     if s.pair.index == idx:
                         self.sticky.move_to_end(key)
                         return s
-        best = min(cands, key=lambda s: (s.outstanding, s.pair.index))
+        load = self.worker_loads()
+        best = min(cands, key=lambda s: (load[s.pair.prefill_url] + load[s.pair.decode_url], s.outstanding,
+                                         s.pair.index))
         if key is not None:
             self.sticky[key] = best.pair.index
             self.sticky.move_to_end(key)

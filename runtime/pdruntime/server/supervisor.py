@@ -30,13 +30,15 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import httpx
 import yaml
 
 log = logging.getLogger("pdruntime.up")
+
+GROUP_INDEX_STRIDE = 1000  # router entry c of group k has index k + 1000 * c (as the operator renders it)
 
 BACKOFF_BASE_S = 1.0  # seconds before the first restart; doubles per consecutive restart
 BACKOFF_CAP_S = 30.0  # ... up to this
@@ -46,13 +48,47 @@ PORTS_IN_USE_EXIT = 3  # `pdrt up` exit status when a port it needs is taken
 
 
 @dataclass
+class Member:
+    """A worker of a P:D group beyond its first prefill and first decode (``pdrt up --prefill N --decode M``)."""
+
+    role: str  # prefill | decode
+    member: int  # 1.. within its role
+    port: int
+    bootstrap_port: int | None = None  # prefill only
+    proc: subprocess.Popen | None = None
+    instance: str = ""
+
+
+def group_ports(base: int, prefill: int, decode: int) -> tuple[tuple[int, int, int], list[Member]]:
+    """Ports of one group from ``base``: (first prefill HTTP, first decode HTTP, first bootstrap) as for a
+    pair (base, base+1, base+2), then each further prefill (HTTP, bootstrap) and each further decode (HTTP)."""
+    extra: list[Member] = []
+    nxt = base + 3
+    for m in range(1, prefill):
+        extra.append(Member("prefill", m, nxt, nxt + 1))
+        nxt += 2
+    for m in range(1, decode):
+        extra.append(Member("decode", m, nxt))
+        nxt += 1
+    return (base, base + 1, base + 2), extra
+
+
+def group_stride(prefill: int, decode: int) -> int:
+    """Ports one group takes: 2 per prefill (HTTP + KV bootstrap), 1 per decode (3 for a pair)."""
+    return 2 * prefill + decode
+
+
+@dataclass
 class PairProcs:
+    """One P:D group's processes (a pair: one prefill and one decode; ``extra`` holds further members)."""
+
     index: int
     prefill_port: int
     decode_port: int
     bootstrap_port: int
     prefill: subprocess.Popen | None = None
     decode: subprocess.Popen | None = None
+    extra: list[Member] = field(default_factory=list)
     restarts: int = 0
     ready: bool = False
     phase: str = "starting"  # starting | running | backoff
@@ -177,7 +213,8 @@ def _alive(p: subprocess.Popen | None) -> bool:
 
 
 class LocalStack:
-    def __init__(self, *, pairs: int = 1, host: str = "127.0.0.1", port: int = 8000, base_port: int = 8100,
+    def __init__(self, *, pairs: int = 1, prefill: int = 1, decode: int = 1, host: str = "127.0.0.1",
+                 port: int = 8000, base_port: int = 8100,
                  model: str | None = None, worker_args: list[str] | None = None, extra_env: dict[str, str] | None = None,
                  log_dir: str | None = None, backoff_base_s: float = BACKOFF_BASE_S, backoff_cap_s: float = BACKOFF_CAP_S,
                  reset_after_s: float = RESET_AFTER_S) -> None:
@@ -195,7 +232,13 @@ class LocalStack:
         self.run_id = secrets.token_hex(4)
         self.spawned = 0
         self.backoff_base_s, self.backoff_cap_s, self.reset_after_s = backoff_base_s, backoff_cap_s, reset_after_s
-        self.pairs = [PairProcs(i, base_port + 3 * i, base_port + 3 * i + 1, base_port + 3 * i + 2) for i in range(pairs)]
+        if prefill < 1 or decode < 1:
+            raise ValueError(f"--prefill {prefill} --decode {decode}: accepted: at least one of each per group")
+        stride = group_stride(prefill, decode)
+        self.pairs = []
+        for i in range(pairs):
+            first, extra = group_ports(base_port + stride * i, prefill, decode)
+            self.pairs.append(PairProcs(i, *first, extra=extra))
         self.router: subprocess.Popen | None = None
         self.router_instance = ""
         self.router_restarts = 0
@@ -210,6 +253,10 @@ class LocalStack:
             out[pp.prefill_port] = f"pair {pp.index} prefill HTTP"
             out[pp.decode_port] = f"pair {pp.index} decode HTTP"
             out[pp.bootstrap_port] = f"pair {pp.index} prefill KV bootstrap"
+            for m in pp.extra:
+                out[m.port] = f"group {pp.index} {m.role}-{m.member} HTTP"
+                if m.bootstrap_port is not None:
+                    out[m.bootstrap_port] = f"group {pp.index} {m.role}-{m.member} KV bootstrap"
         return out
 
     def check_ports(self) -> list[str]:
@@ -238,6 +285,11 @@ class LocalStack:
         pp.prefill, pre_id = self._spawn(f"prefill-{pp.index}", ["--role", "prefill", "--port", str(pp.prefill_port),
                                                                  "--bootstrap-port", str(pp.bootstrap_port), *base])
         pp.decode, dec_id = self._spawn(f"decode-{pp.index}", ["--role", "decode", "--port", str(pp.decode_port), *base])
+        for m in pp.extra:
+            args = ["--role", m.role, "--port", str(m.port)]
+            if m.bootstrap_port is not None:
+                args += ["--bootstrap-port", str(m.bootstrap_port)]
+            m.proc, m.instance = self._spawn(f"{m.role}-{pp.index}-{m.member}", [*args, *base])
         pp.instances = (pre_id, dec_id)
         pp.ready = False
         pp.healthy_since = None
@@ -262,11 +314,20 @@ class LocalStack:
 
     def write_topology(self) -> None:
         self.revision += 1
-        doc = {"version": 1, "revision": f"local-{self.revision}", "pairs": [
-            {"index": pp.index, "ready": pp.ready,
-             "prefill": {"url": f"http://{self.host}:{pp.prefill_port}", "bootstrap_host": self.host,
-                         "bootstrap_port": pp.bootstrap_port},
-             "decode": {"url": f"http://{self.host}:{pp.decode_port}"}} for pp in self.pairs]}
+        doc = {"version": 1, "revision": f"local-{self.revision}", "pairs": []}
+        for pp in self.pairs:
+            prefills = [(pp.prefill_port, pp.bootstrap_port)] + [(m.port, m.bootstrap_port) for m in pp.extra
+                                                                 if m.role == "prefill"]
+            decodes = [pp.decode_port] + [m.port for m in pp.extra if m.role == "decode"]
+            # one router entry per (prefill, decode) of the group: the router dispatches within the group
+            for c, ((pport, bport), dport) in enumerate((p, d) for p in prefills for d in decodes):
+                entry = {"index": pp.index + GROUP_INDEX_STRIDE * c, "ready": pp.ready,
+                         "prefill": {"url": f"http://{self.host}:{pport}", "bootstrap_host": self.host,
+                                     "bootstrap_port": bport},
+                         "decode": {"url": f"http://{self.host}:{dport}"}}
+                if pp.extra:
+                    entry["group"] = pp.index
+                doc["pairs"].append(entry)
         tmp = self.topology_path + ".tmp"
         with open(tmp, "w") as fh:
             yaml.safe_dump(doc, fh)
@@ -313,7 +374,9 @@ class LocalStack:
         answer healthy as themselves."""
         now = time.monotonic() if now is None else now
         changed = False
-        alive = {pp.index: (_alive(pp.prefill), _alive(pp.decode)) for pp in self.pairs}
+        alive = {pp.index: (_alive(pp.prefill) and all(_alive(m.proc) for m in pp.extra if m.role == "prefill"),
+                            _alive(pp.decode) and all(_alive(m.proc) for m in pp.extra if m.role == "decode"))
+                 for pp in self.pairs}
         restarted = []
         for idx in plan_restarts(alive):
             pp = self.pairs[idx]
@@ -329,6 +392,8 @@ class LocalStack:
                 changed = True
                 self._stop(pp.prefill)
                 self._stop(pp.decode)
+                for m in pp.extra:  # the whole group restarts together
+                    self._stop(m.proc)
                 pp.phase = "backoff"
                 pp.not_before = now + delay
             if now >= pp.not_before:
@@ -336,7 +401,8 @@ class LocalStack:
                 restarted.append(idx)
         for pp in self.pairs:
             if not pp.ready and _alive(pp.prefill) and _alive(pp.decode) and \
-                    self._healthy(pp.prefill_port, pp.instances[0]) and self._healthy(pp.decode_port, pp.instances[1]):
+                    self._healthy(pp.prefill_port, pp.instances[0]) and self._healthy(pp.decode_port, pp.instances[1]) \
+                    and all(_alive(m.proc) and self._healthy(m.port, m.instance) for m in pp.extra):
                 pp.ready = True
                 pp.phase = "running"
                 pp.healthy_since = now
@@ -370,12 +436,16 @@ class LocalStack:
         for pp in self.pairs:
             self._stop(pp.prefill)
             self._stop(pp.decode)
+            for m in pp.extra:
+                self._stop(m.proc)
 
     def pids(self) -> dict:
         return {"router": self.router.pid if self.router else None,
                 "pairs": [{"index": pp.index, "prefill": pp.prefill.pid if pp.prefill else None,
                            "decode": pp.decode.pid if pp.decode else None, "ready": pp.ready,
-                           "restarts": pp.restarts} for pp in self.pairs]}
+                           "restarts": pp.restarts,
+                           **({"members": {f"{m.role}-{m.member}": m.proc.pid if m.proc else None for m in pp.extra}}
+                              if pp.extra else {})} for pp in self.pairs]}
 
     def run_forever(self) -> None:
         stop = {"now": False}

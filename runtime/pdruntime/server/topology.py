@@ -42,6 +42,11 @@ class Pair:
     bootstrap_port: int
     decode_url: str
     draining: bool = False  # no new requests; in-flight ones finish (a draining pair is never ready)
+    group: int | None = None  # the P:D group this (prefill, decode) combination belongs to; None = its own
+
+    @property
+    def group_id(self) -> int:
+        return self.index if self.group is None else self.group
 
     @property
     def key(self) -> str:
@@ -64,6 +69,7 @@ class Topology:
     def as_dict(self) -> dict:
         return {"version": self.version, "generation": self.generation, "revision": self.revision, "pairs": [
             {"index": p.index, "ready": p.ready, "draining": p.draining,
+             **({"group": p.group} if p.group is not None else {}),
              "prefill": {"url": p.prefill_url, "bootstrap_host": p.bootstrap_host, "bootstrap_port": p.bootstrap_port},
              "decode": {"url": p.decode_url}} for p in self.pairs]}
 
@@ -114,8 +120,12 @@ def parse_topology(doc: Any) -> Topology:
         bport = pre.get("bootstrap_port", 8998)
         if not isinstance(bport, int) or isinstance(bport, bool) or not 0 < bport < 65536:
             raise TopologyError(f"{where}.prefill.bootstrap_port: {bport!r} is not accepted; accepted: a port 1..65535")
+        group = rp.get("group")
+        if group is not None and (not isinstance(group, int) or isinstance(group, bool) or group < 0):
+            raise TopologyError(f"{where}.group: {group!r} is not accepted; accepted: an integer >= 0 (the P:D "
+                                "group of this prefill/decode combination)")
         pairs.append(Pair(index, ready and not draining, purl, str(bhost), bport,
-                          _url(dec.get("url"), f"{where}.decode.url"), draining))
+                          _url(dec.get("url"), f"{where}.decode.url"), draining, group))
     return Topology(1, revision, tuple(pairs), generation)
 
 

@@ -4,7 +4,8 @@ Two feeds, one rule:
 
 * the ConfigMap volume file (``--topology-file``), polled: the cold-start source, and the fallback
   when the operator is down. The kubelet refreshes it only every minute or so;
-* operator pushes to ``POST /admin/topology`` (bearer token = the deployment's KV-transfer token):
+* operator pushes to ``POST /admin/topology`` (bearer token = the router's admin token,
+  ``--admin-token-file``; the router never holds the KV-transfer token):
   the fast path. The operator pushes each new topology generation to every router pod, then reads
   ``GET /config`` (``topology_version``, ``draining``) to confirm before it deletes a drained pair.
 
@@ -55,10 +56,11 @@ class TopologySource:
     def push(self, doc: object, authorization: str | None) -> tuple[int, dict]:
         """``POST /admin/topology``: (status, body). 401 unauthenticated, 400 malformed, 409 stale, 200 installed."""
         if not self.token:
-            return 403, {"error": "topology pushes are disabled: the router has no KV-transfer token "
-                                  "(PDRT_KV_AUTH_TOKEN[_FILE]); it reads only its topology file"}
+            return 403, {"error": "topology pushes are disabled: the router has no admin token "
+                                  "(--admin-token-file); it reads only its topology file"}
         if not self.authorized(authorization):
-            return 401, {"error": "missing or wrong bearer token; accepted: Authorization: Bearer <KV-transfer token>"}
+            return 401, {"error": "missing or wrong bearer token; accepted: Authorization: Bearer <admin token> "
+                                  "(the router's --admin-token-file)"}
         try:
             topo = parse_topology(doc)
         except TopologyError as exc:

@@ -122,7 +122,8 @@ class WorkerBase:
         return {"role": self.role, "engine": _jsonable(self.engine.describe()), "env": self.env.as_config(),
                 "engine_health": self.runner.health() if self.runner is not None else None,
                 "server": {"host": self.host, "port": self.port, "pid": os.getpid()},
-                "kv_auth": "enabled" if self.kv_token else "disabled", **self.role_config()}
+                "kv_auth": "enabled" if self.kv_token else "disabled",
+                "model": {"path": self.loaded.info.path, "sha256": self.loaded.info.sha256}, **self.role_config()}
 
     def role_config(self) -> dict:
         return {}

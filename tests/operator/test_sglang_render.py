@@ -1,0 +1,107 @@
+"""engine: sglang as rendered is what SGLang accepts: every worker and router command line parsed by SGLang's
+own argparse (``sglang.srt.server_args.ServerArgs.add_cli_args``, ``sglang_router.router_args.RouterArgs``),
+the transfer backend explicit, and the NetworkPolicy admits the ports SGLang opens between a group's pods."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdoperator.cli import render_manifest
+
+EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "sglang-groups.yaml").read_text())
+
+server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang (installed --no-deps by `make setup`) "
+                                  "provides SGLang's own argument parser")
+router_args = pytest.importorskip("sglang_router.router_args", reason="sglang-router is in the dev extra")
+
+
+def _children(doc=EXAMPLE):
+    return render_manifest(doc)
+
+
+def _sglang_parse(cmd):
+    assert cmd[:3] == ["python", "-m", "sglang.launch_server"], cmd
+    parser = argparse.ArgumentParser(prog="sglang.launch_server")
+    server_args.ServerArgs.add_cli_args(parser)
+    return parser.parse_args(cmd[3:])  # argparse exits (SystemExit) on anything SGLang does not accept
+
+
+def test_every_worker_line_is_parsed_by_sglangs_own_argparse():
+    pods = [o for o in _children() if o["kind"] == "Pod"]
+    assert len(pods) == 2 * 3  # 2 groups x (1 prefill + 2 decodes)
+    for pod in pods:
+        a = _sglang_parse(pod["spec"]["containers"][0]["command"])
+        role = pod["metadata"]["labels"]["pdstack.io/role"]
+        assert a.disaggregation_mode == role and a.tp_size == 2 and a.port == 8000
+        assert a.disaggregation_transfer_backend == "nixl"  # explicit, never SGLang's RDMA default
+        assert a.model_path == "/models/Llama-3.1-8B-Instruct" and a.served_model_name == "llama"
+        if role == "prefill":
+            assert a.disaggregation_bootstrap_port == 8998
+        else:
+            assert a.mem_fraction_static == 0.85
+
+
+def test_the_router_line_is_parsed_by_sglang_routers_own_argparse_with_every_member():
+    dep = next(o for o in _children() if o["kind"] == "Deployment")
+    cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[:3] == ["python", "-m", "sglang_router.launch_router"]
+    parser = argparse.ArgumentParser()
+    router_args.RouterArgs.add_cli_args(parser)
+    a = parser.parse_args(cmd[3:])
+    assert a.pd_disaggregation and a.port == 8000
+    assert [p[0] for p in a.prefill] == [f"http://sg-{k}-prefill.sg-workers.serving.svc:8000" for k in (0, 1)]
+    assert all(p[1] == "8998" for p in a.prefill)
+    assert sorted(d[0] for d in a.decode) == sorted(f"http://sg-{k}-{s}.sg-workers.serving.svc:8000"
+                                                    for k in (0, 1) for s in ("decode", "decode-1"))
+
+
+def test_mooncake_over_rdma_passes_the_ib_device_and_rdma_resources():
+    doc = yaml.safe_load(yaml.safe_dump(EXAMPLE))
+    doc["spec"]["sglang"] = {"transferBackend": "mooncake", "ibDevice": "mlx5_0", "rdmaResources": {"rdma/ib": "1"}}
+    for pod in (o for o in _children(doc) if o["kind"] == "Pod"):
+        c = pod["spec"]["containers"][0]
+        a = _sglang_parse(c["command"])
+        assert a.disaggregation_transfer_backend == "mooncake" and a.disaggregation_ib_device == "mlx5_0"
+        assert c["resources"]["requests"]["rdma/ib"] == c["resources"]["limits"]["rdma/ib"] == "1"
+
+
+def _admits(policy, from_labels, port):
+    """Does this NetworkPolicy admit TCP to ``port`` from a pod with ``from_labels`` (same namespace)?"""
+    for rule in policy["spec"]["ingress"]:
+        peers = rule.get("from") or []
+        ok_peer = not peers or any(all(from_labels.get(k) == v for k, v in
+                                       p["podSelector"].get("matchLabels", {}).items()) for p in peers)
+        ok_port = not rule.get("ports") or any(p["port"] <= port <= p.get("endPort", p["port"])
+                                               for p in rule["ports"])
+        if ok_peer and ok_port:
+            return True
+    return False
+
+
+def test_network_policy_admits_sglang_bootstrap_and_zmq_ports_between_group_pods_only():
+    objs = _children()
+    pol = next(o for o in objs if o["kind"] == "NetworkPolicy")
+    worker = next(o for o in objs if o["kind"] == "Pod")["metadata"]["labels"]
+    router = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["metadata"]["labels"]
+    stranger = {"app": "other"}
+    for port in (8000, 8998, 5757, 17001, 40123):  # HTTP, bootstrap, ZMQ / transfer ports SGLang picks at runtime
+        assert _admits(pol, worker, port), port
+    assert _admits(pol, router, 8000) and not _admits(pol, router, 17001)  # the router needs HTTP only
+    assert not any(_admits(pol, stranger, p) for p in (8000, 8998, 17001))
+    # pdrt keeps the two fixed ports only
+    pdrt = yaml.safe_load(yaml.safe_dump(EXAMPLE))
+    pdrt["spec"]["engine"] = "pdrt"
+    del pdrt["spec"]["sglang"]
+    pol = next(o for o in render_manifest(pdrt) if o["kind"] == "NetworkPolicy")
+    assert _admits(pol, worker, 8998) and not _admits(pol, worker, 17001)
+
+
+def test_sglang_probes_fit_its_generating_health_check():
+    pod = next(o for o in _children() if o["kind"] == "Pod")
+    c = pod["spec"]["containers"][0]
+    assert c["readinessProbe"]["timeoutSeconds"] >= 10 and c["livenessProbe"]["timeoutSeconds"] >= 10
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 2400
