@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.setup-stamp
 setup: $(STAMP)
 
 # torch is installed first and pinned: a plain `torch` requirement pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0

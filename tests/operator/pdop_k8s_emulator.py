@@ -173,7 +173,7 @@ class PDEmulator(kmock.KubernetesEmulator):
     pod_grace_s: float = 0.0  # seconds a container takes to exit after SIGTERM (capped by the grace period)
     event_times: dict[int, float] = attrs.field(factory=dict, init=False)  # resourceVersion -> loop time
     wall_times: dict[int, float] = attrs.field(factory=dict, init=False)  # resourceVersion -> epoch seconds
-    _faults: list[list[Any]] = attrs.field(factory=list, init=False)  # [method, plural, skip, remaining, status]
+    _faults: list[list[Any]] = attrs.field(factory=list, init=False)  # [method, plural, skip, remaining, status, selector]
     rbac: list[dict[str, Any]] | None = None  # namespaced rules granted to HTTP clients (None: allow all)
     cluster_rbac: list[dict[str, Any]] | None = None  # rules granted cluster-wide (nodes, namespaces, ...)
     requests: list[tuple[str, str, str, str | None]] = attrs.field(factory=list, init=False)
@@ -223,10 +223,11 @@ class PDEmulator(kmock.KubernetesEmulator):
             return []
         return [None if v is None else copy.deepcopy(v.raw) for v in self.objects[key].history]
 
-    def inject_fault(self, method: str, plural: str, *, times: int = 1, skip: int = 0, status: int = 500) -> None:
+    def inject_fault(self, method: str, plural: str, *, times: int = 1, skip: int = 0, status: int = 500,
+                     selector: str | None = None) -> None:
         """Let ``skip`` ``method`` requests on ``plural`` (``pods`` or ``pods/status``) pass, then fail ``times``
-        of them with HTTP ``status``."""
-        self._faults.append([method.upper(), plural, skip, times, status])
+        of them with HTTP ``status``; with ``selector``, only requests whose labelSelector contains it count."""
+        self._faults.append([method.upper(), plural, skip, times, status, selector])
 
     def close_watches(self) -> None:
         """End every open watch stream (as an API server restart would); clients re-list and re-watch."""
@@ -638,9 +639,11 @@ class PDEmulator(kmock.KubernetesEmulator):
                                 {"_patch": copy.deepcopy(body)})
         target = res.plural + (f"/{sub}" if sub else "")
         for fault in ([] if watch else self._faults):  # watch streams are never faulted (kopf would absorb it)
-            if fault[0] == method and fault[1] in (res.plural, target) and fault[2] > 0:
+            hit = (fault[0] == method and fault[1] in (res.plural, target)
+                   and (fault[5] is None or fault[5] in (params.get("labelSelector") or "")))
+            if hit and fault[2] > 0:
                 fault[2] -= 1
-            elif fault[0] == method and fault[1] in (res.plural, target) and fault[3] > 0:
+            elif hit and fault[3] > 0:
                 fault[3] -= 1
                 reason = "Conflict" if fault[4] == 409 else "InternalError"
                 raise _error(fault[4], reason, f"injected fault: {method} {target}")

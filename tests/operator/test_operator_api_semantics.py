@@ -203,7 +203,8 @@ async def test_the_operators_own_errors_are_posted_as_events(operator):
     c = operator
     c.apply(manifest("oops", pairs=1))
     await eventually(lambda: ready(c, "oops"), timeout=30, what="Ready")
-    c.api.inject_fault("GET", "pods", times=1, status=500)  # the reconcile's own pod list fails once
+    # the reconcile's own worker-pod list fails once (not the router-pod list, which is an isolated step)
+    c.api.inject_fault("GET", "pods", times=1, status=500, selector="component=worker")
     pdd = c.pdd("oops")
     pdd["metadata"].setdefault("annotations", {})["test/poke"] = "1"
     c.api._store(R("pdstack.io", "v1alpha1", "pddeployments"), NS, "oops", pdd, manager="kubectl")
