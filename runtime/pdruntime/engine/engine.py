@@ -20,7 +20,8 @@ from .block_pool import BlockPool
 from .config import EngineConfig, InvalidRequest, OutOfBlocks, SamplingParams, StepOutput
 from .device import cuda_graph_buckets, kv_cache_blocks
 from .kv_cache import KVCache
-from .sampler import sample_batch, sample_one
+from .grammar import Grammars
+from .sampler import sample_batch
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
@@ -105,6 +106,7 @@ class Engine:
         self._rng = torch.Generator().manual_seed(0)
         self._stop_holdback = 0
         self._eos = self.tokenizer.eos_token_ids
+        self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size)  # compiled lazily, on first use
         self.num_preemptions = 0
         self.num_generated_tokens = 0
         log.info("engine: device=%s dtype=%s tp=%d attention=%s cuda_graphs=%s weights=%.1f MiB; KV cache %d pages x %d "
@@ -173,9 +175,12 @@ class Engine:
         return ids
 
     def _new_seq(self, request_id: str, ids: list[int], params: SamplingParams, prefill_only: bool) -> Sequence:
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        return Sequence(request_id=request_id, prompt_ids=ids, params=params, prefill_only=prefill_only,
-                        arrival=next(self._arrivals), generator=gen)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 1 << 62, (1,), generator=self._rng))
+        seq = Sequence(request_id=request_id, prompt_ids=ids, params=params, prefill_only=prefill_only,
+                       arrival=next(self._arrivals), seed=seed)
+        if params.grammar is not None:
+            seq.matcher = self.grammars.matcher(params.grammar)  # InvalidRequest for a grammar it cannot compile
+        return seq
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prefill_only: bool = False) -> None:
@@ -220,7 +225,7 @@ class Engine:
         return list(blocks)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
-                      params: SamplingParams) -> None:
+                      params: SamplingParams, first_logprobs: Any = None) -> None:
         """Decode side of PD: the reserved pages hold KV for the prompt; decode continues from first_token_id."""
         seq = self._seqs.get(request_id)
         if seq is None or seq.status is not Status.RESERVED:
@@ -240,6 +245,10 @@ class Engine:
         new.blocks, new.num_cached = seq.blocks, len(ids)
         new.status = Status.RUNNING
         self._seqs[request_id] = new
+        if new.matcher is not None:  # constrained decoding continues from prefill's first token
+            self.grammars.advance(new.matcher, int(first_token_id))
+        if params.logprobs is not None:
+            new.logprobs.append(first_logprobs)  # prefill's (None when the caller did not carry them)
         self._append_token(new, int(first_token_id))
         if new.finish_reason is not None:
             self._pending.append(self._finish(new))
@@ -307,21 +316,38 @@ class Engine:
         return True
 
     def _sample_each(self, seqs: list[Sequence], rows: torch.Tensor) -> list[int | None]:
-        """One token per row; a row whose sampling raises fails its own request (None) and no other."""
+        """One token per row (one batched call); a row whose sampling raises fails its own request (None) and
+        no other. Grammar rows get their token mask first and advance their matcher after."""
+        masked = [s for s in seqs if s.matcher is not None]
         try:
-            return sample_batch(rows, [s.params for s in seqs], [s.generator or self._rng for s in seqs])
+            for s in masked:
+                s.token_mask = self.grammars.mask(s.matcher)
+            got = sample_batch(rows, seqs)
+            self._after_sample(seqs, got.tokens, got.logprobs)
+            return got.tokens
         except Exception:
             pass
         out: list[int | None] = []
         for s, row in zip(seqs, rows):
             try:
-                out.append(sample_one(row, s.params, s.generator or self._rng))
+                if s.matcher is not None:
+                    s.token_mask = self.grammars.mask(s.matcher)
+                got = sample_batch(row[None, :], [s])
+                self._after_sample([s], got.tokens, got.logprobs)
+                out.append(got.tokens[0])
             except Exception as exc:
                 log.warning("sampling failed for rid=%s alone (%s: %s); failing that request", s.request_id,
                             type(exc).__name__, exc)
                 self.fail_request(s.request_id, f"sampling failed: {type(exc).__name__}: {exc}")
                 out.append(None)
         return out
+
+    def _after_sample(self, seqs: list[Sequence], tokens: list[int], logprobs: list) -> None:
+        for s, tok, lp in zip(seqs, tokens, logprobs):
+            if s.matcher is not None:
+                self.grammars.advance(s.matcher, tok)  # raises if the token breaks the grammar (never, masked)
+            if lp is not None:
+                s.logprobs.append(lp)
 
     def _run_decode(self, seqs: list[Sequence]) -> list[StepOutput]:
         n = len(seqs)
@@ -368,7 +394,8 @@ class Engine:
                 seq.status = Status.PREFILL_HELD
                 self.num_generated_tokens += 1
                 text = "" if tok in self._eos else self.tokenizer.decode([tok])
-                out.append(StepOutput(seq.request_id, [tok], text, True, "prefill_done"))
+                out.append(StepOutput(seq.request_id, [tok], text, True, "prefill_done",
+                                      logprobs=seq.logprobs[:1] if seq.params.logprobs is not None else None))
             else:
                 seq.status = Status.RUNNING
                 out.append(self._emit(seq, tok))
@@ -385,8 +412,11 @@ class Engine:
         seq.output_ids.append(tok)
         self.num_generated_tokens += 1
         p = seq.params
-        if tok in self._eos and not p.ignore_eos:
-            seq.finish_reason = "stop"  # the EOS token itself adds no text
+        if (tok in self._eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            seq.finish_reason = "stop"  # the EOS / stop token itself adds no text
+        elif seq.matcher is not None and self.grammars.finished(seq.matcher):
+            self._detokenize(seq, flush=True)
+            seq.finish_reason = "stop"  # the grammar admits nothing more (e.g. the closing brace of a JSON value)
         else:
             self._detokenize(seq, flush=len(seq.output_ids) >= p.max_tokens)
         if seq.finish_reason is None and len(seq.output_ids) >= p.max_tokens:
@@ -429,8 +459,10 @@ class Engine:
         delta = seq.text[seq.text_emitted: visible] if visible > seq.text_emitted else ""
         seq.text_emitted = max(seq.text_emitted, visible)
         new_ids = seq.output_ids[seq.num_emitted:]
+        lps = seq.logprobs[seq.num_emitted:] if seq.params.logprobs is not None else None
         seq.num_emitted = len(seq.output_ids)
-        return StepOutput(seq.request_id, new_ids, delta, finished, seq.finish_reason if finished else None)
+        return StepOutput(seq.request_id, new_ids, delta, finished, seq.finish_reason if finished else None,
+                          logprobs=lps)
 
     def _finish(self, seq: Sequence) -> StepOutput:
         if seq in self.scheduler.active:
