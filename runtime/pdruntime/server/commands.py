@@ -32,6 +32,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-max-step-failures", type=int, default=None,
                    help="consecutive failing engine steps (not tied to one request) before the worker reports 503 "
                         "and exits 70 (default: PDRT_ENGINE_MAX_STEP_FAILURES, else 5)")
+    g.add_argument("--generation-config", default="auto",
+                   help="default sampling parameters: auto (the checkpoint's generation_config.json, else the model's "
+                        "documented defaults), none (OpenAI API defaults), or a PATH to a generation_config.json")
+    g.add_argument("--tool-call-parser", default="auto", choices=("auto", "hermes", "llama3_json"),
+                   help="how tool calls are written and parsed (auto: from the chat template)")
     g.add_argument("--served-model-name", default=None,
                    help="model id clients send (default: the GGUF file name without its quant tag, or the HF dir name)")
 
@@ -99,7 +104,9 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
                     ("--engine-max-step-failures", args.engine_max_step_failures)):
         if v is not None:
             out += [flag, str(v)]
-    out += ["--device", args.device, "--dtype", args.dtype, "--tensor-parallel-size", str(args.tensor_parallel_size)]
+    out += ["--device", args.device, "--dtype", args.dtype, "--tensor-parallel-size", str(args.tensor_parallel_size),
+            "--generation-config", getattr(args, "generation_config", "auto"),
+            "--tool-call-parser", getattr(args, "tool_call_parser", "auto")]
     if args.cuda_graphs is not None:
         out.append("--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs")
     return out
@@ -152,12 +159,14 @@ def build_server(args: argparse.Namespace, env=None):
         from pdruntime.server.prefill_app import PrefillWorker
 
         worker = PrefillWorker(loaded, engine, env, host=args.host, port=args.port, bootstrap_host=args.host,
-                               bootstrap_port=args.bootstrap_port, served_model_name=args.served_model_name)
+                               bootstrap_port=args.bootstrap_port, served_model_name=args.served_model_name,
+                               generation_config=args.generation_config, tool_call_parser=args.tool_call_parser)
     else:
         from pdruntime.server.decode_app import DecodeWorker
 
         worker = DecodeWorker(loaded, engine, env, host=args.host, port=args.port,
-                              served_model_name=args.served_model_name)
+                              served_model_name=args.served_model_name, generation_config=args.generation_config,
+                              tool_call_parser=args.tool_call_parser)
     return worker.build_app(), worker
 
 

@@ -16,6 +16,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
+import json
 from typing import Any, AsyncIterator
 
 import httpx
@@ -29,7 +30,7 @@ from pdruntime.server.common import (SSE_DONE, BodyGuard, GuardedStream, lifespa
                                      sse)
 from pdruntime.server.health_probe import HealthProber, instance_id
 from pdruntime.server.metrics import Metrics
-from pdruntime.server.openai_format import OpenAIShape, finish_reason
+from pdruntime.server.openai_format import OpenAIShape, merge_choices, finish_reason
 from pdruntime.server.router_legs import LegError, Legs
 from pdruntime.server.router_policy import Outcome, PairPicker, PairState
 from pdruntime.server.schemas import (MAX_BODY_BYTES, ApiError, ChatCompletionRequest, CompletionRequest, error_body,
@@ -370,9 +371,24 @@ class Router:
             oreq = validate(ChatCompletionRequest if chat else CompletionRequest, parse_body(await request.body()))
             model = await self._check_model(oreq.model)
             deadline = self._deadline(request)
+            if oreq.n > 1 and oreq.stream:
+                raise ApiError(400, "n > 1 with stream: true is not supported by pdrt; accepted: n = 1 when streaming, "
+                               "or stream: false with n up to 8", param="n", code="unsupported_parameter")
         except ApiError as exc:
             self.count_rejection(client, exc.status)
             raise
+        parser = (self.models.get(model) or {}).get("tool_call_parser") or "hermes"
+        if oreq.n > 1:  # n choices: n PD requests (seeded ones get seeds seed, seed+1, ...), one response
+            subs = [oreq.model_copy(update={"n": 1, "seed": None if oreq.seed is None else oreq.seed + i})
+                    for i in range(oreq.n)]
+            outs = await asyncio.gather(*(self._one(request, s, chat, client, model, deadline, t0, parser)
+                                          for s in subs))
+            return JSONResponse(merge_choices([json.loads(o.body) for o in outs]))
+        return await self._one(request, oreq, chat, client, model, deadline, t0, parser)
+
+    async def _one(self, request: Request, oreq: Any, chat: bool, client: str, model: str, deadline: float,
+                   t0: float, parser: str):
+        """One choice: dispatch to a pair, stream or collect decode's events, shape them as OpenAI's."""
         client_label = self.metrics.clients.label(client)
         conversation = oreq.user or request.headers.get("x-session-id")
         rid = uuid.uuid4().hex
@@ -393,8 +409,13 @@ class Router:
             raise
         live.stage = "streaming"
         self.metrics.ttft.labels("router").observe(time.monotonic() - t0)
-        shape = OpenAIShape(chat, ("chatcmpl-" if chat else "cmpl-") + rid, model, int(time.time()))
+        shape = OpenAIShape(chat, ("chatcmpl-" if chat else "cmpl-") + rid, model, int(time.time()),
+                            tool_parser=parser if chat and oreq.tools and oreq.tool_choice != "none" else None,
+                            echo=oreq.prompt_text() if not chat and oreq.echo else None)
         include_usage = bool(oreq.stream_options and oreq.stream_options.include_usage)
+        continuous = bool(oreq.stream_options and oreq.stream_options.continuous_usage_stats)
+        if oreq.logprobs_n() is not None:  # the first token's logprobs are prefill's: wait for its answer
+            first = await legs.first_with_prefill_logprobs(first)
         outcome = {"v": "aborted"}
         last_tok = [time.monotonic()]
 
@@ -430,10 +451,12 @@ class Router:
         if oreq.stream:
             async def stream() -> AsyncIterator[bytes]:
                 first_chunk = True
+                tools = shape.stream_state()
                 try:
                     async for ev in token_events():
                         count(ev)
-                        for c in shape.stream_chunks(ev, first=first_chunk, include_usage=include_usage):
+                        for c in shape.stream_chunks(ev, first=first_chunk, include_usage=include_usage,
+                                                     continuous_usage=continuous, state=tools):
                             yield sse(c)
                         first_chunk = False
                         if finish_reason(ev):
@@ -451,9 +474,11 @@ class Router:
         try:
             text = ""
             last_ev = first
+            lps: list = []
             async for ev in token_events():
                 count(ev)
                 text += ev.get("delta", "")
+                lps += ev.get("logprobs") or []
                 last_ev = ev
                 if finish_reason(ev):
                     break
@@ -464,7 +489,7 @@ class Router:
                            type="server_error", code=exc.code) from None
         finally:
             await finish(completed)
-        return JSONResponse(shape.final(text, last_ev))
+        return JSONResponse(shape.final(text, last_ev, logprobs=lps if oreq.logprobs_n() is not None else None))
 
     # ---- observability -----------------------------------------------------------------------------
     async def debug_requests(self) -> dict:
@@ -551,7 +576,9 @@ class Router:
             if not self.models:
                 await self.refresh_models()
             return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "pdstack",
-                                                "max_model_len": info.get("max_model_len")} for m, info in self.models.items()]}
+                                                "max_model_len": info.get("max_model_len"),
+                                                "sampling_defaults": info.get("sampling_defaults")}
+                                               for m, info in self.models.items()]}
 
         @app.get("/health")
         async def health():
