@@ -435,6 +435,9 @@ def validate(model: type[BaseModel], body: dict) -> Any:
                 raise ApiError(400, f"parameter {name!r} is not supported by pdrt; accepted parameters: "
                                f"{', '.join(sorted(model.model_fields))}", param=name, code="unsupported_parameter")
             del body[name]  # "logprobs": false and the like ask for nothing
+    for name in ("echo", "logprobs", "top_logprobs", "tools", "tool_choice", "response_format", "suffix"):
+        if name in body and name not in model.model_fields and body[name] in (None, False):
+            del body[name]  # e.g. "echo": false on chat asks for nothing
     for name, default in SGLANG_DEFAULTS.items():
         if name in body:
             if body[name] != default:
