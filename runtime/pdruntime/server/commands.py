@@ -78,7 +78,8 @@ def register(subparsers: Any) -> None:
     chat.add_argument("--url", default="http://127.0.0.1:8000")
     chat.add_argument("--model", default=None, help="default: the router's first model")
     chat.add_argument("--max-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--temperature", type=float, default=None,
+                      help="default: the model's own (GET /v1/models shows sampling_defaults)")
     chat.set_defaults(func=cmd_chat, handler=cmd_chat)
 
 
@@ -232,7 +233,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     models = httpx.get(url + "/v1/models", timeout=10).json().get("data", [])
     model = models[0]["id"] if models else "default"
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello! Who are you?"}],
+    # no sampling fields: the model's defaults apply (GET /v1/models reports them)
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 64, "stream": True})
     print(f"\npdrt up: ready at {url}  (router + {args.pairs} pair(s); Ctrl-C stops everything)\n", flush=True)
     print(f"curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'\n", flush=True)
@@ -254,8 +256,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     def turn(text: str) -> int:
         history.append({"role": "user", "content": text})
-        body = {"model": model, "messages": history, "max_tokens": args.max_tokens, "temperature": args.temperature,
-                "stream": True, "user": "pdrt-chat"}
+        body = {"model": model, "messages": history, "max_tokens": args.max_tokens, "stream": True, "user": "pdrt-chat"}
+        if args.temperature is not None:  # else the model's defaults apply (SmolLM2: T 0.2, top_p 0.9)
+            body["temperature"] = args.temperature
         reply = ""
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=None) as resp:
             if resp.status_code != 200:
