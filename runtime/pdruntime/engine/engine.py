@@ -246,7 +246,12 @@ class Engine:
         new.status = Status.RUNNING
         self._seqs[request_id] = new
         if new.matcher is not None:  # constrained decoding continues from prefill's first token
-            self.grammars.advance(new.matcher, int(first_token_id))
+            try:
+                self.grammars.advance(new.matcher, int(first_token_id))
+            except RuntimeError as exc:
+                del self._seqs[request_id]
+                self._seqs[request_id] = seq  # still reserved; caller may abort()
+                raise InvalidRequest(f"the first token does not fit the request's grammar: {exc}") from None
         if params.logprobs is not None:
             new.logprobs.append(first_logprobs)  # prefill's (None when the caller did not carry them)
         self._append_token(new, int(first_token_id))
@@ -317,37 +322,36 @@ class Engine:
 
     def _sample_each(self, seqs: list[Sequence], rows: torch.Tensor) -> list[int | None]:
         """One token per row (one batched call); a row whose sampling raises fails its own request (None) and
-        no other. Grammar rows get their token mask first and advance their matcher after."""
-        masked = [s for s in seqs if s.matcher is not None]
+        no other. Grammar rows get their token mask first and advance their matcher after (once, per row)."""
+        got = None
         try:
-            for s in masked:
-                s.token_mask = self.grammars.mask(s.matcher)
+            for s in seqs:
+                if s.matcher is not None:
+                    s.token_mask = self.grammars.mask(s.matcher)
             got = sample_batch(rows, seqs)
-            self._after_sample(seqs, got.tokens, got.logprobs)
-            return got.tokens
         except Exception:
             pass
         out: list[int | None] = []
-        for s, row in zip(seqs, rows):
+        for i, s in enumerate(seqs):
             try:
+                if got is None:  # the batch raised: row by row, so that only the failing request fails
+                    if s.matcher is not None:
+                        s.token_mask = self.grammars.mask(s.matcher)
+                    one = sample_batch(rows[i: i + 1], [s])
+                    tok, lp = one.tokens[0], one.logprobs[0]
+                else:
+                    tok, lp = got.tokens[i], got.logprobs[i]
                 if s.matcher is not None:
-                    s.token_mask = self.grammars.mask(s.matcher)
-                got = sample_batch(row[None, :], [s])
-                self._after_sample([s], got.tokens, got.logprobs)
-                out.append(got.tokens[0])
+                    self.grammars.advance(s.matcher, tok)
+                if lp is not None:
+                    s.logprobs.append(lp)
+                out.append(tok)
             except Exception as exc:
                 log.warning("sampling failed for rid=%s alone (%s: %s); failing that request", s.request_id,
                             type(exc).__name__, exc)
                 self.fail_request(s.request_id, f"sampling failed: {type(exc).__name__}: {exc}")
                 out.append(None)
         return out
-
-    def _after_sample(self, seqs: list[Sequence], tokens: list[int], logprobs: list) -> None:
-        for s, tok, lp in zip(seqs, tokens, logprobs):
-            if s.matcher is not None:
-                self.grammars.advance(s.matcher, tok)  # raises if the token breaks the grammar (never, masked)
-            if lp is not None:
-                s.logprobs.append(lp)
 
     def _run_decode(self, seqs: list[Sequence]) -> list[StepOutput]:
         n = len(seqs)

@@ -81,38 +81,44 @@ def unpack_bitmask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
     return allowed[:, :vocab]
 
 
-def _token_counts(rows: list[Any], idx: list[int], vocab: int, device, *, prompt: bool) -> torch.Tensor:
-    """[len(idx), V] fp32: occurrences of each token in the rows' outputs (and prompts when ``prompt``)."""
+def _padded_ids(rows: list[Any], idx: list[int], device, *, prompt: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """([len(idx), L] int64 token ids of each row's output (and prompt), [len(idx), L] bool real-not-padding).
+    Padding repeats the row's first id (harmless for scatter of equal values; masked for scatter_add)."""
     seqs = [list(rows[i].output_ids) + (list(rows[i].prompt_ids) if prompt else []) for i in idx]
-    width = max((len(s) for s in seqs), default=0)
-    counts = torch.zeros((len(idx), vocab + 1), dtype=torch.float32, device=device)
-    if width:
-        ids = torch.full((len(idx), width), vocab, dtype=torch.int64)  # pad id `vocab` lands in a spare column
-        for j, s in enumerate(seqs):
-            if s:
-                ids[j, : len(s)] = torch.tensor(s, dtype=torch.int64)
-        ids = ids.to(device)
-        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab]
+    width = max(1, max(len(s) for s in seqs))
+    ids = torch.zeros((len(idx), width), dtype=torch.int64)
+    real = torch.zeros((len(idx), width), dtype=torch.bool)
+    for j, s in enumerate(seqs):
+        if s:
+            ids[j, : len(s)] = torch.tensor(s, dtype=torch.int64)
+            ids[j, len(s):] = s[0]
+            real[j, : len(s)] = True
+    return ids.to(device), real.to(device)
 
 
 def apply_processors(logits: torch.Tensor, rows: list[Any]) -> torch.Tensor:
-    """Penalties, logit bias and grammar masks of the rows that use them (in place on fp32 ``logits`` [B, V])."""
+    """Penalties, logit bias and grammar masks of the rows that use them (in place on fp32 ``logits`` [B, V]).
+    Penalties touch only the tokens a row has seen (gather / scatter over its history, not [B, V] counts)."""
     B, V = logits.shape
     dev = logits.device
-    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0
+           and (len(r.output_ids) or len(r.prompt_ids))]
     if rep:
-        seen = _token_counts(rows, rep, V, dev, prompt=True) > 0
+        ids, _ = _padded_ids(rows, rep, dev, prompt=True)
         r = torch.tensor([rows[i].params.repetition_penalty for i in rep], dtype=torch.float32, device=dev)[:, None]
-        sub = logits[rep]
-        sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
-        logits[rep] = sub
-    fp = [i for i, r in enumerate(rows) if r.params.frequency_penalty or r.params.presence_penalty]
+        ri = torch.tensor(rep, device=dev)
+        seen = logits[ri[:, None], ids]  # [R, L]: every copy of a token gets the same new value
+        logits[ri[:, None], ids] = torch.where(seen > 0, seen / r, seen * r)
+    fp = [i for i, r in enumerate(rows) if (r.params.frequency_penalty or r.params.presence_penalty) and len(r.output_ids)]
     if fp:
-        counts = _token_counts(rows, fp, V, dev, prompt=False)
+        ids, real = _padded_ids(rows, fp, dev, prompt=False)
         f = torch.tensor([rows[i].params.frequency_penalty for i in fp], dtype=torch.float32, device=dev)[:, None]
         p = torch.tensor([rows[i].params.presence_penalty for i in fp], dtype=torch.float32, device=dev)[:, None]
-        logits[fp] = logits[fp] - f * counts - p * (counts > 0).float()
+        ri = torch.tensor(fp, device=dev)[:, None]
+        logits[ri, ids] = logits[ri, ids] - p  # presence: once per distinct token (copies write the same value)
+        sub = logits[ri.squeeze(1)]
+        sub.scatter_add_(1, ids, (-f).expand_as(ids.float()) * real)  # frequency: once per occurrence
+        logits[ri.squeeze(1)] = sub
     bias = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias]
     if bias:
         ri = torch.tensor([x[0] for x in bias], device=dev)
@@ -137,7 +143,7 @@ def _candidates(scaled: torch.Tensor, params: list[SamplingParams]) -> tuple[tor
     if any(np_ and k == V for k, np_ in zip(ks, need_p)):  # top-p without top-k: probe first
         widest = max(widest, min(TOP_P_PROBE, V))
         vals, idx = torch.topk(scaled, widest, dim=-1)
-        mass = torch.softmax(scaled, dim=-1).gather(1, idx).sum(-1)
+        mass = torch.exp(torch.logsumexp(vals, -1) - torch.logsumexp(scaled, -1))  # share of the probe
         tp = torch.tensor([p.top_p for p in params], device=scaled.device)
         unbounded = torch.tensor([np_ and k == V for k, np_ in zip(ks, need_p)], device=scaled.device)
         if bool((unbounded & (mass < tp)).any()):
