@@ -183,11 +183,30 @@ class Engine:
         return seq
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    prefill_only: bool = False) -> None:
-        """Queue a request; it joins the running batch at the next step(). Raises InvalidRequest."""
+                    prefill_only: bool = False, forks: list[tuple[str, SamplingParams]] = ()) -> None:
+        """Queue a request; it joins the running batch at the next step(). Raises InvalidRequest.
+
+        ``forks`` (parallel sampling, OpenAI ``n``): more sequences of the same prompt, each with its own id and
+        params. The prompt is prefilled once; when it completes, each fork samples its own first token from
+        the same logits and decodes on its own, sharing the prompt's full KV pages (reference-counted) and
+        owning a copy of the partly filled last page, the only prompt page a decode step writes (copy-on-write,
+        done at the fork)."""
         ids = self._validate(request_id, prompt_token_ids, params)
+        fork_ids = [rid for rid, _ in forks]
+        if forks and (prefill_only or self.tp_size > 1):
+            raise InvalidRequest("forks (n > 1) need a monolithic, single-rank engine; accepted: n = 1 here")
+        if len(set(fork_ids)) != len(fork_ids) or request_id in fork_ids or any(r in self._seqs for r in fork_ids):
+            raise InvalidRequest(f"fork ids {fork_ids} must be unique and not live; accepted: unique ids")
+        children = []
+        for rid, p in forks:
+            self._validate(rid, ids, p)
+            children.append(self._new_seq(rid, ids, p, False))
         seq = self._new_seq(request_id, ids, params, prefill_only)
+        seq.forks = children
         self._seqs[request_id] = seq
+        for c in children:
+            c.status = Status.WAITING
+            self._seqs[c.request_id] = c  # live (abort() finds them), scheduled once forked
         self.scheduler.waiting.append(seq)
 
     def pages(self, request_id: str) -> tuple[list[int], int]:
@@ -270,11 +289,19 @@ class Engine:
         if seq in self.scheduler.waiting:
             self.scheduler.waiting.remove(seq)
         self.scheduler.free_pages(seq)
+        self._orphan_forks(seq)
         was_reported = seq.status is Status.PREFILL_HELD
         seq.status = Status.FINISHED
         if not was_reported:
             self._pending.append(StepOutput(request_id, [], "", True, "abort"))
         return True
+
+    def _orphan_forks(self, seq: Sequence) -> None:
+        """A parent that ends before its prompt completed: its forks prefill on their own instead."""
+        for c in seq.forks:
+            if c.request_id in self._seqs:
+                self.scheduler.waiting.append(c)
+        seq.forks = []
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.active or self._pending)
@@ -315,6 +342,7 @@ class Engine:
             if seq in q:
                 q.remove(seq)
         self.scheduler.free_pages(seq)
+        self._orphan_forks(seq)
         seq.status = Status.FINISHED
         del self._seqs[request_id]
         self._pending.append(StepOutput(request_id, [], "", True, "error", error=reason))
@@ -353,6 +381,30 @@ class Engine:
                 out.append(None)
         return out
 
+    def _fork(self, parents: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """Children of the parents whose prompt just completed, holding the prompt's KV: full pages shared, the
+        partly filled last page copied. A child the pool cannot give its copy to is queued to prefill alone."""
+        out = []
+        bs = self.config.block_size
+        for j, parent in enumerate(parents):
+            children, parent.forks = [c for c in parent.forks if c.request_id in self._seqs], []
+            full = len(parent.prompt_ids) // bs
+            for c in children:
+                partial = len(parent.blocks) > full
+                if partial and not self.pool.can_allocate(1):
+                    self.scheduler.waiting.append(c)  # prefills itself later (correct, just not shared)
+                    continue
+                c.blocks = self.pool.share(parent.blocks[:full])
+                if partial:
+                    page = self.pool.allocate(1)[0]
+                    for layer in range(len(self.kv.k)):
+                        self.kv.k[layer][page].copy_(self.kv.k[layer][parent.blocks[full]])
+                        self.kv.v[layer][page].copy_(self.kv.v[layer][parent.blocks[full]])
+                    c.blocks.append(page)
+                c.num_cached = len(c.prompt_ids)
+                out.append((c, j))
+        return out
+
     def _run_decode(self, seqs: list[Sequence]) -> list[StepOutput]:
         n = len(seqs)
         tokens = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.int64)
@@ -382,8 +434,16 @@ class Engine:
                               torch.tensor(seq.blocks, dtype=torch.int64)) for seq, start, end in chunks]
         logits = self.model.prefill_batch(batch, self.kv.k, self.kv.v)
         done = [i for i, (seq, _s, end) in enumerate(chunks) if end >= seq.num_tokens]
-        toks = dict(zip(done, self._sample_each([chunks[i][0] for i in done], torch.stack([logits[i] for i in done])))) if done else {}
+        forked = self._fork([chunks[i][0] for i in done])  # [(child, row index in done)]
+        rows = torch.stack([logits[i] for i in done] + [logits[done[j]] for _, j in forked]) if done else None
+        sampled = self._sample_each([chunks[i][0] for i in done] + [c for c, _ in forked], rows) if done else []
+        toks = dict(zip(done, sampled))
         out = self.take_pending()
+        for (child, _), tok in zip(forked, sampled[len(done):]):
+            if tok is not None:
+                child.status = Status.RUNNING
+                self.scheduler.active.append(child)
+                out.append(self._emit(child, tok))
         for i, ((seq, _start, end), row) in enumerate(zip(chunks, logits)):
             if i in toks and toks[i] is None:
                 continue  # failed alone by _sample_each
@@ -511,9 +571,13 @@ class Engine:
     def check_accounting(self) -> None:
         """Pages held by live requests must equal the pool's used pages, with no page held twice."""
         held = [b for s in self._seqs.values() for b in s.blocks]
-        if len(held) != len(set(held)):
-            raise AssertionError("a KV page is held by two requests")
-        self.pool.assert_no_leaks(held=len(held))
+        holders: dict[int, int] = {}
+        for b in held:
+            holders[b] = holders.get(b, 0) + 1
+        wrong = {b: (n, self.pool.refs(b)) for b, n in holders.items() if self.pool.refs(b) != n}
+        if wrong:
+            raise AssertionError(f"KV pages whose holders differ from their reference counts: {wrong}")
+        self.pool.assert_no_leaks(held=len(holders))
 
     def stats(self) -> dict[str, Any]:
         by = {st: 0 for st in Status}

@@ -41,6 +41,7 @@ class Sequence:
     seed: int = 0  # the sampler's per-request seed (the client's, or drawn from the engine RNG at admission)
     matcher: Any = None  # structured output: a grammar matcher advanced by every output token (or None)
     token_mask: torch.Tensor | None = None  # int32 [ceil(V/32)] allowed tokens for the next sample (grammar)
+    forks: list = field(default_factory=list)  # sequences forked from this one's prompt when it completes (n > 1)
     logprobs: list = field(default_factory=list)  # per output token: (logprob, [(id, logprob)] top-n)
 
     @property
