@@ -58,6 +58,14 @@ def test_n_choices_are_distinct_sequences(client, model_id):
     again = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "tell a story"}],
                                            max_tokens=12, temperature=1.0, n=3, seed=5)
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]  # reproducible
+    chunks = list(client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "tell a story"}],
+                                                 max_tokens=12, temperature=1.0, n=3, seed=5, stream=True,
+                                                 stream_options={"include_usage": True}))
+    texts = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(3)}
+    assert [texts[i] for i in range(3)] == [c.message.content for c in r.choices]  # streamed n = 3, same choices
+    assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 3
+    assert chunks[-1].usage.completion_tokens == 36 and not chunks[-1].choices
 
 
 def test_logprobs_match_a_log_softmax_of_the_models_logits(client, model_id, reference):
@@ -174,7 +182,7 @@ def test_unsupported_combinations_are_400s_naming_the_parameter(client, model_id
 
     msgs = [{"role": "user", "content": "x"}]
     cases = [
-        (dict(n=2, stream=True), "n"),
+        (dict(n=9), "n"),
         (dict(best_of=2), "best_of"),
         (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
         (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "response_format"),

@@ -371,19 +371,25 @@ class Router:
             oreq = validate(ChatCompletionRequest if chat else CompletionRequest, parse_body(await request.body()))
             model = await self._check_model(oreq.model)
             deadline = self._deadline(request)
-            if oreq.n > 1 and oreq.stream:
-                raise ApiError(400, "n > 1 with stream: true is not supported by pdrt; accepted: n = 1 when streaming, "
-                               "or stream: false with n up to 8", param="n", code="unsupported_parameter")
         except ApiError as exc:
             self.count_rejection(client, exc.status)
             raise
         parser = (self.models.get(model) or {}).get("tool_call_parser") or "hermes"
         if oreq.n > 1:  # n choices: n PD requests (seeded ones get seeds seed, seed+1, ...), one response
-            subs = [oreq.model_copy(update={"n": 1, "seed": None if oreq.seed is None else oreq.seed + i})
+            subs = [oreq.model_copy(update={"n": 1, "seed": None if oreq.seed is None else oreq.seed + i,
+                                            "stream_options": None})
                     for i in range(oreq.n)]
-            outs = await asyncio.gather(*(self._one(request, s, chat, client, model, deadline, t0, parser)
-                                          for s in subs))
-            return JSONResponse(merge_choices([json.loads(o.body) for o in outs]))
+            got = await asyncio.gather(*(self._one(request, s, chat, client, model, deadline, t0, parser)
+                                         for s in subs), return_exceptions=True)
+            failed = [g for g in got if isinstance(g, BaseException)]
+            if failed:
+                for g in got:  # the choices that did start are aborted
+                    if isinstance(g, GuardedStream):
+                        await g._on_close(False)
+                raise failed[0]
+            if not oreq.stream:
+                return JSONResponse(merge_choices([json.loads(o.body) for o in got]))
+            return merge_streams(got, bool(oreq.stream_options and oreq.stream_options.include_usage))
         return await self._one(request, oreq, chat, client, model, deadline, t0, parser)
 
     async def _one(self, request: Request, oreq: Any, chat: bool, client: str, model: str, deadline: float,
@@ -621,3 +627,55 @@ class Router:
 
         app.openapi = openapi
         return app
+
+
+def merge_streams(streams: list[GuardedStream], include_usage: bool) -> GuardedStream:
+    """n single-choice SSE streams -> one, each chunk's choice re-indexed to its stream; one usage chunk (the sum)
+    at the end when asked for, then [DONE]. Closing it closes (and when unfinished aborts) every stream."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, g: GuardedStream) -> None:
+        try:
+            async for chunk in g.body_iterator:
+                queue.put_nowait((i, chunk))
+        finally:
+            queue.put_nowait((i, None))
+
+    async def body() -> AsyncIterator[bytes]:
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(streams)]
+        try:
+            open_, usage, last = len(streams), [None] * len(streams), None
+            while open_:
+                i, chunk = await queue.get()
+                if chunk is None:
+                    open_ -= 1
+                    continue
+                text = chunk.decode() if isinstance(chunk, bytes) else chunk
+                if not text.startswith("data: ") or text.strip() == "data: [DONE]":
+                    continue
+                obj = json.loads(text[6:])
+                if "error" in obj:
+                    yield chunk
+                    continue
+                for c in obj.get("choices") or ():
+                    c["index"] = i
+                if obj.get("usage"):
+                    usage[i] = obj.pop("usage")
+                last = obj
+                if obj.get("choices"):
+                    yield sse(obj)
+            if include_usage and last is not None and all(usage):
+                p = usage[0]["prompt_tokens"]
+                c = sum(u["completion_tokens"] for u in usage)
+                yield sse({**last, "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": c,
+                                                            "total_tokens": p + c}})
+            yield SSE_DONE
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def on_close(completed: bool) -> None:
+        for g in streams:
+            await g._on_close(g._completed)
+
+    return GuardedStream(body(), on_close)
