@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-pytestmark = pytest.mark.timeout(600) if hasattr(pytest.mark, "timeout") else []
+pytestmark = pytest.mark.timeout(600)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
