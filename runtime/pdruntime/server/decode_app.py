@@ -312,10 +312,14 @@ class DecodeWorker(WorkerBase):
         completed = False
         try:
             final = None
+            lps: list = []
             async for ev in events():
                 final = ev
+                lps += ev.get("logprobs") or []
             completed = True
-            return JSONResponse(final if shape is None else shape.final(final["text"], final))
+            if shape is None:
+                return JSONResponse(final)
+            return JSONResponse(shape.final(final["text"], final, logprobs=lps if params.logprobs is not None else None))
         except DecodeFailed as exc:
             return JSONResponse(error_body(exc.status, exc.reason, type="server_error", code="decode_failed"),
                                 status_code=exc.status)
