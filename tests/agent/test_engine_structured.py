@@ -94,3 +94,25 @@ def test_constrained_seeded_logprobs_request_is_the_same_split_across_prefill_an
     dec.check_accounting()
     assert dec.pool.num_free == dec.pool.num_total
     assert torch.is_tensor(dec.kv.k[0])
+
+
+def test_prompt_logprobs_are_the_log_softmax_at_every_prompt_position_across_chunks(tiny):
+    from pdruntime.engine.sampler import Row  # noqa: F401 (the sampler's row type; here: engine outputs)
+
+    prompt = list(range(5, 19))
+    eng = Engine(tiny, EngineConfig(num_blocks=64, block_size=4, max_prefill_tokens=5))  # 3 prefill chunks
+    eng.add_request("r", prompt, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2))
+    first = None
+    while eng.has_work():
+        for o in eng.step():
+            if o.prompt_logprobs is not None:
+                first = o.prompt_logprobs
+    assert first is not None and len(first) == len(prompt) - 1
+    ref_eng = Engine(tiny, EngineConfig(num_blocks=64, block_size=4))
+    blocks = torch.arange(-(-len(prompt) // 4))
+    with torch.inference_mode():
+        ref = torch.log_softmax(ref_eng.model.prefill(torch.tensor(prompt), 0, ref_eng.kv.k, ref_eng.kv.v, blocks,
+                                                      all_logits=True), -1)
+    for j, (lp, top) in enumerate(first):
+        assert abs(lp - float(ref[j][prompt[j + 1]])) < 1e-4
+        assert [t for t, _ in top] == torch.topk(ref[j], 2).indices.tolist()

@@ -196,5 +196,20 @@ def test_unsupported_combinations_are_400s_naming_the_parameter(client, model_id
                                            extra_body={"best_of": 2} if "best_of" in extra else None, **body)
         assert name in str(e.value), (name, str(e.value))
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=model_id, prompt="x", max_tokens=2, echo=True, logprobs=2)
+        client.completions.create(model=model_id, prompt="x", max_tokens=2, echo=True, logprobs=2, stream=True)
     assert "echo" in str(e.value)
+
+
+def test_echo_with_logprobs_gives_prompt_logprobs_from_prefill(client, model_id, reference):
+    tok, logits_of = reference
+    prompt = "one two three four"
+    ids = tok.encode(prompt)
+    c = client.completions.create(model=model_id, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    ch = c.choices[0]
+    lp = ch.logprobs
+    assert ch.text.startswith(prompt)
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None  # nothing predicts the first token
+    ref = torch.log_softmax(logits_of(ids), -1)
+    for j in range(1, len(ids)):
+        assert lp.token_logprobs[j] == pytest.approx(float(ref[j - 1][ids[j]]), abs=2e-3)
+    assert lp.token_logprobs[len(ids)] == pytest.approx(float(ref[-1].max()), abs=2e-3)  # greedy first output

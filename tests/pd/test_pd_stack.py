@@ -107,7 +107,7 @@ def test_bad_input_at_the_router_is_a_4xx_with_an_openai_error_body(stack, model
         ("/v1/chat/completions", chat_body(model_id, whatever=1), 400),
         ("/v1/chat/completions", chat_body(model_id, stream=True, max_tokens=-1), 400),
         ("/v1/completions", {"model": model_id, "prompt": 42}, 400),
-        ("/v1/completions", {"model": model_id, "prompt": "x", "echo": True, "logprobs": 2}, 400),
+        ("/v1/completions", {"model": model_id, "prompt": "x", "echo": True, "logprobs": 2, "stream": True}, 400),
         ("/v1/completions", {"model": model_id, "prompt": huge, "stream": True}, 400),
     ]
     with httpx.Client(timeout=30) as c:

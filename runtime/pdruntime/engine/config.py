@@ -115,6 +115,7 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; n >= 0 = the chosen token's logprob plus the top n
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the request (like EOS; not in the text)
     grammar: str | None = None  # structured-output grammar (JSON: see server/structured.py); None = free text
+    prompt_logprobs: int | None = None  # None = off; n >= 0 = each prompt token's logprob (after the first) + top n
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -144,9 +145,10 @@ class SamplingParams:
             raise InvalidRequest(f"logit_bias={self.logit_bias!r} is invalid; accepted: token id -> finite bias")
         object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= 20):
-            raise InvalidRequest(f"logprobs={self.logprobs!r} is invalid; accepted: None or an integer in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 20):
+                raise InvalidRequest(f"{name}={v!r} is invalid; accepted: None or an integer in [0, 20]")
 
     @property
     def greedy(self) -> bool:
@@ -163,3 +165,5 @@ class StepOutput:
     error: str | None = None  # finish_reason == "error": why the engine failed this request alone
     # params.logprobs set: one (logprob, [(token id, logprob)] top-n) per new_token_ids entry, else None
     logprobs: list | None = None
+    # params.prompt_logprobs set, on the request's first output: one entry per prompt token after the first
+    prompt_logprobs: list | None = None

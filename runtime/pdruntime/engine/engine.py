@@ -381,6 +381,20 @@ class Engine:
                 out.append(None)
         return out
 
+    def _record_prompt_logprobs(self, seq: Sequence, start: int, end: int, rows: torch.Tensor) -> None:
+        """rows: [end - start, V] logits; row j predicts token start + j + 1 (entries for prompt tokens only)."""
+        n = seq.params.prompt_logprobs
+        stop = min(end, len(seq.prompt_ids) - 1)  # the last prompt row predicts the first output token
+        if stop <= start:
+            return
+        lsm = torch.log_softmax(rows[: stop - start].float(), dim=-1)
+        nxt = torch.tensor(seq.prompt_ids[start + 1: stop + 1], device=lsm.device)
+        chosen = lsm.gather(1, nxt[:, None]).squeeze(1).tolist()
+        tv, ti = torch.topk(lsm, n, dim=-1) if n else (lsm[:, :0], lsm[:, :0].long())
+        if start == 0:
+            seq.prompt_logprobs = []  # a recompute after preemption starts over
+        seq.prompt_logprobs += [(c, list(zip(i, v))) for c, i, v in zip(chosen, ti.tolist(), tv.tolist())]
+
     def _fork(self, parents: list[Sequence]) -> list[tuple[Sequence, int]]:
         """Children of the parents whose prompt just completed, holding the prompt's KV: full pages shared, the
         partly filled last page copied. A child the pool cannot give its copy to is queued to prefill alone."""
@@ -432,7 +446,15 @@ class Engine:
         """All scheduled prompt chunks in one forward; sequences whose prompt is complete sample a token."""
         batch = [PrefillChunk(torch.tensor(seq.tokens[start:end], dtype=torch.int64), start,
                               torch.tensor(seq.blocks, dtype=torch.int64)) for seq, start, end in chunks]
-        logits = self.model.prefill_batch(batch, self.kv.k, self.kv.v)
+        want = [seq.params.prompt_logprobs is not None and start < len(seq.prompt_ids) for seq, start, _ in chunks]
+        if any(want):  # prompt logprobs: every position's logits (only in steps that carry such a chunk)
+            full = self.model.prefill_batch(batch, self.kv.k, self.kv.v, all_logits=True)
+            for (seq, start, end), rows, w in zip(chunks, full, want):
+                if w:
+                    self._record_prompt_logprobs(seq, start, end, rows)
+            logits = [rows[-1] for rows in full]
+        else:
+            logits = self.model.prefill_batch(batch, self.kv.k, self.kv.v)
         done = [i for i, (seq, _s, end) in enumerate(chunks) if end >= seq.num_tokens]
         forked = self._fork([chunks[i][0] for i in done])  # [(child, row index in done)]
         rows = torch.stack([logits[i] for i in done] + [logits[done[j]] for _, j in forked]) if done else None
@@ -459,7 +481,9 @@ class Engine:
                 self.num_generated_tokens += 1
                 text = "" if tok in self._eos else self.tokenizer.decode([tok])
                 out.append(StepOutput(seq.request_id, [tok], text, True, "prefill_done",
-                                      logprobs=seq.logprobs[:1] if seq.params.logprobs is not None else None))
+                                      logprobs=seq.logprobs[:1] if seq.params.logprobs is not None else None,
+                                      prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None
+                                      else None))
             else:
                 seq.status = Status.RUNNING
                 out.append(self._emit(seq, tok))
@@ -524,9 +548,11 @@ class Engine:
         seq.text_emitted = max(seq.text_emitted, visible)
         new_ids = seq.output_ids[seq.num_emitted:]
         lps = seq.logprobs[seq.num_emitted:] if seq.params.logprobs is not None else None
+        plps = seq.prompt_logprobs if seq.params.prompt_logprobs is not None and seq.num_emitted == 0 \
+            and seq.prompt_logprobs else None  # a PD decode sequence has none (prefill reports them)
         seq.num_emitted = len(seq.output_ids)
         return StepOutput(seq.request_id, new_ids, delta, finished, seq.finish_reason if finished else None,
-                          logprobs=lps)
+                          logprobs=lps, prompt_logprobs=plps)
 
     def _finish(self, seq: Sequence) -> StepOutput:
         if seq in self.scheduler.active:

@@ -42,7 +42,8 @@ class Sequence:
     matcher: Any = None  # structured output: a grammar matcher advanced by every output token (or None)
     token_mask: torch.Tensor | None = None  # int32 [ceil(V/32)] allowed tokens for the next sample (grammar)
     forks: list = field(default_factory=list)  # sequences forked from this one's prompt when it completes (n > 1)
-    logprobs: list = field(default_factory=list)  # per output token: (logprob, [(id, logprob)] top-n)
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)  # per prompt token after the first (prompt_logprobs set)  # per output token: (logprob, [(id, logprob)] top-n)
 
     @property
     def tokens(self) -> list[int]:

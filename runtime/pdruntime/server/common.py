@@ -213,7 +213,8 @@ class PromptBuilder:
                                   min_p=pick(sp.min_p, d.min_p),
                                   repetition_penalty=pick(sp.repetition_penalty, d.repetition_penalty),
                                   frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
-                                  logit_bias=bias, logprobs=sp.logprobs, stop_token_ids=tuple(sp.stop_token_ids or ()),
+                                  logit_bias=bias, logprobs=sp.logprobs, prompt_logprobs=sp.prompt_logprobs,
+                                  stop_token_ids=tuple(sp.stop_token_ids or ()),
                                   grammar=grammar, seed=sp.seed, stop=stop, ignore_eos=sp.ignore_eos)
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), code="invalid_value") from None

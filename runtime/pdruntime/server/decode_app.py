@@ -275,6 +275,9 @@ class DecodeWorker(WorkerBase):
                       "meta_info": {"id": req.rid, "prompt_tokens": len(prompt),
                                     "completion_tokens": req.completion_tokens,
                                     "finish_reason": finish_reason_json(reason)}}
+                if getattr(item, "prompt_logprobs", None) is not None:  # monolithic runs (PD: prefill reports them)
+                    ev["prompt_logprobs"] = [None] + logprob_entries(self.loaded.tokenizer, prompt[1:],
+                                                                     item.prompt_logprobs)
                 if params.logprobs is not None:  # PD: the first token's entry is None here (prefill reports it)
                     ev["logprobs"] = logprob_entries(self.loaded.tokenizer, list(item.new_token_ids),
                                                      getattr(item, "logprobs", None))

@@ -151,6 +151,9 @@ class PrefillWorker(WorkerBase):
             result["meta_info"]["first_token_id"] = first
             result["meta_info"]["output_token_logprobs"] = logprob_entries(self.loaded.tokenizer, [first],
                                                                            [req.first_logprobs])
+        if params.prompt_logprobs is not None:  # echo: the prompt's, first token None (nothing predicts it)
+            result["meta_info"]["input_token_logprobs"] = [None] + logprob_entries(
+                self.loaded.tokenizer, prompt[1:], getattr(req, "prompt_logprobs", None))
         return JSONResponse(result if shape is None else shape.final(text, result))
 
     def add_routes(self, app: FastAPI) -> None:
@@ -257,6 +260,7 @@ class PrefillWorker(WorkerBase):
         if out.finish_reason == "prefill_done":
             if req.kv_ready is not None and not req.kv_ready.done():
                 req.first_logprobs = (out.logprobs or [None])[0]  # the first token's logprobs: prefill's to report
+                req.prompt_logprobs = out.prompt_logprobs
                 req.kv_ready.set_result(out.new_token_ids[0])
         elif out.finished:
             self._fail(req, f"engine finished the prefill with {out.finish_reason!r}")

@@ -495,6 +495,8 @@ class Router:
                            type="server_error", code=exc.code) from None
         finally:
             await finish(completed)
+        if oreq.logprobs_n() is not None and first.get("prompt_logprobs") is not None:
+            lps = first["prompt_logprobs"] + lps  # echo: the prompt's entries first (the text starts with the prompt)
         return JSONResponse(shape.final(text, last_ev, logprobs=lps if oreq.logprobs_n() is not None else None))
 
     # ---- observability -----------------------------------------------------------------------------

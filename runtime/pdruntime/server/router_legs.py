@@ -181,7 +181,10 @@ class Legs:
             return first
         mi = (self.prefill_result or {}).get("meta_info") or {}
         got = mi.get("output_token_logprobs") or [None]
-        return {**first, "logprobs": [got[0]] + list(lps[1:])}
+        out = {**first, "logprobs": [got[0]] + list(lps[1:])}
+        if mi.get("input_token_logprobs") is not None:
+            out["prompt_logprobs"] = mi["input_token_logprobs"]
+        return out
 
     async def events(self) -> AsyncIterator[dict]:
         """Decode events after the first, each within the deadline. Raises LegError."""

@@ -63,7 +63,7 @@ ACCEPTED = {
     "tools": f"a list of at most {MAX_TOOLS} {{type: function, function: {{name, description, parameters}}}}",
     "tool_choice": "\"none\" | \"auto\" | \"required\" | {\"type\": \"function\", \"function\": {\"name\": ...}}",
     "parallel_tool_calls": "true or false",
-    "echo": "true or false (completions; not with logprobs)",
+    "echo": "true or false (completions; with logprobs: not streamed)",
     "user": f"a string of at most {MAX_ID_CHARS} characters",
     "messages": f"a list of 1..{MAX_MESSAGES} messages {{role: system|user|assistant|tool, content: text}} "
                 "(assistant messages may carry tool_calls, tool messages a tool_call_id)",
@@ -326,13 +326,19 @@ class CompletionRequest(_SamplingFields):
     def _prompt(self):
         if self.max_tokens is None:
             self.max_tokens = 16  # OpenAI's default for /v1/completions
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs (prompt logprobs) is not supported by pdrt; accepted: echo alone, "
-                             "or logprobs without echo")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise ValueError("echo with logprobs is not supported when streaming; accepted: stream: false, or echo "
+                             "or logprobs alone")
         return self
 
     def logprobs_n(self) -> int | None:
         return self.logprobs
+
+    def sampling_params(self) -> dict:
+        out = super().sampling_params()
+        if self.echo and self.logprobs is not None:
+            out["prompt_logprobs"] = self.logprobs  # echo: the prompt's logprobs precede the completion's
+        return out
 
     def prompt_text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
@@ -487,6 +493,7 @@ class WorkerSampling(BaseModel):
     logit_bias: Annotated[dict[str, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=16)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # pdrt: top-n per token
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # vLLM's name: top-n per prompt token
     grammar: Annotated[str, Field(max_length=1 << 20)] | None = None  # pdrt: an llguidance grammar
     seed: Seed | None = None
     stop: Stop = None
