@@ -213,3 +213,15 @@ def test_echo_with_logprobs_gives_prompt_logprobs_from_prefill(client, model_id,
     for j in range(1, len(ids)):
         assert lp.token_logprobs[j] == pytest.approx(float(ref[j - 1][ids[j]]), abs=2e-3)
     assert lp.token_logprobs[len(ids)] == pytest.approx(float(ref[-1].max()), abs=2e-3)  # greedy first output
+
+
+def test_stop_token_ids_and_length(client, model_id, reference):
+    tok, logits_of = reference
+    ids = tok.encode("The sky is")
+    first = int(torch.argmax(logits_of(ids)[-1]))
+    r = client.completions.create(model=model_id, prompt="The sky is", max_tokens=8, temperature=0,
+                                  extra_body={"stop_token_ids": [first]})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == "" and r.usage.completion_tokens == 1
+    second = client.completions.create(model=model_id, prompt="The sky is", max_tokens=8, temperature=0,
+                                       logprobs=0)
+    assert second.choices[0].finish_reason == "length" and second.usage.completion_tokens == 8
