@@ -96,3 +96,37 @@ def test_forks_under_page_pressure_stay_exact(tiny):
     got, reasons = _drain(eng)
     assert set(reasons.values()) == {"length"} and got["r"] == got["r/1"] == got["r/2"]
     eng.pool.assert_no_leaks()
+
+
+@pytest.mark.parametrize("prompt_len", [9, 12])
+def test_decode_side_forks_share_the_transferred_prompt_pages(tiny, prompt_len):
+    """PD: prefill runs once; the decode engine forks n - 1 more sequences off the transferred KV (shared pages,
+    a copy of the last prompt page, one recomputed position each) — tokens equal to independent requests."""
+    prompt = list(range(5, 5 + prompt_len))
+    ps = [SamplingParams(max_tokens=5, temperature=0.9, seed=s, ignore_eos=True) for s in (21, 22, 23)]
+    pre, dec = _engine(tiny), _engine(tiny)
+    pre.add_request("r", prompt, ps[0], prefill_only=True)
+    first = None
+    while pre.has_work():
+        for o in pre.step():
+            first = o.new_token_ids[0]
+    src, n = pre.pages("r")
+    dst = dec.reserve("r", n)
+    for layer in range(tiny.model.config.num_layers):
+        for a, b in zip(src, dst):
+            dec.kv.k[layer][b] = pre.kv.k[layer][a]
+            dec.kv.v[layer][b] = pre.kv.v[layer][a]
+    pre.release("r")
+    dec.add_prefilled("r", prompt, first, ps[0], forks=[("r/1", ps[1]), ("r/2", ps[2])])
+    k = (prompt_len - 1) // 4
+    shared = dec._seqs["r"].blocks[:k]
+    assert all(dec.pool.refs(b) == 3 for b in shared) and dec._seqs["r/1"].blocks[:k] == shared
+    dec.check_accounting()
+    got, reasons = _drain(dec)
+    assert set(reasons.values()) == {"length"} and all(len(v) == 5 for v in got.values())
+    dec.pool.assert_no_leaks()
+    ind = _engine(tiny)
+    for rid, p in zip(("a", "b", "c"), ps):
+        ind.add_request(rid, prompt, p)
+    want, _ = _drain(ind, check=False)
+    assert [got["r"], got["r/1"], got["r/2"]] == [want["a"], want["b"], want["c"]]

@@ -244,8 +244,13 @@ class Engine:
         return list(blocks)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
-                      params: SamplingParams, first_logprobs: Any = None) -> None:
-        """Decode side of PD: the reserved pages hold KV for the prompt; decode continues from first_token_id."""
+                      params: SamplingParams, first_logprobs: Any = None,
+                      forks: list[tuple[str, SamplingParams]] = ()) -> None:
+        """Decode side of PD: the reserved pages hold KV for the prompt; decode continues from first_token_id.
+
+        ``forks`` (n > 1 over PD): more sequences of the same prompt that share its transferred KV pages; each
+        re-runs only the last prompt position (into its own copy of that page) for the logits of its own first
+        token, then decodes on its own."""
         seq = self._seqs.get(request_id)
         if seq is None or seq.status is not Status.RESERVED:
             state = "unknown" if seq is None else seq.status.value
@@ -274,10 +279,12 @@ class Engine:
         if params.logprobs is not None:
             new.logprobs.append(first_logprobs)  # prefill's (None when the caller did not carry them)
         self._append_token(new, int(first_token_id))
+        children = self._fork_prefilled(new, ids, forks) if forks else []
         if new.finish_reason is not None:
             self._pending.append(self._finish(new))
         else:
             self.scheduler.active.append(new)
+        self.scheduler.active.extend(children)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its pages. False if the id is unknown."""
@@ -380,6 +387,30 @@ class Engine:
                 self.fail_request(s.request_id, f"sampling failed: {type(exc).__name__}: {exc}")
                 out.append(None)
         return out
+
+    def _fork_prefilled(self, parent: Sequence, ids: list[int], forks: list[tuple[str, SamplingParams]]) -> list[Sequence]:
+        """Children of a transferred prompt: pages before the one holding the last prompt position shared, that
+        page (and any after it up to the prompt's end) copied; each child prefills that one last position."""
+        if self.tp_size > 1:
+            raise InvalidRequest("forks (n > 1) need a single-rank engine; accepted: n = 1 here")
+        bs = self.config.block_size
+        k, end = (len(ids) - 1) // bs, -(-len(ids) // bs)
+        children = []
+        for rid, p in forks:
+            if rid in self._seqs:
+                raise InvalidRequest(f"fork id {rid!r} is already live; accepted: unique ids")
+            c = self._new_seq(rid, ids, p, False)
+            own = self.pool.allocate(end - k)  # raises OutOfBlocks (the caller aborts the request)
+            c.blocks = self.pool.share(parent.blocks[:k]) + own
+            for src, dst in zip(parent.blocks[k:end], own):
+                for layer in range(len(self.kv.k)):
+                    self.kv.k[layer][dst].copy_(self.kv.k[layer][src])
+                    self.kv.v[layer][dst].copy_(self.kv.v[layer][src])
+            c.num_cached = len(ids) - 1
+            c.status = Status.PREFILLING
+            self._seqs[rid] = c
+            children.append(c)
+        return children
 
     def _record_prompt_logprobs(self, seq: Sequence, start: int, end: int, rows: torch.Tensor) -> None:
         """rows: [end - start, V] logits; row j predicts token start + j + 1 (entries for prompt tokens only)."""
