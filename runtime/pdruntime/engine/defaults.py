@@ -60,5 +60,5 @@ def resolve(mode: str, model_path: str | None, model_name: str | None) -> Genera
     name = f"{model_name or ''} {os.path.basename(str(model_path or ''))}".lower()
     for key, vals in KNOWN.items():
         if key in name:
-            return GenerationDefaults(**{**API, **vals}, source=f"documented default for {key} (model card)")
+            return GenerationDefaults(**{**API, **vals}, source=f"documented default for {key} (docs/api.md)")
     return GenerationDefaults(source="api (no generation_config.json, no documented default)")
