@@ -73,7 +73,7 @@ def test_no_op_values_of_unsupported_and_sglang_parameters_are_accepted():
             "skip_special_tokens": True, "no_stop_trim": False, "bootstrap_room": 7, "bootstrap_port": 9,
             "bootstrap_host": "h"}
     assert validate(WorkerChatRequest, body).bootstrap_room == 7
-    for name, value in (("logprobs", True), ("skip_special_tokens", False)):
+    for name, value in (("best_of", 2), ("skip_special_tokens", False)):
         with pytest.raises(ApiError) as e:
             validate(WorkerChatRequest, {**body, name: value})
         assert e.value.param == name and e.value.code == "unsupported_parameter"

@@ -101,13 +101,13 @@ def test_bad_input_at_the_router_is_a_4xx_with_an_openai_error_body(stack, model
         ("/v1/chat/completions", chat_body(model_id, max_tokens=-3), 400),
         ("/v1/chat/completions", chat_body(model_id, max_tokens=0), 400),
         ("/v1/chat/completions", chat_body(model_id, max_tokens=100000), 400),
-        ("/v1/chat/completions", chat_body(model_id, logprobs=True), 400),
+        ("/v1/chat/completions", chat_body(model_id, best_of=2), 400),
         ("/v1/chat/completions", chat_body(model_id, tools=[{"type": "function"}]), 400),
-        ("/v1/chat/completions", chat_body(model_id, n=3), 400),
+        ("/v1/chat/completions", chat_body(model_id, n=9), 400),
         ("/v1/chat/completions", chat_body(model_id, whatever=1), 400),
         ("/v1/chat/completions", chat_body(model_id, stream=True, max_tokens=-1), 400),
         ("/v1/completions", {"model": model_id, "prompt": 42}, 400),
-        ("/v1/completions", {"model": model_id, "prompt": "x", "echo": True}, 400),
+        ("/v1/completions", {"model": model_id, "prompt": "x", "echo": True, "logprobs": 2, "stream": True}, 400),
         ("/v1/completions", {"model": model_id, "prompt": huge, "stream": True}, 400),
     ]
     with httpx.Client(timeout=30) as c:

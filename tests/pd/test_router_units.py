@@ -150,9 +150,9 @@ def _chat(**kw):
     (_chat(messages="hi"), 400, "messages"),
     (_chat(messages=[]), 400, "messages"),
     (_chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages.0.role"),
-    (_chat(logprobs=True), 400, "logprobs"),
-    (_chat(tools=[{"type": "function"}]), 400, "tools"),
-    (_chat(n=2), 400, None),
+    (_chat(best_of=2), 400, "best_of"),
+    (_chat(tools=[{"type": "function"}]), 400, "tools.0.function"),
+    (_chat(n=9), 400, "n"),
     (_chat(frobnicate=1), 400, "frobnicate"),
     ({"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
     (_chat(stop=["a", "b", "c", "d", "e"]), 400, None),
@@ -169,8 +169,9 @@ def test_bad_chat_requests_are_rejected_with_a_named_param(body, status, param):
 
 def test_valid_requests_map_to_worker_sampling_params():
     r = validate(ChatCompletionRequest, _chat(max_completion_tokens=5, temperature=0, stop="x", seed=3))
-    assert r.sampling_params() == {"max_new_tokens": 5, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 3,
-                                   "stop": ["x"], "ignore_eos": False}
+    # fields the client left out are omitted: the worker applies the model's defaults
+    assert r.sampling_params() == {"max_new_tokens": 5, "temperature": 0.0, "seed": 3, "stop": ["x"],
+                                   "ignore_eos": False, "frequency_penalty": 0.0, "presence_penalty": 0.0}
     c = validate(CompletionRequest, {"model": "m", "prompt": ["once"]})
     assert c.prompt_text() == "once" and c.max_tokens == 16
 

@@ -261,15 +261,14 @@ def test_a_request_whose_sampling_fails_is_finished_alone_and_its_batch_goes_on(
     from pdruntime.engine import SamplingParams, engine as engine_mod, sampler
 
     eng = engine()
-    real = sampler.sample_one
+    real = sampler.sample_batch
 
-    def sample_one(row, params, gen):
-        if params.seed == 13:
+    def sample_batch(logits, rows):
+        if any(r.params.seed == 13 for r in rows):
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(row, params, gen)
+        return real(logits, rows)
 
-    monkeypatch.setattr(engine_mod, "sample_one", sample_one)
-    monkeypatch.setattr(sampler, "sample_one", sample_one)  # what sample_batch calls
+    monkeypatch.setattr(engine_mod, "sample_batch", sample_batch)  # batched, then row by row on failure
     for rid, seed in (("a", 1), ("bad", 13), ("b", 2)):
         eng.add_request(rid, [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.8, seed=seed, ignore_eos=True))
     outs: dict[str, list] = {}

@@ -35,6 +35,8 @@ class PrefillRequest:
     writer: Any = None  # transfer.KVConn while attached (close() fails the transfer)
     in_engine: bool = False
     first_token_id: int | None = None
+    first_logprobs: Any = None  # (logprob, top-n) of the first token when the request asked for logprobs
+    prompt_logprobs: Any = None  # per prompt token after the first, when the request asked (echo + logprobs)
     bytes_sent: int = 0
     kv_stats: Any = None  # transfer.TransferStats of the bulk phase (live; /debug/requests)
 

@@ -107,6 +107,15 @@ class SamplingParams:
     seed: int | None = None  # per-request RNG seed; None = engine RNG
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0  # 0 = off; keeps tokens with p >= min_p * p_max
+    repetition_penalty: float = 1.0  # 1 = off; HF/vLLM: seen logits l > 0 -> l / r, else l * r
+    frequency_penalty: float = 0.0  # OpenAI: l -= f * count(token in output)
+    presence_penalty: float = 0.0  # OpenAI: l -= p * (token in output)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    logprobs: int | None = None  # None = off; n >= 0 = the chosen token's logprob plus the top n
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the request (like EOS; not in the text)
+    grammar: str | None = None  # structured-output grammar (JSON: see server/structured.py); None = free text
+    prompt_logprobs: int | None = None  # None = off; n >= 0 = each prompt token's logprob (after the first) + top n
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -125,6 +134,21 @@ class SamplingParams:
         if not isinstance(self.stop, (tuple, list)) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest(f"stop={self.stop!r} is invalid; accepted: a tuple of non-empty strings")
         object.__setattr__(self, "stop", tuple(self.stop))
+        for name, lo, hi in (("min_p", 0.0, 1.0), ("repetition_penalty", 1e-3, 100.0),
+                             ("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+                raise InvalidRequest(f"{name}={v!r} is invalid; accepted: a number in [{lo:g}, {hi:g}]")
+        bias = tuple((int(t), float(b)) for t, b in (self.logit_bias.items() if isinstance(self.logit_bias, dict)
+                                                     else self.logit_bias))
+        if any(t < 0 or not math.isfinite(b) for t, b in bias):
+            raise InvalidRequest(f"logit_bias={self.logit_bias!r} is invalid; accepted: token id -> finite bias")
+        object.__setattr__(self, "logit_bias", bias)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 20):
+                raise InvalidRequest(f"{name}={v!r} is invalid; accepted: None or an integer in [0, 20]")
 
     @property
     def greedy(self) -> bool:
@@ -139,3 +163,7 @@ class StepOutput:
     finished: bool
     finish_reason: FinishReason | None = None
     error: str | None = None  # finish_reason == "error": why the engine failed this request alone
+    # params.logprobs set: one (logprob, [(token id, logprob)] top-n) per new_token_ids entry, else None
+    logprobs: list | None = None
+    # params.prompt_logprobs set, on the request's first output: one entry per prompt token after the first
+    prompt_logprobs: list | None = None

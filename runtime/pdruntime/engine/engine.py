@@ -20,7 +20,8 @@ from .block_pool import BlockPool
 from .config import EngineConfig, InvalidRequest, OutOfBlocks, SamplingParams, StepOutput
 from .device import cuda_graph_buckets, kv_cache_blocks
 from .kv_cache import KVCache
-from .sampler import sample_batch, sample_one
+from .grammar import Grammars
+from .sampler import sample_batch
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
@@ -105,6 +106,7 @@ class Engine:
         self._rng = torch.Generator().manual_seed(0)
         self._stop_holdback = 0
         self._eos = self.tokenizer.eos_token_ids
+        self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size)  # compiled lazily, on first use
         self.num_preemptions = 0
         self.num_generated_tokens = 0
         log.info("engine: device=%s dtype=%s tp=%d attention=%s cuda_graphs=%s weights=%.1f MiB; KV cache %d pages x %d "
@@ -173,16 +175,38 @@ class Engine:
         return ids
 
     def _new_seq(self, request_id: str, ids: list[int], params: SamplingParams, prefill_only: bool) -> Sequence:
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        return Sequence(request_id=request_id, prompt_ids=ids, params=params, prefill_only=prefill_only,
-                        arrival=next(self._arrivals), generator=gen)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 1 << 62, (1,), generator=self._rng))
+        seq = Sequence(request_id=request_id, prompt_ids=ids, params=params, prefill_only=prefill_only,
+                       arrival=next(self._arrivals), seed=seed)
+        if params.grammar is not None:
+            seq.matcher = self.grammars.matcher(params.grammar)  # InvalidRequest for a grammar it cannot compile
+        return seq
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    prefill_only: bool = False) -> None:
-        """Queue a request; it joins the running batch at the next step(). Raises InvalidRequest."""
+                    prefill_only: bool = False, forks: list[tuple[str, SamplingParams]] = ()) -> None:
+        """Queue a request; it joins the running batch at the next step(). Raises InvalidRequest.
+
+        ``forks`` (parallel sampling, OpenAI ``n``): more sequences of the same prompt, each with its own id and
+        params. The prompt is prefilled once; when it completes, each fork samples its own first token from
+        the same logits and decodes on its own, sharing the prompt's full KV pages (reference-counted) and
+        owning a copy of the partly filled last page, the only prompt page a decode step writes (copy-on-write,
+        done at the fork)."""
         ids = self._validate(request_id, prompt_token_ids, params)
+        fork_ids = [rid for rid, _ in forks]
+        if forks and (prefill_only or self.tp_size > 1):
+            raise InvalidRequest("forks (n > 1) need a monolithic, single-rank engine; accepted: n = 1 here")
+        if len(set(fork_ids)) != len(fork_ids) or request_id in fork_ids or any(r in self._seqs for r in fork_ids):
+            raise InvalidRequest(f"fork ids {fork_ids} must be unique and not live; accepted: unique ids")
+        children = []
+        for rid, p in forks:
+            self._validate(rid, ids, p)
+            children.append(self._new_seq(rid, ids, p, False))
         seq = self._new_seq(request_id, ids, params, prefill_only)
+        seq.forks = children
         self._seqs[request_id] = seq
+        for c in children:
+            c.status = Status.WAITING
+            self._seqs[c.request_id] = c  # live (abort() finds them), scheduled once forked
         self.scheduler.waiting.append(seq)
 
     def pages(self, request_id: str) -> tuple[list[int], int]:
@@ -220,8 +244,13 @@ class Engine:
         return list(blocks)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
-                      params: SamplingParams) -> None:
-        """Decode side of PD: the reserved pages hold KV for the prompt; decode continues from first_token_id."""
+                      params: SamplingParams, first_logprobs: Any = None,
+                      forks: list[tuple[str, SamplingParams]] = ()) -> None:
+        """Decode side of PD: the reserved pages hold KV for the prompt; decode continues from first_token_id.
+
+        ``forks`` (n > 1 over PD): more sequences of the same prompt that share its transferred KV pages; each
+        re-runs only the last prompt position (into its own copy of that page) for the logits of its own first
+        token, then decodes on its own."""
         seq = self._seqs.get(request_id)
         if seq is None or seq.status is not Status.RESERVED:
             state = "unknown" if seq is None else seq.status.value
@@ -240,11 +269,22 @@ class Engine:
         new.blocks, new.num_cached = seq.blocks, len(ids)
         new.status = Status.RUNNING
         self._seqs[request_id] = new
+        if new.matcher is not None:  # constrained decoding continues from prefill's first token
+            try:
+                self.grammars.advance(new.matcher, int(first_token_id))
+            except RuntimeError as exc:
+                del self._seqs[request_id]
+                self._seqs[request_id] = seq  # still reserved; caller may abort()
+                raise InvalidRequest(f"the first token does not fit the request's grammar: {exc}") from None
+        if params.logprobs is not None:
+            new.logprobs.append(first_logprobs)  # prefill's (None when the caller did not carry them)
         self._append_token(new, int(first_token_id))
+        children = self._fork_prefilled(new, ids, forks) if forks else []
         if new.finish_reason is not None:
             self._pending.append(self._finish(new))
         else:
             self.scheduler.active.append(new)
+        self.scheduler.active.extend(children)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its pages. False if the id is unknown."""
@@ -256,11 +296,19 @@ class Engine:
         if seq in self.scheduler.waiting:
             self.scheduler.waiting.remove(seq)
         self.scheduler.free_pages(seq)
+        self._orphan_forks(seq)
         was_reported = seq.status is Status.PREFILL_HELD
         seq.status = Status.FINISHED
         if not was_reported:
             self._pending.append(StepOutput(request_id, [], "", True, "abort"))
         return True
+
+    def _orphan_forks(self, seq: Sequence) -> None:
+        """A parent that ends before its prompt completed: its forks prefill on their own instead."""
+        for c in seq.forks:
+            if c.request_id in self._seqs:
+                self.scheduler.waiting.append(c)
+        seq.forks = []
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.active or self._pending)
@@ -301,6 +349,7 @@ class Engine:
             if seq in q:
                 q.remove(seq)
         self.scheduler.free_pages(seq)
+        self._orphan_forks(seq)
         seq.status = Status.FINISHED
         del self._seqs[request_id]
         self._pending.append(StepOutput(request_id, [], "", True, "error", error=reason))
@@ -325,20 +374,98 @@ class Engine:
         return [o for o in outputs if o.request_id != rid]
 
     def _sample_each(self, seqs: list[Sequence], rows: torch.Tensor) -> list[int | None]:
-        """One token per row; a row whose sampling raises fails its own request (None) and no other."""
+        """One token per row (one batched call); a row whose sampling raises fails its own request (None) and
+        no other. Grammar rows get their token mask first and advance their matcher after (once, per row)."""
+        got = None
         try:
-            return sample_batch(rows, [s.params for s in seqs], [s.generator or self._rng for s in seqs])
+            for s in seqs:
+                if s.matcher is not None:
+                    s.token_mask = self.grammars.mask(s.matcher)
+            got = sample_batch(rows, seqs)
         except Exception:
             pass
         out: list[int | None] = []
-        for s, row in zip(seqs, rows):
+        for i, s in enumerate(seqs):
             try:
-                out.append(sample_one(row, s.params, s.generator or self._rng))
+                if got is None:  # the batch raised: row by row, so that only the failing request fails
+                    if s.matcher is not None:
+                        s.token_mask = self.grammars.mask(s.matcher)
+                    one = sample_batch(rows[i: i + 1], [s])
+                    tok, lp = one.tokens[0], one.logprobs[0]
+                else:
+                    tok, lp = got.tokens[i], got.logprobs[i]
+                if s.matcher is not None:
+                    self.grammars.advance(s.matcher, tok)
+                if lp is not None:
+                    s.logprobs.append(lp)
+                out.append(tok)
             except Exception as exc:
                 log.warning("sampling failed for rid=%s alone (%s: %s); failing that request", s.request_id,
                             type(exc).__name__, exc)
                 self.fail_request(s.request_id, f"sampling failed: {type(exc).__name__}: {exc}")
                 out.append(None)
+        return out
+
+    def _fork_prefilled(self, parent: Sequence, ids: list[int], forks: list[tuple[str, SamplingParams]]) -> list[Sequence]:
+        """Children of a transferred prompt: pages before the one holding the last prompt position shared, that
+        page (and any after it up to the prompt's end) copied; each child prefills that one last position."""
+        if self.tp_size > 1:
+            raise InvalidRequest("forks (n > 1) need a single-rank engine; accepted: n = 1 here")
+        bs = self.config.block_size
+        k, end = (len(ids) - 1) // bs, -(-len(ids) // bs)
+        children = []
+        for rid, p in forks:
+            if rid in self._seqs:
+                raise InvalidRequest(f"fork id {rid!r} is already live; accepted: unique ids")
+            c = self._new_seq(rid, ids, p, False)
+            own = self.pool.allocate(end - k)  # raises OutOfBlocks (the caller aborts the request)
+            c.blocks = self.pool.share(parent.blocks[:k]) + own
+            for src, dst in zip(parent.blocks[k:end], own):
+                for layer in range(len(self.kv.k)):
+                    self.kv.k[layer][dst].copy_(self.kv.k[layer][src])
+                    self.kv.v[layer][dst].copy_(self.kv.v[layer][src])
+            c.num_cached = len(ids) - 1
+            c.status = Status.PREFILLING
+            self._seqs[rid] = c
+            children.append(c)
+        return children
+
+    def _record_prompt_logprobs(self, seq: Sequence, start: int, end: int, rows: torch.Tensor) -> None:
+        """rows: [end - start, V] logits; row j predicts token start + j + 1 (entries for prompt tokens only)."""
+        n = seq.params.prompt_logprobs
+        stop = min(end, len(seq.prompt_ids) - 1)  # the last prompt row predicts the first output token
+        if stop <= start:
+            return
+        lsm = torch.log_softmax(rows[: stop - start].float(), dim=-1)
+        nxt = torch.tensor(seq.prompt_ids[start + 1: stop + 1], device=lsm.device)
+        chosen = lsm.gather(1, nxt[:, None]).squeeze(1).tolist()
+        tv, ti = torch.topk(lsm, n, dim=-1) if n else (lsm[:, :0], lsm[:, :0].long())
+        if start == 0:
+            seq.prompt_logprobs = []  # a recompute after preemption starts over
+        seq.prompt_logprobs += [(c, list(zip(i, v))) for c, i, v in zip(chosen, ti.tolist(), tv.tolist())]
+
+    def _fork(self, parents: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """Children of the parents whose prompt just completed, holding the prompt's KV: full pages shared, the
+        partly filled last page copied. A child the pool cannot give its copy to is queued to prefill alone."""
+        out = []
+        bs = self.config.block_size
+        for j, parent in enumerate(parents):
+            children, parent.forks = [c for c in parent.forks if c.request_id in self._seqs], []
+            full = len(parent.prompt_ids) // bs
+            for c in children:
+                partial = len(parent.blocks) > full
+                if partial and not self.pool.can_allocate(1):
+                    self.scheduler.waiting.append(c)  # prefills itself later (correct, just not shared)
+                    continue
+                c.blocks = self.pool.share(parent.blocks[:full])
+                if partial:
+                    page = self.pool.allocate(1)[0]
+                    for layer in range(len(self.kv.k)):
+                        self.kv.k[layer][page].copy_(self.kv.k[layer][parent.blocks[full]])
+                        self.kv.v[layer][page].copy_(self.kv.v[layer][parent.blocks[full]])
+                    c.blocks.append(page)
+                c.num_cached = len(c.prompt_ids)
+                out.append((c, j))
         return out
 
     def _run_decode(self, seqs: list[Sequence]) -> list[StepOutput]:
@@ -368,10 +495,26 @@ class Engine:
         """All scheduled prompt chunks in one forward; sequences whose prompt is complete sample a token."""
         batch = [PrefillChunk(torch.tensor(seq.tokens[start:end], dtype=torch.int64), start,
                               torch.tensor(seq.blocks, dtype=torch.int64)) for seq, start, end in chunks]
-        logits = self.model.prefill_batch(batch, self.kv.k, self.kv.v)
+        want = [seq.params.prompt_logprobs is not None and start < len(seq.prompt_ids) for seq, start, _ in chunks]
+        if any(want):  # prompt logprobs: every position's logits (only in steps that carry such a chunk)
+            full = self.model.prefill_batch(batch, self.kv.k, self.kv.v, all_logits=True)
+            for (seq, start, end), rows, w in zip(chunks, full, want):
+                if w:
+                    self._record_prompt_logprobs(seq, start, end, rows)
+            logits = [rows[-1] for rows in full]
+        else:
+            logits = self.model.prefill_batch(batch, self.kv.k, self.kv.v)
         done = [i for i, (seq, _s, end) in enumerate(chunks) if end >= seq.num_tokens]
-        toks = dict(zip(done, self._sample_each([chunks[i][0] for i in done], torch.stack([logits[i] for i in done])))) if done else {}
+        forked = self._fork([chunks[i][0] for i in done])  # [(child, row index in done)]
+        rows = torch.stack([logits[i] for i in done] + [logits[done[j]] for _, j in forked]) if done else None
+        sampled = self._sample_each([chunks[i][0] for i in done] + [c for c, _ in forked], rows) if done else []
+        toks = dict(zip(done, sampled))
         out = self.take_pending()
+        for (child, _), tok in zip(forked, sampled[len(done):]):
+            if tok is not None:
+                child.status = Status.RUNNING
+                self.scheduler.active.append(child)
+                out.append(self._emit(child, tok))
         for i, ((seq, _start, end), row) in enumerate(zip(chunks, logits)):
             if i in toks and toks[i] is None:
                 continue  # failed alone by _sample_each
@@ -386,7 +529,10 @@ class Engine:
                 seq.status = Status.PREFILL_HELD
                 self.num_generated_tokens += 1
                 text = "" if tok in self._eos else self.tokenizer.decode([tok])
-                out.append(StepOutput(seq.request_id, [tok], text, True, "prefill_done"))
+                out.append(StepOutput(seq.request_id, [tok], text, True, "prefill_done",
+                                      logprobs=seq.logprobs[:1] if seq.params.logprobs is not None else None,
+                                      prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None
+                                      else None))
             else:
                 seq.status = Status.RUNNING
                 out.append(self._emit(seq, tok))
@@ -403,8 +549,11 @@ class Engine:
         seq.output_ids.append(tok)
         self.num_generated_tokens += 1
         p = seq.params
-        if tok in self._eos and not p.ignore_eos:
-            seq.finish_reason = "stop"  # the EOS token itself adds no text
+        if (tok in self._eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            seq.finish_reason = "stop"  # the EOS / stop token itself adds no text
+        elif seq.matcher is not None and self.grammars.finished(seq.matcher):
+            self._detokenize(seq, flush=True)
+            seq.finish_reason = "stop"  # the grammar admits nothing more (e.g. the closing brace of a JSON value)
         else:
             self._detokenize(seq, flush=len(seq.output_ids) >= p.max_tokens)
         if seq.finish_reason is None and len(seq.output_ids) >= p.max_tokens:
@@ -447,8 +596,12 @@ class Engine:
         delta = seq.text[seq.text_emitted: visible] if visible > seq.text_emitted else ""
         seq.text_emitted = max(seq.text_emitted, visible)
         new_ids = seq.output_ids[seq.num_emitted:]
+        lps = seq.logprobs[seq.num_emitted:] if seq.params.logprobs is not None else None
+        plps = seq.prompt_logprobs if seq.params.prompt_logprobs is not None and seq.num_emitted == 0 \
+            and seq.prompt_logprobs else None  # a PD decode sequence has none (prefill reports them)
         seq.num_emitted = len(seq.output_ids)
-        return StepOutput(seq.request_id, new_ids, delta, finished, seq.finish_reason if finished else None)
+        return StepOutput(seq.request_id, new_ids, delta, finished, seq.finish_reason if finished else None,
+                          logprobs=lps, prompt_logprobs=plps)
 
     def _finish(self, seq: Sequence) -> StepOutput:
         if seq in self.scheduler.active:
@@ -493,9 +646,13 @@ class Engine:
     def check_accounting(self) -> None:
         """Pages held by live requests must equal the pool's used pages, with no page held twice."""
         held = [b for s in self._seqs.values() for b in s.blocks]
-        if len(held) != len(set(held)):
-            raise AssertionError("a KV page is held by two requests")
-        self.pool.assert_no_leaks(held=len(held))
+        holders: dict[int, int] = {}
+        for b in held:
+            holders[b] = holders.get(b, 0) + 1
+        wrong = {b: (n, self.pool.refs(b)) for b, n in holders.items() if self.pool.refs(b) != n}
+        if wrong:
+            raise AssertionError(f"KV pages whose holders differ from their reference counts: {wrong}")
+        self.pool.assert_no_leaks(held=len(holders))
 
     def stats(self) -> dict[str, Any]:
         by = {st: 0 for st in Status}

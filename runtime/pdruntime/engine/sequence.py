@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,7 +37,13 @@ class Sequence:
     detok_prefix: int = 0  # output index where the incremental-detokenisation window starts
     detok_read: int = 0  # output tokens already turned into `text`
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # unused by the counter-based sampler; kept for callers
+    seed: int = 0  # the sampler's per-request seed (the client's, or drawn from the engine RNG at admission)
+    matcher: Any = None  # structured output: a grammar matcher advanced by every output token (or None)
+    token_mask: torch.Tensor | None = None  # int32 [ceil(V/32)] allowed tokens for the next sample (grammar)
+    forks: list = field(default_factory=list)  # sequences forked from this one's prompt when it completes (n > 1)
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)  # per prompt token after the first (prompt_logprobs set)  # per output token: (logprob, [(id, logprob)] top-n)
 
     @property
     def tokens(self) -> list[int]:

@@ -32,6 +32,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-max-step-failures", type=int, default=None,
                    help="consecutive failing engine steps (not tied to one request) before the worker reports 503 "
                         "and exits 70 (default: PDRT_ENGINE_MAX_STEP_FAILURES, else 5)")
+    g.add_argument("--generation-config", default="auto",
+                   help="default sampling parameters: auto (the checkpoint's generation_config.json, else the model's "
+                        "documented defaults), none (OpenAI API defaults), or a PATH to a generation_config.json")
+    g.add_argument("--tool-call-parser", default="auto", choices=("auto", "hermes", "llama3_json"),
+                   help="how tool calls are written and parsed (auto: from the chat template)")
     g.add_argument("--served-model-name", default=None,
                    help="model id clients send (default: the GGUF file name without its quant tag, or the HF dir name)")
 
@@ -75,7 +80,8 @@ def register(subparsers: Any) -> None:
     chat.add_argument("--url", default="http://127.0.0.1:8000")
     chat.add_argument("--model", default=None, help="default: the router's first model")
     chat.add_argument("--max-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--temperature", type=float, default=None,
+                      help="default: the model's own (GET /v1/models shows sampling_defaults)")
     chat.set_defaults(func=cmd_chat, handler=cmd_chat)
 
 
@@ -104,7 +110,9 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
                     ("--engine-max-step-failures", args.engine_max_step_failures)):
         if v is not None:
             out += [flag, str(v)]
-    out += ["--device", args.device, "--dtype", args.dtype, "--tensor-parallel-size", str(args.tensor_parallel_size)]
+    out += ["--device", args.device, "--dtype", args.dtype, "--tensor-parallel-size", str(args.tensor_parallel_size),
+            "--generation-config", getattr(args, "generation_config", "auto"),
+            "--tool-call-parser", getattr(args, "tool_call_parser", "auto")]
     if args.cuda_graphs is not None:
         out.append("--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs")
     return out
@@ -157,12 +165,14 @@ def build_server(args: argparse.Namespace, env=None):
         from pdruntime.server.prefill_app import PrefillWorker
 
         worker = PrefillWorker(loaded, engine, env, host=args.host, port=args.port, bootstrap_host=args.host,
-                               bootstrap_port=args.bootstrap_port, served_model_name=args.served_model_name)
+                               bootstrap_port=args.bootstrap_port, served_model_name=args.served_model_name,
+                               generation_config=args.generation_config, tool_call_parser=args.tool_call_parser)
     else:
         from pdruntime.server.decode_app import DecodeWorker
 
         worker = DecodeWorker(loaded, engine, env, host=args.host, port=args.port,
-                              served_model_name=args.served_model_name)
+                              served_model_name=args.served_model_name, generation_config=args.generation_config,
+                              tool_call_parser=args.tool_call_parser)
     return worker.build_app(), worker
 
 
@@ -233,7 +243,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     models = httpx.get(url + "/v1/models", timeout=10).json().get("data", [])
     model = models[0]["id"] if models else "default"
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello! Who are you?"}],
+    # no sampling fields: the model's defaults apply (GET /v1/models reports them)
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 64, "stream": True})
     print(f"\npdrt up: ready at {url}  (router + {args.pairs} pair(s); Ctrl-C stops everything)\n", flush=True)
     print(f"curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'\n", flush=True)
@@ -255,8 +266,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     def turn(text: str) -> int:
         history.append({"role": "user", "content": text})
-        body = {"model": model, "messages": history, "max_tokens": args.max_tokens, "temperature": args.temperature,
-                "stream": True, "user": "pdrt-chat"}
+        body = {"model": model, "messages": history, "max_tokens": args.max_tokens, "stream": True, "user": "pdrt-chat"}
+        if args.temperature is not None:  # else the model's defaults apply (SmolLM2: T 0.2, top_p 0.9)
+            body["temperature"] = args.temperature
         reply = ""
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=None) as resp:
             if resp.status_code != 200:

@@ -25,7 +25,7 @@ from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import WireError
 from pdruntime.server.common import (SSE_DONE, GuardedStream, client_of, finish_reason_json, read_generate,
                                      request_id, sse)
-from pdruntime.server.openai_format import OpenAIShape
+from pdruntime.server.openai_format import OpenAIShape, logprob_entries
 from pdruntime.server.schemas import ApiError, GenerateRequest, error_body
 from pdruntime.server.worker_base import WorkerBase
 
@@ -207,7 +207,8 @@ class DecodeWorker(WorkerBase):
         together with the second token). Only where its text cannot change with what follows: no stop
         strings, not EOS, not the last token, a complete UTF-8 character."""
         p = req.params
-        if p.stop or p.max_tokens <= 1 or (first in self.loaded.tokenizer.eos_token_ids and not p.ignore_eos):
+        if p.stop or p.max_tokens <= 1 or (first in self.loaded.tokenizer.eos_token_ids and not p.ignore_eos) \
+                or p.logprobs is not None or p.grammar is not None or first in p.stop_token_ids:
             return None
         text = self.loaded.tokenizer.decode([first])
         if "\ufffd" in text:
@@ -280,10 +281,17 @@ class DecodeWorker(WorkerBase):
                     self.metrics.tokens.labels(self.role, client_label).inc(len(item.new_token_ids))
                 text += item.text_delta
                 reason = item.finish_reason if item.finished else None
-                yield {"text": text, "delta": item.text_delta, "token_ids": list(item.new_token_ids),
-                       "meta_info": {"id": req.rid, "prompt_tokens": len(prompt),
-                                     "completion_tokens": req.completion_tokens,
-                                     "finish_reason": finish_reason_json(reason)}}
+                ev = {"text": text, "delta": item.text_delta, "token_ids": list(item.new_token_ids),
+                      "meta_info": {"id": req.rid, "prompt_tokens": len(prompt),
+                                    "completion_tokens": req.completion_tokens,
+                                    "finish_reason": finish_reason_json(reason)}}
+                if getattr(item, "prompt_logprobs", None) is not None:  # monolithic runs (PD: prefill reports them)
+                    ev["prompt_logprobs"] = [None] + logprob_entries(self.loaded.tokenizer, prompt[1:],
+                                                                     item.prompt_logprobs)
+                if params.logprobs is not None:  # PD: the first token's entry is None here (prefill reports it)
+                    ev["logprobs"] = logprob_entries(self.loaded.tokenizer, list(item.new_token_ids),
+                                                     getattr(item, "logprobs", None))
+                yield ev
                 if item.finished:
                     return
 
@@ -297,12 +305,13 @@ class DecodeWorker(WorkerBase):
         if greq.stream:
             async def body() -> AsyncIterator[bytes]:
                 first = True
+                state = shape.stream_state() if shape is not None else None
                 try:
                     async for ev in events():
                         if shape is None:
                             yield sse(ev)
                         else:
-                            for c in shape.stream_chunks(ev, first=first, include_usage=include_usage):
+                            for c in shape.stream_chunks(ev, first=first, include_usage=include_usage, state=state):
                                 yield sse(c)
                         first = False
                 except DecodeFailed as exc:
@@ -316,10 +325,14 @@ class DecodeWorker(WorkerBase):
         completed = False
         try:
             final = None
+            lps: list = []
             async for ev in events():
                 final = ev
+                lps += ev.get("logprobs") or []
             completed = True
-            return JSONResponse(final if shape is None else shape.final(final["text"], final))
+            if shape is None:
+                return JSONResponse(final)
+            return JSONResponse(shape.final(final["text"], final, logprobs=lps if params.logprobs is not None else None))
         except DecodeFailed as exc:
             return JSONResponse(error_body(exc.status, exc.reason, type="server_error", code="decode_failed"),
                                 status_code=exc.status)

@@ -1,12 +1,14 @@
 """Pure OpenAI response shaping from SGLang-style token events, shared by the router and the workers' /v1 routes.
 
 An event is what a decode worker streams: ``{"delta": str, "token_ids": [...], "meta_info": {"prompt_tokens",
-"completion_tokens", "finish_reason": {"type": ...} | None}}``.
+"completion_tokens", "finish_reason": {"type": ...} | None}}``, plus ``"logprobs"`` (one entry per token, see
+:func:`logprob_entries`) when the request asked for them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 def usage(ev: dict) -> dict:
@@ -24,27 +26,90 @@ def finish_reason(ev: dict) -> str | None:
     return "length" if t == "length" else "stop"
 
 
+def _tok(tokenizer: Any, tid: int, lp: float) -> dict:
+    text = tokenizer.decode([tid])
+    return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+
+def logprob_entries(tokenizer: Any, token_ids: list[int], raw: list | None) -> list:
+    """Engine logprobs ((logprob, [(id, logprob)])) -> OpenAI chat entries {token, logprob, bytes, top_logprobs}
+    (None stays None: a PD decode worker's first token, whose logprobs prefill reports)."""
+    out = []
+    for tid, r in zip(token_ids, raw or [None] * len(token_ids)):
+        if r is None:
+            out.append(None)
+            continue
+        lp, top = r
+        out.append({**_tok(tokenizer, tid, lp), "top_logprobs": [_tok(tokenizer, t, v) for t, v in top]})
+    return out
+
+
+def completion_logprobs(entries: list, offset0: int = 0) -> dict:
+    """Chat-shaped entries -> the legacy completions shape {tokens, token_logprobs, top_logprobs, text_offset}."""
+    tokens, lps, tops, offs = [], [], [], []
+    pos = offset0
+    for e in entries:
+        e = e or {"token": "", "logprob": None, "top_logprobs": []}
+        tokens.append(e["token"])
+        lps.append(e["logprob"])
+        tops.append({t["token"]: t["logprob"] for t in e.get("top_logprobs") or []})
+        offs.append(pos)
+        pos += len(e["token"])
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+
+def merge_choices(responses: list[dict]) -> dict:
+    """n single-choice responses -> one response with choices 0..n-1 and summed completion usage."""
+    out = dict(responses[0])
+    out["choices"] = [{**r["choices"][0], "index": i} for i, r in enumerate(responses)]
+    u = dict(responses[0]["usage"])
+    u["completion_tokens"] = sum(r["usage"]["completion_tokens"] for r in responses)
+    u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
+    out["usage"] = u
+    return out
+
+
 @dataclass(frozen=True)
 class OpenAIShape:
-    """Response shape of one request: chat or text completion, its id, model and creation time."""
+    """Response shape of one request: chat or text completion, its id, model and creation time; with
+    ``tool_parser`` the output is parsed into tool calls; with ``echo`` the prompt precedes the text."""
 
     chat: bool
     oid: str
     model: str
     created: int
+    tool_parser: str | None = None
+    echo: str | None = None
 
-    def chunk(self, ev: dict | None, *, role: bool = False, reason: str | None = None, use: dict | None = None) -> dict:
+    def stream_state(self) -> Any:
+        if self.tool_parser is None:
+            return None
+        from pdruntime.server.tools import StreamParser, parser_for
+
+        return StreamParser(parser_for(self.tool_parser))
+
+    def _lp(self, ev: dict | None) -> Any:
+        entries = (ev or {}).get("logprobs")
+        if entries is None:
+            return None
+        return {"content": entries} if self.chat else completion_logprobs(entries)
+
+    def chunk(self, ev: dict | None, *, role: bool = False, reason: str | None = None, use: dict | None = None,
+              delta: dict | None = None) -> dict:
         """One streamed chunk (``ev`` None: a chunk with no delta, e.g. the usage chunk)."""
-        delta = ev.get("delta", "") if ev else ""
+        text = ev.get("delta", "") if ev else ""
         if self.chat:
-            d: dict = {"content": delta} if ev else {}
+            d: dict = delta if delta is not None else ({"content": text} if ev else {})
             if role:
                 d = {"role": "assistant", **d}
+            choice = {"index": 0, "delta": d, "finish_reason": reason}
+            if ev is not None and ev.get("logprobs") is not None:
+                choice["logprobs"] = self._lp(ev)
             obj = {"id": self.oid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                   "choices": [{"index": 0, "delta": d, "finish_reason": reason}]}
+                   "choices": [choice]}
         else:
             obj = {"id": self.oid, "object": "text_completion", "created": self.created, "model": self.model,
-                   "choices": [{"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}]}
+                   "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": self._lp(ev)}]}
         if use is not None:
             obj["usage"] = use
         return obj
@@ -55,22 +120,45 @@ class OpenAIShape:
         u["choices"] = []
         return u
 
-    def stream_chunks(self, ev: dict, *, first: bool, include_usage: bool) -> list[dict]:
-        """The chunks one event becomes (its delta; at the end, the usage chunk when asked for)."""
+    def stream_chunks(self, ev: dict, *, first: bool, include_usage: bool, continuous_usage: bool = False,
+                      state: Any = None) -> list[dict]:
+        """The chunks one event becomes (its delta; at the end, the usage chunk when asked for). ``state``:
+        :meth:`stream_state` of this stream (tool-call parsing)."""
         reason = finish_reason(ev)
-        out = [self.chunk(ev, role=first, reason=reason, use=usage(ev) if reason else None)]
+        use = usage(ev) if reason or continuous_usage else None
+        if first and self.echo is not None:
+            ev = {**ev, "delta": self.echo + ev.get("delta", "")}
+        if state is None:
+            out = [self.chunk(ev, role=first, reason=reason, use=use)]
+        else:
+            deltas = state.feed(ev.get("delta", ""), final=reason is not None)
+            if reason and state.calls_sent:
+                reason = "tool_calls"
+            out = [self.chunk(ev, role=first and i == 0, delta=d, use=use if i == len(deltas) - 1 else None,
+                              reason=reason if i == len(deltas) - 1 else None)
+                   for i, d in enumerate(deltas)] or [self.chunk(ev, role=first, delta={}, reason=reason, use=use)]
         if reason and include_usage:
             out.append(self.usage_chunk(ev))
         return out
 
-    def final(self, text: str, last: dict) -> dict:
-        """The non-streamed response after the last event ``last``."""
+    def final(self, text: str, last: dict, logprobs: list | None = None) -> dict:
+        """The non-streamed response after the last event ``last`` (``logprobs``: every token's entry)."""
         reason = finish_reason(last) or "stop"
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+            message: dict = {"role": "assistant", "content": text}
+            if self.tool_parser is not None:
+                from pdruntime.server.tools import openai_tool_calls, parser_for
+
+                content, calls = parser_for(self.tool_parser).parse(text)
+                if calls:
+                    message = {"role": "assistant", "content": content or None, "tool_calls": openai_tool_calls(calls)}
+                    reason = "tool_calls"
+            choice = {"index": 0, "message": message, "finish_reason": reason,
+                      "logprobs": {"content": logprobs} if logprobs is not None else None}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "text": (self.echo or "") + text, "finish_reason": reason,
+                      "logprobs": completion_logprobs(logprobs) if logprobs is not None else None}
             obj = "text_completion"
         return {"id": self.oid, "object": obj, "created": self.created, "model": self.model, "choices": [choice],
                 "usage": usage(last)}

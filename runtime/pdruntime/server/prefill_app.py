@@ -23,7 +23,7 @@ from pdruntime.disagg.prefill_queues import PrefillQueues, PrefillRequest
 from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import WireError
 from pdruntime.server.common import client_of, read_generate, request_id
-from pdruntime.server.openai_format import OpenAIShape
+from pdruntime.server.openai_format import OpenAIShape, logprob_entries
 from pdruntime.server.schemas import ApiError, GenerateRequest, error_body
 from pdruntime.server.worker_base import WorkerBase
 
@@ -154,6 +154,13 @@ class PrefillWorker(WorkerBase):
         text = self.loaded.tokenizer.decode([first]) if first is not None else ""
         result = {"text": text, "meta_info": {"id": req.rid, "prompt_tokens": len(prompt), "completion_tokens": 1,
                                               "kv_bytes": req.bytes_sent, "finish_reason": {"type": "prefill_done"}}}
+        if params.logprobs is not None:  # the router puts these on decode's first token
+            result["meta_info"]["first_token_id"] = first
+            result["meta_info"]["output_token_logprobs"] = logprob_entries(self.loaded.tokenizer, [first],
+                                                                           [req.first_logprobs])
+        if params.prompt_logprobs is not None:  # echo: the prompt's, first token None (nothing predicts it)
+            result["meta_info"]["input_token_logprobs"] = [None] + logprob_entries(
+                self.loaded.tokenizer, prompt[1:], getattr(req, "prompt_logprobs", None))
         return JSONResponse(result if shape is None else shape.final(text, result))
 
     def add_routes(self, app: FastAPI) -> None:
@@ -259,6 +266,8 @@ class PrefillWorker(WorkerBase):
     def _on_output(self, req: PrefillRequest, out: Any) -> None:
         if out.finish_reason == "prefill_done":
             if req.kv_ready is not None and not req.kv_ready.done():
+                req.first_logprobs = (out.logprobs or [None])[0]  # the first token's logprobs: prefill's to report
+                req.prompt_logprobs = out.prompt_logprobs
                 req.kv_ready.set_result(out.new_token_ids[0])
         elif out.finished:
             self._fail(req, f"engine finished the prefill with {out.finish_reason!r}")

@@ -16,6 +16,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
+import json
 from typing import Any, AsyncIterator
 
 import httpx
@@ -29,7 +30,7 @@ from pdruntime.server.common import (SSE_DONE, BodyGuard, GuardedStream, lifespa
                                      sse)
 from pdruntime.server.health_probe import HealthProber, instance_id
 from pdruntime.server.metrics import Metrics
-from pdruntime.server.openai_format import OpenAIShape, finish_reason
+from pdruntime.server.openai_format import OpenAIShape, merge_choices, finish_reason
 from pdruntime.server.router_legs import LegError, Legs
 from pdruntime.server.router_policy import Outcome, PairPicker, PairState
 from pdruntime.server.schemas import (MAX_BODY_BYTES, ApiError, ChatCompletionRequest, CompletionRequest, error_body,
@@ -375,6 +376,27 @@ class Router:
         except ApiError as exc:
             self.count_rejection(client, exc.status)
             raise
+        parser = (self.models.get(model) or {}).get("tool_call_parser") or "hermes"
+        if oreq.n > 1:  # n choices: n PD requests (seeded ones get seeds seed, seed+1, ...), one response
+            subs = [oreq.model_copy(update={"n": 1, "seed": None if oreq.seed is None else oreq.seed + i,
+                                            "stream_options": None})
+                    for i in range(oreq.n)]
+            got = await asyncio.gather(*(self._one(request, s, chat, client, model, deadline, t0, parser)
+                                         for s in subs), return_exceptions=True)
+            failed = [g for g in got if isinstance(g, BaseException)]
+            if failed:
+                for g in got:  # the choices that did start are aborted
+                    if isinstance(g, GuardedStream):
+                        await g._on_close(False)
+                raise failed[0]
+            if not oreq.stream:
+                return JSONResponse(merge_choices([json.loads(o.body) for o in got]))
+            return merge_streams(got, bool(oreq.stream_options and oreq.stream_options.include_usage))
+        return await self._one(request, oreq, chat, client, model, deadline, t0, parser)
+
+    async def _one(self, request: Request, oreq: Any, chat: bool, client: str, model: str, deadline: float,
+                   t0: float, parser: str):
+        """One choice: dispatch to a pair, stream or collect decode's events, shape them as OpenAI's."""
         client_label = self.metrics.clients.label(client)
         conversation = oreq.user or request.headers.get("x-session-id")
         rid = uuid.uuid4().hex
@@ -395,8 +417,13 @@ class Router:
             raise
         live.stage = "streaming"
         self.metrics.ttft.labels("router").observe(time.monotonic() - t0)
-        shape = OpenAIShape(chat, ("chatcmpl-" if chat else "cmpl-") + rid, model, int(time.time()))
+        shape = OpenAIShape(chat, ("chatcmpl-" if chat else "cmpl-") + rid, model, int(time.time()),
+                            tool_parser=parser if chat and oreq.tools and oreq.tool_choice != "none" else None,
+                            echo=oreq.prompt_text() if not chat and oreq.echo else None)
         include_usage = bool(oreq.stream_options and oreq.stream_options.include_usage)
+        continuous = bool(oreq.stream_options and oreq.stream_options.continuous_usage_stats)
+        if oreq.logprobs_n() is not None:  # the first token's logprobs are prefill's: wait for its answer
+            first = await legs.first_with_prefill_logprobs(first)
         outcome = {"v": "aborted"}
         last_tok = [time.monotonic()]
 
@@ -432,10 +459,12 @@ class Router:
         if oreq.stream:
             async def stream() -> AsyncIterator[bytes]:
                 first_chunk = True
+                tools = shape.stream_state()
                 try:
                     async for ev in token_events():
                         count(ev)
-                        for c in shape.stream_chunks(ev, first=first_chunk, include_usage=include_usage):
+                        for c in shape.stream_chunks(ev, first=first_chunk, include_usage=include_usage,
+                                                     continuous_usage=continuous, state=tools):
                             yield sse(c)
                         first_chunk = False
                         if finish_reason(ev):
@@ -453,9 +482,11 @@ class Router:
         try:
             text = ""
             last_ev = first
+            lps: list = []
             async for ev in token_events():
                 count(ev)
                 text += ev.get("delta", "")
+                lps += ev.get("logprobs") or []
                 last_ev = ev
                 if finish_reason(ev):
                     break
@@ -466,7 +497,9 @@ class Router:
                            type="server_error", code=exc.code) from None
         finally:
             await finish(completed)
-        return JSONResponse(shape.final(text, last_ev))
+        if oreq.logprobs_n() is not None and first.get("prompt_logprobs") is not None:
+            lps = first["prompt_logprobs"] + lps  # echo: the prompt's entries first (the text starts with the prompt)
+        return JSONResponse(shape.final(text, last_ev, logprobs=lps if oreq.logprobs_n() is not None else None))
 
     # ---- observability -----------------------------------------------------------------------------
     async def debug_requests(self) -> dict:
@@ -562,7 +595,9 @@ class Router:
             if not self.models:
                 await self.refresh_models()
             return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "pdstack",
-                                                "max_model_len": info.get("max_model_len")} for m, info in self.models.items()]}
+                                                "max_model_len": info.get("max_model_len"),
+                                                "sampling_defaults": info.get("sampling_defaults")}
+                                               for m, info in self.models.items()]}
 
         @app.get("/health")
         async def health():
@@ -614,3 +649,55 @@ class Router:
 
         app.openapi = openapi
         return app
+
+
+def merge_streams(streams: list[GuardedStream], include_usage: bool) -> GuardedStream:
+    """n single-choice SSE streams -> one, each chunk's choice re-indexed to its stream; one usage chunk (the sum)
+    at the end when asked for, then [DONE]. Closing it closes (and when unfinished aborts) every stream."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, g: GuardedStream) -> None:
+        try:
+            async for chunk in g.body_iterator:
+                queue.put_nowait((i, chunk))
+        finally:
+            queue.put_nowait((i, None))
+
+    async def body() -> AsyncIterator[bytes]:
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(streams)]
+        try:
+            open_, usage, last = len(streams), [None] * len(streams), None
+            while open_:
+                i, chunk = await queue.get()
+                if chunk is None:
+                    open_ -= 1
+                    continue
+                text = chunk.decode() if isinstance(chunk, bytes) else chunk
+                if not text.startswith("data: ") or text.strip() == "data: [DONE]":
+                    continue
+                obj = json.loads(text[6:])
+                if "error" in obj:
+                    yield chunk
+                    continue
+                for c in obj.get("choices") or ():
+                    c["index"] = i
+                if obj.get("usage"):
+                    usage[i] = obj.pop("usage")
+                last = obj
+                if obj.get("choices"):
+                    yield sse(obj)
+            if include_usage and last is not None and all(usage):
+                p = usage[0]["prompt_tokens"]
+                c = sum(u["completion_tokens"] for u in usage)
+                yield sse({**last, "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": c,
+                                                            "total_tokens": p + c}})
+            yield SSE_DONE
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def on_close(completed: bool) -> None:
+        for g in streams:
+            await g._on_close(g._completed)
+
+    return GuardedStream(body(), on_close)

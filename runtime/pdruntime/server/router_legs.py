@@ -59,6 +59,7 @@ class Legs:
         self.decode_resp: httpx.Response | None = None
         self._lines: AsyncIterator[str] | None = None
         self.stage = "dispatching"
+        self.prefill_result: dict | None = None  # prefill's answer (meta_info: the first token's logprobs)
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -71,6 +72,12 @@ class Legs:
         except httpx.HTTPError as exc:
             raise LegError(502, f"prefill worker {self.pair.prefill_url} unreachable: {type(exc).__name__} {exc}",
                            leg="prefill", retryable=True) from None
+        if resp.status_code == 200:
+            try:
+                self.prefill_result = resp.json()
+            except ValueError:
+                self.prefill_result = None
+            return
         if resp.status_code != 200:
             try:
                 payload = resp.json()
@@ -161,6 +168,23 @@ class Legs:
             exc = self.prefill_task.exception()
             if isinstance(exc, LegError) and not exc.retryable:
                 raise exc
+
+    async def first_with_prefill_logprobs(self, first: dict) -> dict:
+        """Decode's first event with the first token's logprobs taken from prefill (which sampled it). Waits
+        for prefill's answer (sent once decode holds the KV, i.e. about when decode's first event arrives)."""
+        lps = first.get("logprobs")
+        if not lps or lps[0] is not None or self.prefill_task is None:
+            return first
+        try:
+            await asyncio.wait_for(asyncio.shield(self.prefill_task), self.remaining() + 1.0)
+        except (LegError, asyncio.TimeoutError, asyncio.CancelledError):
+            return first
+        mi = (self.prefill_result or {}).get("meta_info") or {}
+        got = mi.get("output_token_logprobs") or [None]
+        out = {**first, "logprobs": [got[0]] + list(lps[1:])}
+        if mi.get("input_token_logprobs") is not None:
+            out["prompt_logprobs"] = mi["input_token_logprobs"]
+        return out
 
     async def events(self) -> AsyncIterator[dict]:
         """Decode events after the first, each within the deadline. Raises LegError."""

@@ -34,6 +34,10 @@ MAX_STOP_CHARS = 256
 MAX_MESSAGES = 4096
 MAX_TOKEN_ID = (1 << 31) - 1  # input_ids are further checked against the model's vocabulary
 MAX_ID_CHARS = 256  # user, name, model, rid
+MAX_N = 8  # choices per request (each is one decode sequence)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_TOOLS = 128
+MAX_LOGIT_BIAS = 300
 
 # What each parameter accepts, in words: every 400 about a parameter ends with "accepted: <this>".
 ACCEPTED = {
@@ -46,22 +50,33 @@ ACCEPTED = {
     "top_k": f"an integer in [-1, {MAX_TOP_K}] (-1 and 0 = off)",
     "seed": f"an integer in [0, {MAX_SEED}]",
     "stop": f"a string or a list of at most {MAX_STOP} strings, each 1..{MAX_STOP_CHARS} characters",
-    "n": "1",
-    "presence_penalty": "0",
-    "frequency_penalty": "0",
+    "n": f"an integer in [1, {MAX_N}]",
+    "presence_penalty": "a number in [-2, 2]",
+    "frequency_penalty": "a number in [-2, 2]",
+    "repetition_penalty": "a number in (0, 100] (1 = off)",
+    "min_p": "a number in [0, 1] (0 = off)",
+    "logit_bias": f"an object of at most {MAX_LOGIT_BIAS} token ids (as strings) -> a number in [-100, 100]",
+    "logprobs": f"chat: true|false; completions: an integer in [0, {MAX_TOP_LOGPROBS}]",
+    "top_logprobs": f"an integer in [0, {MAX_TOP_LOGPROBS}] (with logprobs: true)",
+    "stop_token_ids": "a list of at most 16 token ids",
+    "response_format": "{\"type\": \"text\"} | {\"type\": \"json_object\"} | {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}",
+    "tools": f"a list of at most {MAX_TOOLS} {{type: function, function: {{name, description, parameters}}}}",
+    "tool_choice": "\"none\" | \"auto\" | \"required\" | {\"type\": \"function\", \"function\": {\"name\": ...}}",
+    "parallel_tool_calls": "true or false",
+    "echo": "true or false (completions; with logprobs: not streamed)",
     "user": f"a string of at most {MAX_ID_CHARS} characters",
-    "messages": f"a list of 1..{MAX_MESSAGES} messages {{role: system|user|assistant, content: text}}",
+    "messages": f"a list of 1..{MAX_MESSAGES} messages {{role: system|user|assistant|tool, content: text}} "
+                "(assistant messages may carry tool_calls, tool messages a tool_call_id)",
     "prompt": "a string, or a list of exactly one string",
     "input_ids": "a non-empty list of token ids in [0, vocabulary size)",
     "stream": "true or false",
-    "stream_options": "{\"include_usage\": true|false}",
+    "stream_options": "{\"include_usage\": true|false, \"continuous_usage_stats\": true|false}",
     "bootstrap_port": "an integer in [1, 65535]",
     "bootstrap_room": f"an integer in [0, {(1 << 64) - 1}]",
 }
 
 # OpenAI parameters pdrt knows but does not implement: rejected by name instead of silently ignored.
-UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call", "response_format",
-               "logit_bias", "parallel_tool_calls", "best_of", "echo", "suffix", "audio", "modalities", "prediction",
+UNSUPPORTED = ("functions", "function_call", "best_of", "suffix", "audio", "modalities", "prediction",
                "service_tier", "store", "metadata", "reasoning_effort", "web_search_options")
 
 # SGLang's chat/completion extensions, which SGLang's router writes into every body it forwards (with these
@@ -110,6 +125,10 @@ def _stop_strings(v: str | list[str] | None):
 
 
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+RepPenalty = Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False), AfterValidator(_temperature)]
 TopP = Annotated[float, Field(ge=MIN_TOP_P, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=-1, le=MAX_TOP_K)]
@@ -127,6 +146,58 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # SGLang/vLLM: usage on every chunk
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class ToolChoiceNamed(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: ShortText
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: ShortText = "response"
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
 
 
 class TextPart(_Strict):
@@ -135,30 +206,56 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: ShortText | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: ShortText | None = None  # tool turns: which call this answers
+
+    @model_validator(mode="after")
+    def _content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def worker_dict(self) -> dict:
+        d: dict = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                                          "arguments": c.function.arguments}}
+                               for c in self.tool_calls]
+        if self.tool_call_id:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name:
+            d["name"] = self.name
+        return d
 
 
 class _SamplingFields(_Strict):
     model: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     max_tokens: MaxTokens | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: TopK = 0  # pdrt/SGLang extension; -1 and 0 = off
+    temperature: Temperature | None = None  # None = the model's default (GET /v1/models)
+    top_p: TopP | None = None
+    top_k: TopK | None = None  # pdrt/SGLang extension; -1 and 0 = off
+    min_p: MinP | None = None  # pdrt/SGLang/vLLM extension
+    repetition_penalty: RepPenalty | None = None  # pdrt/SGLang/vLLM extension
     seed: Seed | None = None
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: ShortText | None = None
-    n: Literal[1] = 1
-    presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] = 0.0  # not implemented: only 0
-    frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] = 0.0
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: Annotated[dict[str, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=16)] | None = None
     ignore_eos: bool = False  # SGLang extension
 
     def stop_tuple(self) -> tuple[str, ...]:
@@ -166,34 +263,82 @@ class _SamplingFields(_Strict):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def logprobs_n(self) -> int | None:
+        return None
+
+    def grammar(self) -> str | None:
+        return None
+
     def sampling_params(self) -> dict:
-        """SGLang-shaped sampling_params for the worker legs (validated again there by :class:`WorkerSampling`)."""
-        return {"max_new_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "seed": self.seed, "stop": list(self.stop_tuple()), "ignore_eos": self.ignore_eos}
+        """SGLang-shaped sampling_params for the worker legs (validated again there by :class:`WorkerSampling`).
+        Fields the client left out stay None: the worker fills in the model's defaults."""
+        out = {"max_new_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+               "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+               "seed": self.seed, "stop": list(self.stop_tuple()), "ignore_eos": self.ignore_eos,
+               "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
+               "logit_bias": {k: v for k, v in (self.logit_bias or {}).items()} or None,
+               "stop_token_ids": self.stop_token_ids, "logprobs": self.logprobs_n()}
+        return {k: v for k, v in out.items() if v is not None}
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceNamed | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _max(self):
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        from pdruntime.server.structured import check_chat  # names the parameter of an unsupported combination
+        check_chat(self)
         return self
 
+    def logprobs_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def worker_input(self) -> dict:
-        return {"messages": [{"role": m.role, "content": m.text()} for m in self.messages]}
+        """What the workers need to render the prompt and build the grammar (they know the tool-call parser)."""
+        out: dict = {"messages": [m.worker_dict() for m in self.messages]}
+        if self.tools and self.tool_choice != "none":
+            out["tools"] = [t.model_dump(by_alias=True, exclude_none=True) for t in self.tools]
+            out["tool_choice"] = self.tool_choice if isinstance(self.tool_choice, str) or self.tool_choice is None \
+                else self.tool_choice.model_dump()
+            out["parallel_tool_calls"] = self.parallel_tool_calls
+        if self.response_format is not None:
+            out["response_format"] = self.response_format.model_dump(by_alias=True, exclude_none=True)
+        return {k: v for k, v in out.items() if v is not None}
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool = False
 
     @model_validator(mode="after")
     def _prompt(self):
         if self.max_tokens is None:
             self.max_tokens = 16  # OpenAI's default for /v1/completions
+        if self.echo and self.logprobs is not None and self.stream:
+            raise ValueError("echo with logprobs is not supported when streaming; accepted: stream: false, or echo "
+                             "or logprobs alone")
         return self
+
+    def logprobs_n(self) -> int | None:
+        return self.logprobs
+
+    def sampling_params(self) -> dict:
+        out = super().sampling_params()
+        if self.echo and self.logprobs is not None:
+            out["prompt_logprobs"] = self.logprobs  # echo: the prompt's logprobs precede the completion's
+        return out
 
     def prompt_text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
@@ -296,6 +441,9 @@ def validate(model: type[BaseModel], body: dict) -> Any:
                 raise ApiError(400, f"parameter {name!r} is not supported by pdrt; accepted parameters: "
                                f"{', '.join(sorted(model.model_fields))}", param=name, code="unsupported_parameter")
             del body[name]  # "logprobs": false and the like ask for nothing
+    for name in ("echo", "logprobs", "top_logprobs", "tools", "tool_choice", "response_format", "suffix"):
+        if name in body and name not in model.model_fields and body[name] in (None, False):
+            del body[name]  # e.g. "echo": false on chat asks for nothing
     for name, default in SGLANG_DEFAULTS.items():
         if name in body:
             if body[name] != default:
@@ -335,9 +483,18 @@ class WorkerSampling(BaseModel):
     are ignored: SGLang clients send many this engine does not use)."""
     model_config = ConfigDict(extra="ignore")
     max_new_tokens: MaxTokens | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: TopK = 0  # SGLang uses -1 for "off"; <= 0 means off here
+    temperature: Temperature | None = None  # None = the model's default
+    top_p: TopP | None = None
+    top_k: TopK | None = None  # SGLang uses -1 for "off"; <= 0 means off here
+    min_p: MinP | None = None
+    repetition_penalty: RepPenalty | None = None
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    logit_bias: Annotated[dict[str, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=16)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # pdrt: top-n per token
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # vLLM's name: top-n per prompt token
+    grammar: Annotated[str, Field(max_length=1 << 20)] | None = None  # pdrt: an llguidance grammar
     seed: Seed | None = None
     stop: Stop = None
     ignore_eos: bool = False
@@ -345,8 +502,10 @@ class WorkerSampling(BaseModel):
 
 class WorkerMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
 
 class GenerateRequest(_PDFields):
@@ -355,6 +514,10 @@ class GenerateRequest(_PDFields):
     text: str | None = None
     input_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     messages: Annotated[list[WorkerMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None  # pdrt: rendered into the prompt
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceNamed | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
     sampling_params: WorkerSampling = Field(default_factory=WorkerSampling)
     stream: bool = False
 

@@ -34,7 +34,8 @@ class WorkerBase:
     role = "worker"
 
     def __init__(self, loaded: Any, engine: Any, env: RuntimeEnv, *, host: str = "127.0.0.1", port: int = 8000,
-                 clock: Clock | None = None, served_model_name: str | None = None) -> None:
+                 clock: Clock | None = None, served_model_name: str | None = None, generation_config: str = "auto",
+                 tool_call_parser: str = "auto") -> None:
         self.loaded = loaded
         self.engine = engine
         self.env = env
@@ -46,7 +47,12 @@ class WorkerBase:
         self.hooks = TestHooks()
         self.kv_token = env.resolve_kv_auth_token()
         self.max_model_len = int(engine.config.max_model_len or loaded.info.max_position_embeddings)
-        self.prompts = PromptBuilder(loaded.tokenizer, self.max_model_len, getattr(loaded.info, "vocab_size", None))
+        from pdruntime.engine.defaults import resolve as resolve_defaults
+
+        self.generation_defaults = resolve_defaults(generation_config, getattr(loaded.info, "path", None),
+                                                    served_model_name or loaded.info.name)
+        self.prompts = PromptBuilder(loaded.tokenizer, self.max_model_len, getattr(loaded.info, "vocab_size", None),
+                                     defaults=self.generation_defaults, tool_parser=tool_call_parser)
         self.runner: EngineRunner | None = None
         self.ready = False
         self.started_at = time.time()
@@ -122,7 +128,8 @@ class WorkerBase:
         return {"role": self.role, "engine": _jsonable(self.engine.describe()), "env": self.env.as_config(),
                 "engine_health": self.runner.health() if self.runner is not None else None,
                 "server": {"host": self.host, "port": self.port, "pid": os.getpid()},
-                "kv_auth": "enabled" if self.kv_token else "disabled",
+                "kv_auth": "enabled" if self.kv_token else "disabled", "sampling_defaults": self.generation_defaults.as_dict(),
+                "tool_call_parser": self.prompts.tool_parser,
                 "model": {"path": self.loaded.info.path, "sha256": self.loaded.info.sha256}, **self.role_config()}
 
     def role_config(self) -> dict:
@@ -184,7 +191,8 @@ class WorkerBase:
         @app.get("/get_model_info")
         async def get_model_info():
             return {"model_path": info.path, "model_name": self.model_name, "tokenizer_path": info.path,
-                    "is_generation": True, "sha256": info.sha256, "max_model_len": self.max_model_len}
+                    "is_generation": True, "sha256": info.sha256, "max_model_len": self.max_model_len,
+                    "sampling_defaults": self.generation_defaults.as_dict(), "tool_call_parser": self.prompts.tool_parser}
 
         @app.get("/server_info")  # SGLang's current name; routers fall back to /get_server_info
         @app.get("/get_server_info")
@@ -231,7 +239,8 @@ class WorkerBase:
         async def v1_models():
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": int(self.started_at),
                                                 "owned_by": "pdstack", "root": info.path,
-                                                "max_model_len": self.max_model_len}]}
+                                                "max_model_len": self.max_model_len,
+                                                "sampling_defaults": self.generation_defaults.as_dict()}]}
 
         self.add_routes(app)
         return app
@@ -241,7 +250,12 @@ class WorkerBase:
         oreq = validate(WorkerChatRequest if chat else WorkerCompletionRequest, parse_body(await request.body()))
         self._check_model(oreq.model)
         greq = generate_from_openai(oreq, oreq)
-        shape = OpenAIShape(chat, ("chatcmpl-" if chat else "cmpl-") + request_id(greq), self.model_name, int(time.time()))
+        if oreq.n > 1:
+            raise ApiError(400, "n > 1 on a worker's /v1 route is not supported; accepted: n = 1 (pdrt's router fans "
+                           "n out to n PD requests)", param="n", code="unsupported_parameter")
+        parser = self.prompts.tool_parser if chat and oreq.tools and oreq.tool_choice != "none" else None
+        shape = OpenAIShape(chat, ("chatcmpl-" if chat else "cmpl-") + request_id(greq), self.model_name, int(time.time()),
+                            tool_parser=parser, echo=oreq.prompt_text() if not chat and oreq.echo else None)
         include_usage = bool(oreq.stream_options and oreq.stream_options.include_usage)
         return await self.run_generate(greq, client_of(request), shape, include_usage)
 

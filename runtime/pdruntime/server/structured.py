@@ -1,0 +1,75 @@
+"""OpenAI ``response_format`` and forced ``tool_choice`` -> an llguidance grammar for the engine (pure).
+
+* ``json_object``: any JSON object; ``json_schema``: that schema (``strict`` or not: always enforced).
+* ``tool_choice: "required"``: one or more (``parallel_tool_calls``) tool calls of any listed tool, in the
+  format of the tool-call parser (Hermes ``<tool_call>{json}</tool_call>`` or Llama-3 JSON), with arguments
+  that validate against the tool's ``parameters``; a named function: exactly one call of that function.
+* ``tool_choice: "auto"`` (the default with tools): no grammar; the output is parsed afterwards.
+
+JSON is compact (``,`` and ``:`` without whitespace runs): a sampled run of whitespace can otherwise keep a small
+model inside a valid-but-endless value until max_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pdruntime.server.tools import parser_for
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _json_grammar(schema: dict) -> str:
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+
+
+def _lark_json(schema: dict) -> str:
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+
+
+def _call_schema(fn: Any, args_key: str) -> dict:
+    params = fn.parameters or {"type": "object"}
+    return {"type": "object", "properties": {"name": {"const": fn.name}, args_key: params},
+            "required": ["name", args_key], "additionalProperties": False}
+
+
+def tool_grammar(tools: list, named: str | None, parallel: bool, parser: str) -> str:
+    """Lark grammar forcing tool calls (of ``named`` only, when given) in ``parser``'s format."""
+    fns = [t.function for t in tools if named is None or t.function.name == named]
+    p = parser_for(parser)
+    schema = _call_schema(fns[0], p.args_key) if len(fns) == 1 else {"anyOf": [_call_schema(f, p.args_key) for f in fns]}
+    many = "+" if parallel and named is None else ""
+    return p.lark(_lark_json(schema), many)
+
+
+def check_chat(req: Any) -> None:
+    """Unsupported combinations: ValueError naming the parameter (the schema layer makes it a 400)."""
+    tc = req.tool_choice
+    if tc is not None and tc != "none" and not req.tools:
+        raise ValueError("tool_choice needs tools; accepted: tools with tool_choice, or no tool_choice")
+    if isinstance(tc, dict) or hasattr(tc, "function"):
+        name = tc.function.name
+        if not any(t.function.name == name for t in req.tools or ()):
+            raise ValueError(f"tool_choice names function {name!r}, which is not in tools; accepted: one of "
+                             f"{[t.function.name for t in req.tools or ()]}")
+    forced = tc == "required" or hasattr(tc, "function")
+    if forced and req.response_format is not None and req.response_format.type != "text":
+        raise ValueError("response_format with a forced tool_choice is not supported (both constrain the output); "
+                         "accepted: one of them")
+
+
+def chat_grammar(req: Any, parser: str = "hermes") -> str | None:
+    """The grammar a request's ``tool_choice`` / ``response_format`` asks for (None: free text)."""
+    tc = req.tool_choice
+    if req.tools and (tc == "required" or hasattr(tc, "function")):
+        named = tc.function.name if hasattr(tc, "function") else None
+        return tool_grammar(req.tools, named, req.parallel_tool_calls, parser)
+    rf = req.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return _json_grammar({"type": "object"})
+    return _json_grammar(rf.json_schema.schema_ or {"type": "object"})
