@@ -130,7 +130,9 @@ class WorkerBase:
                 "server": {"host": self.host, "port": self.port, "pid": os.getpid()},
                 "kv_auth": "enabled" if self.kv_token else "disabled", "sampling_defaults": self.generation_defaults.as_dict(),
                 "tool_call_parser": self.prompts.tool_parser,
-                "model": {"path": self.loaded.info.path, "sha256": self.loaded.info.sha256}, **self.role_config()}
+                # not "model": /server_info carries this dict, and SGLang's router reads "model" there as a
+                # string (an object makes it drop the worker's metadata: tests/pd/test_sglang_router.py)
+                "model_file": {"path": self.loaded.info.path, "sha256": self.loaded.info.sha256}, **self.role_config()}
 
     def role_config(self) -> dict:
         return {}
