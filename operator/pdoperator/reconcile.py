@@ -111,9 +111,15 @@ async def _apply(kube: Kube, obj: dict[str, Any], policy: str, *, enforce: bool 
 async def _ensure_revision(kube: Kube, owner: Owner, spec: Any, revision: str, now: float) -> None:
     sel = f"{LABEL_DEPLOYMENT}={owner.name}"
     existing = await kube.list(path("apps/v1", "ControllerRevision", owner.namespace), label_selector=sel)
-    if any(r.get("data", {}).get("revision") == revision for r in existing):
-        return
+    newest = max(existing, key=lambda r: int(r.get("revision", 0)), default=None)
+    if newest is not None and (newest.get("data") or {}).get("revision") == revision:
+        return  # already current
     number = max([int(r.get("revision", 0)) for r in existing] + [0]) + 1
+    for old in [r for r in existing if (r.get("data") or {}).get("revision") == revision]:
+        # an older revision becomes current again (a revert): re-record it with a new number and time,
+        # so the history says when it became current, like a StatefulSet's revisions
+        await kube.delete(path("apps/v1", "ControllerRevision", owner.namespace, old["metadata"]["name"]))
+        existing.remove(old)
     cr = controller_revision(owner.name, owner.namespace, owner.reference(), spec, revision, number, iso(now))
     try:
         await kube.create(cr)

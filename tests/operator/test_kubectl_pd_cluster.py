@@ -1,0 +1,71 @@
+"""``kubectl-pd history`` / ``diff NAME --since|--from/--to`` against the emulator and the real operator."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+
+from pdop_harness import eventually, manifest
+from pdoperator import cli
+from pdoperator.revisions import format_time
+
+from test_operator_integration import is_ready
+
+
+async def kpd(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    rc = await asyncio.to_thread(cli.main, list(argv), out)  # asyncio.run of its own, in a thread
+    return rc, out.getvalue()
+
+
+async def test_knob_diff_by_time(operator, capsys):
+    c = operator
+    name = "knob"
+    c.apply(manifest(name, pairs=1))
+    await eventually(lambda: is_ready(c, name), what=f"{name} Ready")
+    first = c.pdd(name)["status"]["currentRevision"]
+    await asyncio.sleep(0.05)
+    before = time.time()  # a time before the change
+    await asyncio.sleep(0.05)
+    c.patch_spec(name, {"kernel": {"decodeTargetCTAs": 512}})
+
+    def rolled():
+        st = c.pdd(name)["status"]
+        return st.get("currentRevision") != first and st["currentRevision"] == st["updateRevision"] and st
+    st = await eventually(rolled, timeout=20, what="rollout of the knob")
+
+    rc, text = await kpd("diff", name, "--since", format_time(before))
+    assert rc == 1, capsys.readouterr().err
+    lines = text.splitlines()
+    assert lines[0].startswith(f"--- {first} #1 current since ")
+    assert lines[1].startswith(f"+++ {st['currentRevision']} #2 current since ")
+    assert lines[2:] == ["decode.env.PDRT_DECODE_TARGET_CTAS: <unset> -> 512"]
+
+    rc, text = await kpd("diff", name, "--since", "1h", "-o", "json")  # a duration; before the first: error
+    assert rc == 2 and "no revision was current at" in capsys.readouterr().err
+    rc, text = await kpd("diff", name, "--from", "1", "--to", st["currentRevision"], "-o", "json")
+    assert rc == 1 and json.loads(text)["changes"] == [
+        {"field": "decode.env.PDRT_DECODE_TARGET_CTAS", "from": None, "to": "512"}]
+    rc, _ = await kpd("diff", name, "--from", first, "--to", "1")
+    assert rc == 0
+    rc, _ = await kpd("diff", name, "--from", "nope")
+    assert rc == 2 and "revision 'nope' not found; recorded: #1" in capsys.readouterr().err
+
+    # revert: the first revision becomes current again, re-recorded with a new number and time
+    t_revert = time.time()
+    c.patch_spec(name, {"kernel": {"decodeTargetCTAs": 0}})
+    await eventually(lambda: c.pdd(name)["status"].get("currentRevision") == first
+                     and c.pdd(name)["status"].get("updateRevision") == first, timeout=20, what="revert")
+    rc, text = await kpd("history", name, "-o", "json")
+    rows = json.loads(text)
+    assert rc == 0 and [(r["number"], r["revision"], r["current"]) for r in rows] == [
+        (2, st["currentRevision"], False), (3, first, True)]
+    assert rows[1]["since"] >= format_time(t_revert)[:19]
+    rc, text = await kpd("diff", name, "--since", format_time(t_revert - 0.01))
+    assert rc == 1 and text.splitlines()[2:] == ["decode.env.PDRT_DECODE_TARGET_CTAS: 512 -> <unset>"]
+    rc, text = await kpd("history", name)
+    assert rc == 0 and text.splitlines()[0].split() == ["NUMBER", "REVISION", "CURRENT", "SINCE", "CURRENT"]
+    rc, _ = await kpd("history", "absent")
+    assert rc == 2 and "absent not found" in capsys.readouterr().err
