@@ -12,6 +12,7 @@ the operator's own client (``pdoperator.kube``, kubernetes_asyncio):
     kubectl-pd history NAME [-n NS]      its revisions (ControllerRevisions) and when each became current
     kubectl-pd diff NAME --since 12:00|2h|RFC3339   what changed since then (against the current revision)
     kubectl-pd diff NAME --from REV [--to REV]      two recorded revisions (hash or number; --to: current)
+    kubectl-pd drift NAME [-n NS]        ConfigDrift lines by source (children, process); exit 1 when any
 
 Diffs are field-level over the effective config per role, defaults included
 (``decode.env.PDRT_DECODE_TARGET_CTAS: <unset> -> 512``), with the revision and time of each side; a
@@ -174,6 +175,22 @@ async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
                 out.write(f"  pair {p['index']}: {p['phase']} revision {p.get('revision')} "
                           f"restarts {p.get('restarts', 0)}\n")
             return 0
+        if args.cmd == "drift":
+            obj = await kube.get(path(f"{GROUP}/{VERSION}", KIND, ns, args.name))
+            if obj is None:
+                raise CliError(f"{KIND} {ns}/{args.name} not found")
+            report = drift_report(obj)
+            if args.output == "json":
+                out.write(json.dumps(report, indent=2) + "\n")
+            elif args.output == "yaml":
+                out.write(yaml.safe_dump(report, sort_keys=False))
+            elif not report["lines"]:
+                out.write(f"{KIND} {ns}/{args.name}: no drift ({report['message'] or 'not yet observed'})\n")
+            else:
+                out.write(f"{'SOURCE':<10}DRIFT\n")
+                for line in report["lines"]:
+                    out.write(f"{line['source']:<10}{line['drift']}\n")
+            return 1 if report["lines"] else 0
         revs = await kube.list(path("apps/v1", "ControllerRevision", ns), label_selector=f"{LABEL_DEPLOYMENT}={args.name}")
         entries = history(revs)
         if args.cmd in ("history", "revisions"):
@@ -222,6 +239,21 @@ async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
         await kube.close()
 
 
+def drift_report(obj: dict[str, Any]) -> dict[str, Any]:
+    """The ConfigDrift condition of a PDDeployment as data: one line per drifted field, with its source
+    (``process``: a worker's /config; ``children``: a live child edited by someone else)."""
+    cond = next((c for c in ((obj.get("status") or {}).get("conditions") or []) if c.get("type") == "ConfigDrift"), {})
+    lines = []
+    if cond.get("status") == "True":
+        for part in (cond.get("message") or "").split("; "):
+            if part.startswith("process: "):
+                lines.append({"source": "process", "drift": part.removeprefix("process: ")})
+            elif part:
+                lines.append({"source": "children", "drift": part})
+    return {"drifted": bool(lines), "since": cond.get("lastTransitionTime"), "message": cond.get("message", ""),
+            "lines": lines}
+
+
 def _cluster_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("-n", "--namespace", default=None, help="namespace (default: the context's, as kubectl)")
     c.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
@@ -247,7 +279,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     _cluster_args(d)
     for cmd, text in (("status", "phase, conditions and pairs of a PDDeployment in the cluster"),
                       ("history", "revisions of a PDDeployment and when each became current"),
-                      ("revisions", "alias of history")):
+                      ("revisions", "alias of history"),
+                      ("drift", "what runs differently from the declared config (exit 1 when anything does)")):
         c = sub.add_parser(cmd, help=text)
         c.add_argument("name")
         c.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
@@ -261,7 +294,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return _render(args.file, out)
     if args.cmd == "diff":
         return _diff(args, out)
-    if args.cmd in ("status", "history", "revisions"):
+    if args.cmd in ("status", "history", "revisions", "drift"):
         import asyncio
         return asyncio.run(_cluster(args, out))
     return _validate(args.file, out)

@@ -136,6 +136,12 @@ _PROCESS_CHECKED: dict[tuple[str, str], tuple[float, list[str]]] = {}
 _PROCESS_POSTED: dict[tuple[str, str], tuple[str, ...]] = {}
 
 
+def forget_process_drift(namespace: str, name: str) -> None:
+    """Drop a deleted (or no longer ours) PDDeployment's last sweep, so a namesake starts afresh."""
+    _PROCESS_CHECKED.pop((namespace, name), None)
+    _PROCESS_POSTED.pop((namespace, name), None)
+
+
 async def _process_drift(http: RouterLink, cfg: OperatorConfig, namespace: str, name: str, spec: Any,
                          views: list[Any]) -> list[str]:
     """Drift source "process": every ready worker's ``/config`` env against the env its role declares,
@@ -261,6 +267,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     body = await kube.get(path(API, KIND, namespace, name))
     if body is None or body["metadata"].get("deletionTimestamp"):
         metrics.forget(namespace, name)
+        forget_process_drift(namespace, name)
         return None
     now = time.time() if now is None else now
     meta = body["metadata"]

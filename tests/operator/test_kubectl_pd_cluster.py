@@ -69,3 +69,18 @@ async def test_knob_diff_by_time(operator, capsys):
     assert rc == 0 and text.splitlines()[0].split() == ["NUMBER", "REVISION", "CURRENT", "SINCE", "CURRENT"]
     rc, _ = await kpd("history", "absent")
     assert rc == 2 and "absent not found" in capsys.readouterr().err
+    rc, text = await kpd("drift", name)
+    assert rc == 0 and "no drift" in text
+    rc, _ = await kpd("drift", "absent")
+    assert rc == 2 and "absent not found" in capsys.readouterr().err
+
+
+def test_drift_report_splits_lines_by_source():
+    obj = {"status": {"conditions": [{"type": "ConfigDrift", "status": "True", "reason": "Drifted",
+                                      "message": "Deployment/llm-router: spec.replicas; process: Pod/llm-0-decode-x: "
+                                                 "SGLANG_X=1 (not declared)"}]}}
+    assert cli.drift_report(obj)["lines"] == [
+        {"source": "children", "drift": "Deployment/llm-router: spec.replicas"},
+        {"source": "process", "drift": "Pod/llm-0-decode-x: SGLANG_X=1 (not declared)"}]
+    clean = {"status": {"conditions": [{"type": "ConfigDrift", "status": "False", "message": "live children match"}]}}
+    assert cli.drift_report(clean)["lines"] == [] and not cli.drift_report({})["drifted"]

@@ -65,6 +65,15 @@ async def test_injected_env_shows_config_drift_from_the_process(tmp_path, monkey
                     assert lines == [f"process: Pod/{by_role['decode']}: {INJECTED[0]}={INJECTED[1]} (not declared)"]
                     assert REGISTRY.get_sample_value("pdstack_config_drift", {
                         "namespace": NS, "deployment": "inj", "source": "process"}) == 1
+                    import asyncio
+                    import io
+                    import json
+
+                    from pdoperator import cli
+                    out = io.StringIO()
+                    assert await asyncio.to_thread(cli.main, ["drift", "inj", "-o", "json"], out) == 1
+                    assert json.loads(out.getvalue())["lines"] == [{"source": "process", "drift": lines[0].removeprefix(
+                        "process: ")}]
                     events = await eventually(lambda: c.events("inj", "ConfigDrift"), timeout=10, what="Event")
                     assert INJECTED[0] in events[0]["message"] and by_role["decode"] in events[0]["message"]
         finally:
