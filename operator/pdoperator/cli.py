@@ -246,8 +246,9 @@ def drift_report(obj: dict[str, Any]) -> dict[str, Any]:
     lines = []
     if cond.get("status") == "True":
         for part in (cond.get("message") or "").split("; "):
-            if part.startswith("process: "):
-                lines.append({"source": "process", "drift": part.removeprefix("process: ")})
+            if part.startswith(("process: ", "image: ")):
+                source, _, rest = part.partition(": ")
+                lines.append({"source": source, "drift": rest})
             elif part:
                 lines.append({"source": "children", "drift": part})
     return {"drifted": bool(lines), "since": cond.get("lastTransitionTime"), "message": cond.get("message", ""),

@@ -154,3 +154,30 @@ def process_env_drift(declared: Mapping[str, Any], reported: Mapping[str, str],
 
 #: operator plumbing: where the operator mounts the KV-transfer Secret; its value is a path, not a knob
 PRESENCE_ONLY = ("PDRT_KV_AUTH_TOKEN_FILE",)
+
+
+# --- source (b): image digests that differ between pods of one revision (a moved tag) ---------------
+
+def _digest(image_id: str) -> str:
+    return image_id.rsplit("@", 1)[-1] if "@" in image_id else image_id.removeprefix("docker-pullable://")
+
+
+def image_drift(pods: list[Mapping[str, Any]], revision_label: str = "pdstack.io/revision") -> list[str]:
+    """Pods of one revision whose containers run different image digests (``status.containerStatuses
+    [].imageID``): the tag moved between pulls. One line per (revision, container), naming each digest and
+    its pods. Pods that report no imageID yet are not evidence."""
+    seen: dict[tuple[str, str], dict[str, list[str]]] = {}
+    for p in pods:
+        rev = ((p.get("metadata") or {}).get("labels") or {}).get(revision_label)
+        if not rev:
+            continue
+        for cs in ((p.get("status") or {}).get("containerStatuses") or []):
+            if cs.get("imageID"):
+                seen.setdefault((rev, cs.get("name", "")), {}).setdefault(_digest(cs["imageID"]), []).append(
+                    p["metadata"]["name"])
+    out = []
+    for (rev, ctr), digests in sorted(seen.items()):
+        if len(digests) > 1:
+            parts = ", ".join(f"{d} ({', '.join(sorted(names))})" for d, names in sorted(digests.items()))
+            out.append(f"image: revision {rev} container {ctr} runs {len(digests)} digests: {parts}")
+    return out

@@ -48,10 +48,11 @@ ROLLOUT_PAIRS = Counter(
 CONFIG_DRIFT = Gauge(
     "pdstack_config_drift",
     "Differences between what a PDDeployment declares and what runs, by source: children (live objects "
-    "edited by someone else) or process (the env a worker process reports at /config).",
+    "edited by someone else), image (pods of one revision running different digests: a moved tag) or "
+    "process (the env a worker process reports at /config).",
     ["namespace", "deployment", "source"],
 )
-DRIFT_SOURCES = ("children", "process")
+DRIFT_SOURCES = ("children", "image", "process")
 
 
 def serve(port: int, registry: CollectorRegistry = REGISTRY) -> None:

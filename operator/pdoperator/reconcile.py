@@ -356,13 +356,15 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
         drift_lines += await steps.run(_apply(kube, child, spec.drift_policy), default=[])
 
     process_lines = await _process_drift(router, cfg, namespace, name, spec, views) if router is not None else []
+    image_lines = drift.image_drift([p for p in owned if not p["metadata"].get("deletionTimestamp")])
     metrics.CONFIG_DRIFT.labels(namespace, name, "children").set(len(drift_lines))
     metrics.CONFIG_DRIFT.labels(namespace, name, "process").set(len(process_lines))
-    new_process = sorted(set(process_lines) - set(_PROCESS_POSTED.get((namespace, name), ())))
-    _PROCESS_POSTED[(namespace, name)] = tuple(process_lines)
-    if new_process:
-        await post_event(kube, body, "Warning", "ConfigDrift", "process: " + "; ".join(new_process)[:900])
-    drift_lines = drift_lines + process_lines
+    metrics.CONFIG_DRIFT.labels(namespace, name, "image").set(len(image_lines))
+    new_lines = sorted(set(process_lines + image_lines) - set(_PROCESS_POSTED.get((namespace, name), ())))
+    _PROCESS_POSTED[(namespace, name)] = tuple(process_lines + image_lines)
+    if new_lines:  # an Event once per new line (children drift has its own: the condition's transition)
+        await post_event(kube, body, "Warning", "ConfigDrift", "; ".join(new_lines)[:900])
+    drift_lines = drift_lines + image_lines + process_lines
 
     router_obj = await steps.run(kube.get(path("apps/v1", "Deployment", namespace, router_name(name))), default={})
     router_ready = int(((router_obj or {}).get("status") or {}).get("availableReplicas", 0) or 0) >= spec.router.replicas

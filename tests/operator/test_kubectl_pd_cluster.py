@@ -84,3 +84,35 @@ def test_drift_report_splits_lines_by_source():
         {"source": "process", "drift": "Pod/llm-0-decode-x: SGLANG_X=1 (not declared)"}]
     clean = {"status": {"conditions": [{"type": "ConfigDrift", "status": "False", "message": "live children match"}]}}
     assert cli.drift_report(clean)["lines"] == [] and not cli.drift_report({})["drifted"]
+
+
+async def test_moved_tag_shows_image_drift(operator, capsys):
+    from pdop_harness import NS, PODS
+    c = operator
+    name = "tag"
+    c.apply(manifest(name, pairs=2))
+    await eventually(lambda: is_ready(c, name), what=f"{name} Ready")
+    pods = sorted(c.pods(name), key=lambda p: p["metadata"]["name"])
+    for i, p in enumerate(pods):  # the kubelet reports what it pulled: pair 1's decode pulled after the tag moved
+        moved = p["metadata"]["labels"]["pdstack.io/pair"] == "1" and p["metadata"]["labels"]["pdstack.io/role"] == "decode"
+        digest = "sha256:" + ("b" if moved else "a") * 64
+        st = json.loads(json.dumps(p["status"]))
+        for cs in st["containerStatuses"]:
+            cs["imageID"] = f"ghcr.io/pdstack/runtime@{digest}"
+        c.api._store(PODS, NS, p["metadata"]["name"], {"status": st}, subresource="status")
+    moved_pod = next(p["metadata"]["name"] for p in pods if p["metadata"]["labels"]["pdstack.io/pair"] == "1"
+                     and p["metadata"]["labels"]["pdstack.io/role"] == "decode")
+
+    def drifted():
+        cond = c.condition(name, "ConfigDrift")
+        return cond.get("status") == "True" and "image: " in cond.get("message", "") and cond
+    cond = await eventually(drifted, timeout=15, what="image drift")
+    assert f"sha256:{'b' * 64} ({moved_pod})" in cond["message"]
+    rc, text = await kpd("drift", name, "-o", "json")
+    lines = json.loads(text)["lines"]
+    assert rc == 1 and [ln["source"] for ln in lines] == ["image"] and moved_pod in lines[0]["drift"]
+    from prometheus_client import REGISTRY
+    assert REGISTRY.get_sample_value("pdstack_config_drift", {"namespace": NS, "deployment": name,
+                                                              "source": "image"}) == 1
+    events = await eventually(lambda: c.events(name, "ConfigDrift"), timeout=10, what="Event")
+    assert moved_pod in events[0]["message"]

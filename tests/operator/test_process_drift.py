@@ -36,3 +36,24 @@ def test_presence_only_names_compare_by_presence_and_others_by_value():
     gone = {"PDRT_MAX_KV_SPLITS": "32"}
     assert process_env_drift(DECLARED, gone, (), PRESENCE_ONLY) == [
         "PDRT_KV_AUTH_TOKEN_FILE: declared /var/run/pdstack/kv/token, not in the process"]
+
+
+def _pod(name, rev, image_id, ctr="worker"):
+    return {"metadata": {"name": name, "labels": {"pdstack.io/revision": rev}},
+            "status": {"containerStatuses": [{"name": ctr, "imageID": image_id}] if image_id is not None else []}}
+
+
+A = "ghcr.io/pdstack/runtime@sha256:aaa"
+B = "docker-pullable://ghcr.io/pdstack/runtime@sha256:bbb"
+
+
+@pytest.mark.parametrize("pods,lines", [
+    ([_pod("p0", "r1", A), _pod("d0", "r1", A)], []),
+    ([_pod("p0", "r1", A), _pod("d0", "r1", None)], []),                    # no imageID yet: no evidence
+    ([_pod("p0", "r1", A), _pod("d0", "r2", B)], []),                       # different revisions may differ
+    ([_pod("p0", "r1", A), _pod("d0", "r1", A), _pod("p1", "r1", B)],
+     ["image: revision r1 container worker runs 2 digests: sha256:aaa (d0, p0), sha256:bbb (p1)"]),
+])
+def test_image_drift_moved_tag(pods, lines):
+    from pdoperator.drift import image_drift
+    assert image_drift(pods) == lines
