@@ -2,13 +2,21 @@
 
     kubectl-pd render FILE      print the children the operator would create, as YAML (for review and CI)
     kubectl-pd validate FILE    check the spec; exit 1 with one line per problem
-    kubectl-pd diff OLD NEW     field-level diff of the effective worker config of two manifests
+    kubectl-pd diff --from-file A.yaml --to-file B.yaml   field-level diff of the effective config
+                                of two manifests (``kubectl-pd diff A.yaml B.yaml`` also works)
 
 Cluster commands (credentials as kubectl: $KUBECONFIG / --kubeconfig, exec plugins, in-cluster), through
 the operator's own client (``pdoperator.kube``, kubernetes_asyncio):
 
     kubectl-pd status NAME [-n NS]       phase, conditions and pairs of a PDDeployment
-    kubectl-pd revisions NAME [-n NS]    its recorded revisions (ControllerRevisions), oldest first
+    kubectl-pd history NAME [-n NS]      its revisions (ControllerRevisions) and when each became current
+    kubectl-pd diff NAME --since 12:00|2h|RFC3339   what changed since then (against the current revision)
+    kubectl-pd diff NAME --from REV [--to REV]      two recorded revisions (hash or number; --to: current)
+    kubectl-pd drift NAME [-n NS]        ConfigDrift lines by source (children, process); exit 1 when any
+
+Diffs are field-level over the effective config per role, defaults included
+(``decode.env.PDRT_DECODE_TARGET_CTAS: <unset> -> 512``), with the revision and time of each side; a
+table by default, ``-o json|yaml`` for data. Exit codes follow diff(1): 0 same, 1 differs, 2 error.
 
 Offline rendering cannot know the PDDeployment's uid, the generated KV token, or pod IPs:
 owner references carry a placeholder uid, the Secret a placeholder token, and the topology
@@ -18,13 +26,16 @@ uses the stable per-pod DNS names with every pair not ready.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from typing import Any, Sequence, TextIO
 
 import yaml
 
 from .render import Owner, render
-from .revisions import diff_configs, effective_config, revision_hash
+from .revisions import (HistoryEntry, diff_report, effective_view, format_diff, format_time, history,
+                        parse_since, revision_at, revision_hash, revision_view)
 from .spec import KIND, SpecError, parse_spec
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
@@ -76,20 +87,65 @@ def _validate(path: str, out: TextIO) -> int:
     return rc
 
 
-def _diff(old_path: str, new_path: str, out: TextIO) -> int:
-    """Exit 0 when both manifests give the same revision, 1 when they differ (like diff(1))."""
-    old_doc, new_doc = _load(old_path)[0], _load(new_path)[0]
+class CliError(Exception):
+    """A usage or lookup error: printed as ``kubectl-pd: ...``, exit 2."""
+
+
+def _emit(report: dict[str, Any], fmt: str, out: TextIO) -> int:
+    if fmt == "json":
+        out.write(json.dumps(report, indent=2, sort_keys=False) + "\n")
+    elif fmt == "yaml":
+        out.write(yaml.safe_dump(report, sort_keys=False))
+    else:
+        out.write(format_diff(report))
+    return 1 if report["changes"] else 0
+
+
+def _spec_of_file(path_: str) -> Any:
     try:
-        old = parse_spec(old_doc.get("spec"), name=(old_doc.get("metadata") or {}).get("name"))
-        new = parse_spec(new_doc.get("spec"), name=(new_doc.get("metadata") or {}).get("name"))
+        doc = _load(path_)[0]
+    except OSError as e:
+        raise CliError(f"{path_}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise CliError(f"{path_}: not YAML: {e}") from None
+    except SystemExit as e:
+        raise CliError(str(e.code).removeprefix("kubectl-pd: ")) from None
+    try:
+        return parse_spec(doc.get("spec"), name=(doc.get("metadata") or {}).get("name"))
     except SpecError as e:
-        print(f"kubectl-pd: {e}", file=sys.stderr)
-        return 2
-    out.write(f"revision {revision_hash(old)} -> {revision_hash(new)}\n")
-    changes = diff_configs(effective_config(old), effective_config(new))
-    for path, a, b in changes:
-        out.write(f"  {path}: {a!r} -> {b!r}\n")
-    return 1 if changes else 0
+        raise CliError(f"{path_}: {e}") from None
+
+
+def _diff_files(old_path: str, new_path: str, fmt: str, out: TextIO) -> int:
+    """Exit 0 when both manifests give the same effective config, 1 when they differ (like diff(1))."""
+    old, new = _spec_of_file(old_path), _spec_of_file(new_path)
+    report = diff_report(effective_view(old), effective_view(new),
+                         from_side={"revision": revision_hash(old), "source": old_path},
+                         to_side={"revision": revision_hash(new), "source": new_path})
+    return _emit(report, fmt, out)
+
+
+def _pick(entries: list[HistoryEntry], ref: str) -> HistoryEntry:
+    """A revision by hash (or a unique prefix of one), by number (``3`` or ``#3``), or ``current``."""
+    if not entries:
+        raise CliError("no revisions recorded")
+    if ref == "current":
+        return max(entries, key=lambda e: e.number)
+    r = ref.lstrip("#")
+    if r.isdigit():
+        for e in entries:
+            if e.number == int(r):
+                return e
+    hits = [e for e in entries if e.revision == ref] or [e for e in entries if e.revision.startswith(ref)]
+    if len(hits) == 1:
+        return hits[0]
+    known = ", ".join(f"#{e.number} {e.revision}" for e in sorted(entries, key=lambda e: e.number))
+    what = "ambiguous" if hits else "not found"
+    raise CliError(f"revision {ref!r} {what}; recorded: {known} (or 'current')")
+
+
+def _side(e: HistoryEntry) -> dict[str, Any]:
+    return {"revision": e.revision, "number": e.number, "since": format_time(e.since)}
 
 
 async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
@@ -101,15 +157,14 @@ async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
         creds = await Credentials.load(args.kubeconfig, args.context)
     except CredentialsError as e:
         print(f"kubectl-pd: {e}", file=sys.stderr)
-        return 1
+        return 2
     kube = Kube(creds)
     try:
         ns = args.namespace or creds.namespace()
         if args.cmd == "status":
             obj = await kube.get(path(f"{GROUP}/{VERSION}", KIND, ns, args.name))
             if obj is None:
-                print(f"kubectl-pd: {KIND} {ns}/{args.name} not found", file=sys.stderr)
-                return 1
+                raise CliError(f"{KIND} {ns}/{args.name} not found")
             st = obj.get("status") or {}
             out.write(f"{KIND} {ns}/{args.name}: phase {st.get('phase', '-')}, ready pairs {st.get('readyPairs', 0)}"
                       f"/{(obj.get('spec') or {}).get('pairs', 1)}, revision {st.get('currentRevision')} -> "
@@ -120,16 +175,90 @@ async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
                 out.write(f"  pair {p['index']}: {p['phase']} revision {p.get('revision')} "
                           f"restarts {p.get('restarts', 0)}\n")
             return 0
+        if args.cmd == "drift":
+            obj = await kube.get(path(f"{GROUP}/{VERSION}", KIND, ns, args.name))
+            if obj is None:
+                raise CliError(f"{KIND} {ns}/{args.name} not found")
+            report = drift_report(obj)
+            if args.output == "json":
+                out.write(json.dumps(report, indent=2) + "\n")
+            elif args.output == "yaml":
+                out.write(yaml.safe_dump(report, sort_keys=False))
+            elif not report["lines"]:
+                out.write(f"{KIND} {ns}/{args.name}: no drift ({report['message'] or 'not yet observed'})\n")
+            else:
+                out.write(f"{'SOURCE':<10}DRIFT\n")
+                for line in report["lines"]:
+                    out.write(f"{line['source']:<10}{line['drift']}\n")
+            return 1 if report["lines"] else 0
         revs = await kube.list(path("apps/v1", "ControllerRevision", ns), label_selector=f"{LABEL_DEPLOYMENT}={args.name}")
-        for r in sorted(revs, key=lambda r: int(r.get("revision", 0))):
-            data = r.get("data") or {}
-            out.write(f"{r.get('revision')}\t{data.get('revision')}\t{data.get('recordedAt', '')}\n")
-        return 0
+        entries = history(revs)
+        if args.cmd in ("history", "revisions"):
+            if not entries and await kube.get(path(f"{GROUP}/{VERSION}", KIND, ns, args.name)) is None:
+                raise CliError(f"{KIND} {ns}/{args.name} not found")
+            current = max(entries, key=lambda e: e.number, default=None)
+            rows = [dict(_side(e), current=e is current) for e in entries]
+            if args.output == "json":
+                out.write(json.dumps(rows, indent=2) + "\n")
+            elif args.output == "yaml":
+                out.write(yaml.safe_dump(rows, sort_keys=False))
+            else:
+                out.write(f"{'NUMBER':<8}{'REVISION':<14}{'CURRENT SINCE':<26}CURRENT\n")
+                for r in rows:
+                    out.write(f"{r['number']:<8}{r['revision']:<14}{r['since']:<26}{'*' if r['current'] else ''}\n")
+            return 0
+        # diff NAME --since T | --from REV [--to REV]
+        if not entries:
+            raise CliError(f"no revisions recorded for {KIND} {ns}/{args.name} (does it exist?)")
+        by_name = {(r.get("metadata") or {}).get("name"): r for r in revs}
+        if args.since is not None:
+            try:
+                t = parse_since(args.since, time.time())
+            except ValueError as e:
+                raise CliError(str(e)) from None
+            a = revision_at(entries, t)
+            if a is None:
+                first = entries[0]
+                raise CliError(f"no revision was current at {format_time(t)}: the first (#{first.number} "
+                               f"{first.revision}) became current at {format_time(first.since)}")
+        else:
+            a = _pick(entries, args.from_rev)
+        b = _pick(entries, args.to_rev or "current")
+        report = diff_report(revision_view(by_name[a.name]), revision_view(by_name[b.name]),
+                             from_side=_side(a), to_side=_side(b))
+        if args.since is not None:
+            report["since"] = format_time(t)
+        return _emit(report, args.output, out)
+    except CliError as e:
+        print(f"kubectl-pd: {e}", file=sys.stderr)
+        return 2
     except ApiError as e:
         print(f"kubectl-pd: {e}", file=sys.stderr)
-        return 1
+        return 2
     finally:
         await kube.close()
+
+
+def drift_report(obj: dict[str, Any]) -> dict[str, Any]:
+    """The ConfigDrift condition of a PDDeployment as data: one line per drifted field, with its source
+    (``process``: a worker's /config; ``children``: a live child edited by someone else)."""
+    cond = next((c for c in ((obj.get("status") or {}).get("conditions") or []) if c.get("type") == "ConfigDrift"), {})
+    lines = []
+    if cond.get("status") == "True":
+        for part in (cond.get("message") or "").split("; "):
+            if part.startswith(("process: ", "image: ")):
+                source, _, rest = part.partition(": ")
+                lines.append({"source": source, "drift": rest})
+            elif part:
+                lines.append({"source": "children", "drift": part})
+    return {"drifted": bool(lines), "since": cond.get("lastTransitionTime"), "message": cond.get("message", ""),
+            "lines": lines}
+
+
+def _cluster_args(c: argparse.ArgumentParser) -> None:
+    c.add_argument("-n", "--namespace", default=None, help="namespace (default: the context's, as kubectl)")
+    c.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
+    c.add_argument("--context", default=None)
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
@@ -139,26 +268,62 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     p.add_argument("file", help="manifest file with PDDeployment documents ('-' = stdin)")
     v = sub.add_parser("validate", help="validate PDDeployment specs")
     v.add_argument("file")
-    d = sub.add_parser("diff", help="field-level diff of the effective worker config of two manifests")
-    d.add_argument("old")
-    d.add_argument("new")
+    d = sub.add_parser("diff", help="field-level diff of the effective config: two manifests, two recorded "
+                                    "revisions, or what changed since a time")
+    d.add_argument("targets", nargs="*", metavar="NAME | OLD.yaml NEW.yaml")
+    d.add_argument("--from-file", dest="from_file")
+    d.add_argument("--to-file", dest="to_file")
+    d.add_argument("--since", help="12:00 (UTC, today), a duration like 2h, or an RFC 3339 time")
+    d.add_argument("--from", dest="from_rev", help="revision hash or number")
+    d.add_argument("--to", dest="to_rev", help="revision hash or number (default: current)")
+    d.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
+    _cluster_args(d)
     for cmd, text in (("status", "phase, conditions and pairs of a PDDeployment in the cluster"),
-                      ("revisions", "recorded revisions of a PDDeployment in the cluster")):
+                      ("history", "revisions of a PDDeployment and when each became current"),
+                      ("revisions", "alias of history"),
+                      ("drift", "what runs differently from the declared config (exit 1 when anything does)")):
         c = sub.add_parser(cmd, help=text)
         c.add_argument("name")
-        c.add_argument("-n", "--namespace", default=None, help="namespace (default: the context's, as kubectl)")
-        c.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
-        c.add_argument("--context", default=None)
-    args = parser.parse_args(argv)
+        c.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
+        _cluster_args(c)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return 2 if e.code else 0  # argparse printed the usage error
     out = out or sys.stdout
     if args.cmd == "render":
         return _render(args.file, out)
     if args.cmd == "diff":
-        return _diff(args.old, args.new, out)
-    if args.cmd in ("status", "revisions"):
+        return _diff(args, out)
+    if args.cmd in ("status", "history", "revisions", "drift"):
         import asyncio
         return asyncio.run(_cluster(args, out))
     return _validate(args.file, out)
+
+
+def _diff(args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        files = [args.from_file, args.to_file]
+        if any(files) or len(args.targets) == 2:
+            if any(files) and args.targets or not (all(files) or len(args.targets) == 2):
+                raise CliError("offline diff takes --from-file A.yaml --to-file B.yaml (or two files)")
+            if args.since or args.from_rev or args.to_rev:
+                raise CliError("--since/--from/--to read a cluster's history; not with files")
+            a, b = files if all(files) else args.targets
+            return _diff_files(a, b, args.output, out)
+        if len(args.targets) != 1:
+            raise CliError("usage: diff NAME --since T | diff NAME --from REV [--to REV] | "
+                           "diff --from-file A.yaml --to-file B.yaml")
+        if (args.since is None) == (args.from_rev is None):
+            raise CliError("diff NAME needs exactly one of --since T or --from REV")
+        if args.since is not None and args.to_rev:
+            raise CliError("--since compares against the current revision; --to goes with --from")
+    except CliError as e:
+        print(f"kubectl-pd: {e}", file=sys.stderr)
+        return 2
+    args.name = args.targets[0]
+    import asyncio
+    return asyncio.run(_cluster(args, out))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ class OperatorConfig:
     peering_settle_s: float = 3.0  # after a start with peering: let peers started with us heartbeat first
     router_timeout_s: float = 2.0  # one /config or push request to a router pod
     cluster_pod_read: bool = False  # rbac.OPTIONAL_RULES granted: count GPUs other workloads hold
+    process_drift_s: float = 60.0  # read each ready worker's /config this often (drift source "process"); 0 = off
+    worker_port: int = HTTP_PORT  # where worker pods serve /config
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "OperatorConfig":
@@ -45,4 +47,6 @@ class OperatorConfig:
             peering_settle_s=get("PEERING_SETTLE_S", 3.0, float),
             router_timeout_s=get("ROUTER_TIMEOUT_S", 2.0, float),
             cluster_pod_read=env.get(PREFIX + "CLUSTER_POD_READ", "0") == "1",
+            process_drift_s=get("PROCESS_DRIFT_S", 60.0, float),
+            worker_port=int(get("WORKER_PORT", HTTP_PORT, int)),
         )

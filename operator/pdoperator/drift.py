@@ -117,3 +117,67 @@ def decide(desired: Mapping[str, Any], live: Mapping[str, Any] | None, policy: s
     if enforce or policy == "Revert":
         return Decision("revert", tuple(diffs))
     return Decision("report", tuple(diffs))
+
+
+# --- source (c): the env a runtime process really sees, against the declared env -----------------------
+
+#: the families a runtime's ``/config`` reports (``pdruntime.env.REPORTED_PREFIXES``); keep in step
+REPORTED_PREFIXES = ("PDRT_", "SGLANG_", "NCCL_", "CUDA_", "TORCH_")
+REDACTED = "<redacted>"
+
+
+def _reported(name: str, allow: tuple[str, ...]) -> bool:
+    return (name.startswith(REPORTED_PREFIXES) or name in allow
+            or any(a.endswith("*") and name.startswith(a[:-1]) for a in allow))
+
+
+def process_env_drift(declared: Mapping[str, Any], reported: Mapping[str, str],
+                      allow: tuple[str, ...] = (), presence_only: tuple[str, ...] = ()) -> list[str]:
+    """Field-level differences between the env a pod declares and what its process reports at
+    ``/config`` (``env.process_env``), sorted by name. Only names the process reports are compared
+    (its families plus its allow-list ``allow``). A ``valueFrom`` reference or a redacted value compares
+    by presence only, as do ``presence_only`` names (paths into the operator's own mounts). Lines: ``NAME=value (not declared)``, ``NAME: declared X, process sees Y``,
+    ``NAME: declared X, not in the process``."""
+    out = []
+    for name in sorted(set(declared) | set(reported)):
+        if not _reported(name, allow):
+            continue
+        want, got = declared.get(name), reported.get(name)
+        if want is None:
+            out.append(f"{name}={got} (not declared)")
+        elif got is None:
+            out.append(f"{name}: declared {want if isinstance(want, str) else 'from a reference'}, not in the process")
+        elif isinstance(want, str) and got != REDACTED and got != want and name not in presence_only:
+            out.append(f"{name}: declared {want}, process sees {got}")
+    return out
+
+
+#: operator plumbing: where the operator mounts the KV-transfer Secret; its value is a path, not a knob
+PRESENCE_ONLY = ("PDRT_KV_AUTH_TOKEN_FILE",)
+
+
+# --- source (b): image digests that differ between pods of one revision (a moved tag) ---------------
+
+def _digest(image_id: str) -> str:
+    return image_id.rsplit("@", 1)[-1] if "@" in image_id else image_id.removeprefix("docker-pullable://")
+
+
+def image_drift(pods: list[Mapping[str, Any]], revision_label: str = "pdstack.io/revision") -> list[str]:
+    """Pods of one revision whose containers run different image digests (``status.containerStatuses
+    [].imageID``): the tag moved between pulls. One line per (revision, container), naming each digest and
+    its pods. Pods that report no imageID yet are not evidence."""
+    seen: dict[tuple[str, str], dict[str, list[str]]] = {}
+    for p in pods:
+        rev = ((p.get("metadata") or {}).get("labels") or {}).get(revision_label)
+        if not rev:
+            continue
+        for cs in ((p.get("status") or {}).get("containerStatuses") or []):
+            if cs.get("imageID"):
+                seen.setdefault((rev, cs.get("name", "")), {}).setdefault(_digest(cs["imageID"]), []).append(
+                    p["metadata"]["name"])
+    out = []
+    for (rev, ctr), digests in sorted(seen.items()):
+        if len(digests) > 1:
+            parts = ", ".join(f"{d} ({', '.join(sorted(names))})" for d, names in sorted(digests.items()))
+            out.append(f"image: revision {rev} container {ctr} runs {len(digests)} digests: {parts}")
+    return out

@@ -22,7 +22,7 @@ from . import metrics
 from .config import OperatorConfig
 from .kube import Credentials, Kube, path
 from .peering import outranked
-from .reconcile import reconcile
+from .reconcile import forget_process_drift, reconcile
 from .routerlink import RouterLink
 from .render import LABEL_DEPLOYMENT
 from .spec import GROUP, PLURAL, VERSION
@@ -194,6 +194,7 @@ async def pair_reconciler(namespace: str, name: str, body: Any, memo: kopf.Memo,
         stop_task.cancel()
         memo.wakers.drop(namespace, name)
         metrics.forget(namespace, name)
+        forget_process_drift(namespace, name)
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

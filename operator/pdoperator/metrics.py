@@ -45,6 +45,15 @@ ROLLOUT_PAIRS = Counter(
     ["namespace", "deployment"],
 )
 
+CONFIG_DRIFT = Gauge(
+    "pdstack_config_drift",
+    "Differences between what a PDDeployment declares and what runs, by source: children (live objects "
+    "edited by someone else), image (pods of one revision running different digests: a moved tag) or "
+    "process (the env a worker process reports at /config).",
+    ["namespace", "deployment", "source"],
+)
+DRIFT_SOURCES = ("children", "image", "process")
+
 
 def serve(port: int, registry: CollectorRegistry = REGISTRY) -> None:
     """Expose /metrics on ``port`` (0 = do not serve)."""
@@ -57,5 +66,10 @@ def forget(namespace: str, deployment: str) -> None:
     for gauge in (PAIRS_READY, PAIRS_DESIRED):
         try:
             gauge.remove(namespace, deployment)
+        except KeyError:
+            pass
+    for source in DRIFT_SOURCES:
+        try:
+            CONFIG_DRIFT.remove(namespace, deployment, source)
         except KeyError:
             pass

@@ -12,6 +12,7 @@ precondition, retried on conflict.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import secrets
@@ -30,7 +31,7 @@ from .pairs import (CoRestart, CreatePods, DeletePods, DrainPair, ForceDelete, P
 from .render import (ADMIN_KEY, KV_AUTH_KEY, LABEL_COMPONENT, LABEL_DEPLOYMENT, TOPOLOGY_KEY, Owner, TopologyPair, admin_secret, group_slots, slot_name,
                      admin_secret_name, kv_secret,
                      kv_secret_name, router_name, static_children, topology_doc, topology_generation, topology_name,
-                     worker_pod)
+                     worker_env, worker_pod)
 from .revisions import controller_revision, prune_history, revision_hash
 from .routerlink import RouterLink, router_pods_ready
 from .spec import GROUP, KIND, VERSION, SpecError, parse_spec
@@ -111,9 +112,15 @@ async def _apply(kube: Kube, obj: dict[str, Any], policy: str, *, enforce: bool 
 async def _ensure_revision(kube: Kube, owner: Owner, spec: Any, revision: str, now: float) -> None:
     sel = f"{LABEL_DEPLOYMENT}={owner.name}"
     existing = await kube.list(path("apps/v1", "ControllerRevision", owner.namespace), label_selector=sel)
-    if any(r.get("data", {}).get("revision") == revision for r in existing):
-        return
+    newest = max(existing, key=lambda r: int(r.get("revision", 0)), default=None)
+    if newest is not None and (newest.get("data") or {}).get("revision") == revision:
+        return  # already current
     number = max([int(r.get("revision", 0)) for r in existing] + [0]) + 1
+    for old in [r for r in existing if (r.get("data") or {}).get("revision") == revision]:
+        # an older revision becomes current again (a revert): re-record it with a new number and time,
+        # so the history says when it became current, like a StatefulSet's revisions
+        await kube.delete(path("apps/v1", "ControllerRevision", owner.namespace, old["metadata"]["name"]))
+        existing.remove(old)
     cr = controller_revision(owner.name, owner.namespace, owner.reference(), spec, revision, number, iso(now))
     try:
         await kube.create(cr)
@@ -122,6 +129,45 @@ async def _ensure_revision(kube: Kube, owner: Owner, spec: Any, revision: str, n
             raise
     for victim in prune_history(existing + [cr], spec.revision_history_limit, {revision}):
         await kube.delete(path("apps/v1", "ControllerRevision", owner.namespace, victim))
+
+
+# (namespace, name) -> (monotonic time of the last /config sweep, its drift lines); lines last posted
+_PROCESS_CHECKED: dict[tuple[str, str], tuple[float, list[str]]] = {}
+_PROCESS_POSTED: dict[tuple[str, str], tuple[str, ...]] = {}
+
+
+def forget_process_drift(namespace: str, name: str) -> None:
+    """Drop a deleted (or no longer ours) PDDeployment's last sweep, so a namesake starts afresh."""
+    _PROCESS_CHECKED.pop((namespace, name), None)
+    _PROCESS_POSTED.pop((namespace, name), None)
+
+
+async def _process_drift(http: RouterLink, cfg: OperatorConfig, namespace: str, name: str, spec: Any,
+                         views: list[Any]) -> list[str]:
+    """Drift source "process": every ready worker's ``/config`` env against the env its role declares,
+    at most every ``process_drift_s`` (between sweeps, the last sweep's lines). An unreadable
+    ``/config`` is no evidence either way and gives no line."""
+    if cfg.process_drift_s <= 0:
+        return []
+    key = (namespace, name)
+    last = _PROCESS_CHECKED.get(key)
+    if last is not None and time.monotonic() - last[0] < cfg.process_drift_s:
+        return last[1]
+    declared = {role: {e["name"]: e.get("value", e.get("valueFrom")) for e in worker_env(spec, role)}
+                for role in ("prefill", "decode")}
+    targets = [v for v in views if v.ready and v.ip and not v.terminating]
+    configs = await asyncio.gather(*(http.get_json(f"http://{v.ip}:{cfg.worker_port}/config") for v in targets))
+    lines = []
+    for v, c in zip(targets, configs):
+        env = (c or {}).get("env") or {}
+        reported = env.get("process_env")
+        if not isinstance(reported, dict):
+            continue
+        allow = tuple(env.get("report_env") or ())
+        for line in drift.process_env_drift(declared[v.role], reported, allow, drift.PRESENCE_ONLY):
+            lines.append(f"process: Pod/{v.name}: {line}")
+    _PROCESS_CHECKED[key] = (time.monotonic(), lines)
+    return lines
 
 
 async def _secret_token(kube: Kube, owner: Owner, name: str, key: str,
@@ -221,6 +267,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     body = await kube.get(path(API, KIND, namespace, name))
     if body is None or body["metadata"].get("deletionTimestamp"):
         metrics.forget(namespace, name)
+        forget_process_drift(namespace, name)
         return None
     now = time.time() if now is None else now
     meta = body["metadata"]
@@ -308,6 +355,17 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
             continue
         drift_lines += await steps.run(_apply(kube, child, spec.drift_policy), default=[])
 
+    process_lines = await _process_drift(router, cfg, namespace, name, spec, views) if router is not None else []
+    image_lines = drift.image_drift([p for p in owned if not p["metadata"].get("deletionTimestamp")])
+    metrics.CONFIG_DRIFT.labels(namespace, name, "children").set(len(drift_lines))
+    metrics.CONFIG_DRIFT.labels(namespace, name, "process").set(len(process_lines))
+    metrics.CONFIG_DRIFT.labels(namespace, name, "image").set(len(image_lines))
+    new_lines = sorted(set(process_lines + image_lines) - set(_PROCESS_POSTED.get((namespace, name), ())))
+    _PROCESS_POSTED[(namespace, name)] = tuple(process_lines + image_lines)
+    if new_lines:  # an Event once per new line (children drift has its own: the condition's transition)
+        await post_event(kube, body, "Warning", "ConfigDrift", "; ".join(new_lines)[:900])
+    drift_lines = drift_lines + image_lines + process_lines
+
     router_obj = await steps.run(kube.get(path("apps/v1", "Deployment", namespace, router_name(name))), default={})
     router_ready = int(((router_obj or {}).get("status") or {}).get("availableReplicas", 0) or 0) >= spec.router.replicas
 
@@ -331,6 +389,8 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
             metrics.RECONCILE_ERRORS.labels(namespace, name, "ApiRejected").inc()
     await _write_status(kube, namespace, name, body, new)
     metrics.RECONCILE_DURATION.labels(namespace, name).observe(time.perf_counter() - t0)
+    if cfg.process_drift_s > 0 and router is not None:  # the drift timer: read the processes again in time
+        plan = replace(plan, requeue_after=min(plan.requeue_after or cfg.process_drift_s, cfg.process_drift_s))
     if steps.rejections:
         return 2.0 if plan.requeue_after is None else min(plan.requeue_after, 2.0)  # retry; fixing RBAC recovers
     if not new["conditions"][0]["status"] == "True" and plan.requeue_after is None:

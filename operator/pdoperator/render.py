@@ -177,8 +177,10 @@ def router_command(spec: PDSpec, owner: Owner) -> list[str]:
 def worker_env(spec: PDSpec, role: str) -> list[dict[str, str]]:
     """Env of a worker: operator-owned knobs first (from typed fields), then the user's env."""
     r = spec.prefill if role == "prefill" else spec.decode
-    env = [
-        {"name": "PDRT_DECODE_TARGET_CTAS", "value": str(spec.kernel.decode_target_ctas)},
+    # the decode kernel's CTA target is a decode knob, set only when given (unset = 0 = derive from the
+    # device, the runtime's default), so that a diff of two revisions reads ``<unset> -> 512``
+    env = ([{"name": "PDRT_DECODE_TARGET_CTAS", "value": str(spec.kernel.decode_target_ctas)}]
+           if role == "decode" and spec.kernel.decode_target_ctas else []) + [
         {"name": "PDRT_MAX_KV_SPLITS", "value": str(spec.kernel.max_kv_splits)},
         {"name": "PDRT_ATTENTION_BACKEND", "value": spec.kernel.attention_backend},
         {"name": "PDRT_BOOTSTRAP_TIMEOUT_S", "value": _num(spec.watchdog.bootstrap_timeout_s)},

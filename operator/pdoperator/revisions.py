@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Mapping
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Iterable, Mapping, Sequence
 
 from dataclasses import asdict
 
 from .spec import PDSpec, PodTemplate, Probes, RoleSpec
+
+#: annotation on a ControllerRevision: when it last became the current revision (RFC 3339, UTC)
+ANN_CURRENT_SINCE = "pdstack.io/current-since"
+UNSET = "<unset>"
 
 REVISION_LEN = 10
 
@@ -113,11 +120,12 @@ def controller_revision(name: str, namespace: str, owner: Mapping[str, Any], spe
             "name": f"{name}-{revision}",
             "namespace": namespace,
             "labels": {"pdstack.io/deployment": name, "pdstack.io/revision": revision},
-            "annotations": {"pdstack.io/recorded-at": created_at},
+            "annotations": {"pdstack.io/recorded-at": created_at, ANN_CURRENT_SINCE: created_at},
             "ownerReferences": [dict(owner)],
         },
         "revision": number,
-        "data": {"revision": revision, "recordedAt": created_at, "config": effective_config(spec)},
+        "data": {"revision": revision, "recordedAt": created_at, "config": effective_config(spec),
+                 "effective": effective_view(spec)},
     }
 
 
@@ -134,3 +142,169 @@ def prune_history(revisions: list[Mapping[str, Any]], keep: int, protected: set[
         out.append(rev["metadata"]["name"])
         excess -= 1
     return out
+
+
+# --- the per-role view a diff reads -------------------------------------------------------------------
+
+def _role_view(spec: PDSpec, role: str) -> dict[str, Any]:
+    """What one role's process runs, defaults included: image, model, TP size, resources, args, and env
+    as the container gets it (operator knobs and watchdog timeouts as their ``PDRT_*`` names, then the
+    user's env; a ``valueFrom`` stays a reference)."""
+    from .render import worker_env  # render does not import this module; keep the import local anyway
+
+    r = spec.prefill if role == "prefill" else spec.decode
+    env: dict[str, Any] = {}
+    for e in worker_env(spec, role):
+        env[e["name"]] = e["value"] if "value" in e else _jsonable({k: v for k, v in e.items() if k != "name"})
+    return {
+        "engine": spec.engine,
+        "image": spec.image,
+        "model": {"source": spec.model.source, "servedName": spec.model.served_name,
+                  "sha256": spec.model.sha256 or UNSET, "dtype": spec.model.dtype},
+        "tensorParallelSize": r.tp_size,
+        "replicas": r.replicas,
+        "gpus": r.gpus,
+        "requests": dict(sorted(r.requests.items())),
+        "limits": dict(sorted(r.limits.items())),
+        "args": list(r.args),
+        "env": dict(sorted(env.items())),
+        "volumes": [_jsonable(v) for v in r.volumes],
+        "volumeMounts": [_jsonable(v) for v in r.volume_mounts],
+        **({"pod": _jsonable({k: v for k, v in asdict(r.pod).items() if v not in (None, (), {})})}
+           if r.pod != PodTemplate() else {}),
+    }
+
+
+def effective_view(spec: PDSpec) -> dict[str, Any]:
+    """The canonical effective config per role, defaults included (what ``kubectl-pd diff`` compares).
+
+    Derived from the same parsed spec as :func:`revision_hash`, so env order and explicitly written
+    defaults change neither."""
+    return {
+        "prefill": _role_view(spec, "prefill"),
+        "decode": _role_view(spec, "decode"),
+        "placement": _jsonable(effective_config(spec)["placement"]),
+        **({"probes": asdict(spec.probes)} if spec.probes != Probes() else {}),
+        **({"sglang": _jsonable(asdict(spec.sglang))} if spec.engine == "sglang" else {}),
+    }
+
+
+def revision_view(cr: Mapping[str, Any]) -> dict[str, Any]:
+    """The diffable config of a recorded ControllerRevision (older records carry only ``config``)."""
+    data = cr.get("data") or {}
+    return dict(data.get("effective") or data.get("config") or {})
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    number: int
+    revision: str
+    since: float  # epoch seconds: when it became current
+    name: str = ""
+
+
+def parse_time(text: str) -> float:
+    """RFC 3339 (``2026-12-01T12:00:00Z``, offsets allowed) -> epoch seconds; ValueError when malformed."""
+    t = text.strip()
+    if t.endswith("Z") or t.endswith("z"):
+        t = t[:-1] + "+00:00"
+    dt = datetime.fromisoformat(t)
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()
+
+
+def history(revisions: Iterable[Mapping[str, Any]]) -> list[HistoryEntry]:
+    """ControllerRevisions -> entries ordered by the time each became current (then by number)."""
+    out = []
+    for r in revisions:
+        meta = r.get("metadata") or {}
+        ann = meta.get("annotations") or {}
+        data = r.get("data") or {}
+        since = ann.get(ANN_CURRENT_SINCE) or data.get("recordedAt") or ann.get("pdstack.io/recorded-at")
+        if not since:
+            continue
+        out.append(HistoryEntry(int(r.get("revision", 0)), str(data.get("revision", "")), parse_time(since),
+                                meta.get("name", "")))
+    return sorted(out, key=lambda e: (e.since, e.number))
+
+
+def revision_at(entries: Sequence[HistoryEntry], t: float) -> HistoryEntry | None:
+    """The revision current at time ``t``: the last to become current at or before ``t``; None when
+    ``t`` is before the first recorded revision (nothing is known about that time)."""
+    best = None
+    for e in sorted(entries, key=lambda e: (e.since, e.number)):
+        if e.since <= t:
+            best = e
+        else:
+            break
+    return best
+
+
+def parse_since(text: str, now: float) -> float:
+    """``--since``: ``12:00`` / ``12:00:30`` (today, UTC; yesterday when that is in the future), a
+    duration ``90s``/``15m``/``2h``/``1d``, or an RFC 3339 time. ValueError names what is accepted."""
+    t = text.strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", t)
+    if m:
+        return now - float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    m = re.fullmatch(r"(\d{1,2}):(\d{2})(?::(\d{2}))?", t)
+    if m:
+        h, mi, s = int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+        if h > 23 or mi > 59 or s > 59:
+            raise ValueError(f"--since {text!r}: not a time of day (HH:MM[:SS], UTC)")
+        day = datetime.fromtimestamp(now, timezone.utc).replace(hour=h, minute=mi, second=s, microsecond=0)
+        ts = day.timestamp()
+        return ts - 86400 if ts > now else ts
+    try:
+        return parse_time(t)
+    except ValueError:
+        raise ValueError(f"--since {text!r}: expected HH:MM (UTC, today), a duration like 90s/15m/2h/1d, "
+                         "or an RFC 3339 time like 2026-12-01T12:00:00Z") from None
+
+
+def show(v: Any) -> str:
+    """One side of a diff line: ``<unset>`` for absent, scalars bare, structures as compact JSON."""
+    if v is None:
+        return UNSET
+    if isinstance(v, str):
+        return v if v and v.strip() == v and " -> " not in v else json.dumps(v)
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return canonical_json(v)
+
+
+def format_time(ts: float | None) -> str:
+    if ts is None:
+        return UNSET
+    dt = datetime.fromtimestamp(ts, timezone.utc)
+    return dt.isoformat(timespec="seconds" if dt.microsecond == 0 else "milliseconds").replace("+00:00", "Z")
+
+
+def diff_report(old: Mapping[str, Any], new: Mapping[str, Any], *, from_side: Mapping[str, Any],
+                to_side: Mapping[str, Any]) -> dict[str, Any]:
+    """A diff as data (``-o json|yaml``): each side's revision/time/source, and the changed fields."""
+    return {"from": dict(from_side), "to": dict(to_side),
+            "changes": [{"field": p, "from": a, "to": b} for p, a, b in diff_configs(old, new)]}
+
+
+def format_diff(report: Mapping[str, Any]) -> str:
+    """The table form: a header naming each side, then ``field: old -> new`` lines."""
+    def side(s: Mapping[str, Any]) -> str:
+        parts = [str(s.get("revision") or UNSET)]
+        if s.get("number") is not None:
+            parts.append(f"#{s['number']}")
+        if s.get("since"):
+            parts.append(f"current since {s['since']}")
+        if s.get("source"):
+            parts.append(str(s["source"]))
+        return " ".join(parts)
+    lines = [f"--- {side(report['from'])}", f"+++ {side(report['to'])}"]
+    changes = report["changes"]
+    if not changes:
+        lines.append("(no changes)")
+    for c in changes:
+        lines.append(f"{c['field']}: {show(c['from'])} -> {show(c['to'])}")
+    return "\n".join(lines) + "\n"

@@ -70,6 +70,15 @@ class RouterLink:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return None
 
+    async def get_json(self, url: str) -> dict[str, Any] | None:
+        """GET ``url`` as JSON (a worker's ``/config``); None when unreachable or not a 200 JSON object."""
+        try:
+            async with self._http().get(url) as r:
+                body = await r.json() if r.status == 200 else None
+                return body if isinstance(body, dict) else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+
     async def push(self, ip: str, doc: Mapping[str, Any], token: str) -> int | None:
         """POST the topology (bearer = the router-admin token); the HTTP status (None when unreachable)."""
         try:

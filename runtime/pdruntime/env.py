@@ -13,11 +13,57 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 PREFIX = "PDRT_"
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+
+#: families of variables ``/config`` reports as the process sees them (drift against the declared spec)
+REPORTED_PREFIXES = ("PDRT_", "SGLANG_", "NCCL_", "CUDA_", "TORCH_")
+REDACTED = "<redacted>"
+_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "PRIVATE", "APIKEY", "API_KEY",
+                 "ACCESS_KEY", "AUTH")
+_PATH_SUFFIXES = ("_FILE", "_PATH", "_DIR")
+_URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+
+
+def is_secret_name(name: str) -> bool:
+    """A variable whose value is a secret: its name says so (``*_TOKEN``, ``*PASSWORD*``, ``*_KEY`` ...).
+    A path to a secret (``*_FILE``/``*_PATH``/``*_DIR``) is not itself one."""
+    n = name.upper()
+    if n.endswith(_PATH_SUFFIXES):
+        return False
+    return any(w in n for w in _SECRET_WORDS) or n.endswith("_KEY")
+
+
+def parse_allow_list(raw: str | None) -> tuple[str, ...]:
+    """``PDRT_REPORT_ENV``: comma-separated names, a trailing ``*`` for a prefix (``HF_HUB_OFFLINE,OMP_*``)."""
+    out = []
+    for item in (raw or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*\*?", item):
+            raise ConfigError(f"{PREFIX}REPORT_ENV item {item!r} is not accepted; accepted: comma-separated "
+                              "variable names, each optionally ending in * for a prefix")
+        out.append(item)
+    return tuple(out)
+
+
+def env_report(environ: Mapping[str, str], allow: tuple[str, ...] = ()) -> dict[str, str]:
+    """The env a process actually sees, for every ``PDRT_*``/``SGLANG_*``/``NCCL_*``/``CUDA_*``/``TORCH_*``
+    variable plus the ``allow`` list (exact names or ``PREFIX*``), sorted; secret values redacted (by
+    name, and credentials inside URLs)."""
+    exact = {a for a in allow if not a.endswith("*")}
+    prefixes = REPORTED_PREFIXES + tuple(a[:-1] for a in allow if a.endswith("*"))
+    out: dict[str, str] = {}
+    for k in sorted(environ):
+        if k in exact or k.startswith(prefixes):
+            v = environ[k]
+            out[k] = REDACTED if is_secret_name(k) else _URL_USERINFO.sub(r"\g<scheme>" + REDACTED + "@", v)
+    return out
 
 
 class ConfigError(ValueError):
@@ -95,6 +141,9 @@ class RuntimeEnv:
     instance_id: str | None = None
     parent_pid: int = 0  # set by `pdrt up`: exit when this parent is gone (0 = no parent watch)
 
+    # extra variables /config reports besides the PDRT_/SGLANG_/NCCL_/CUDA_/TORCH_ families (PDRT_REPORT_ENV)
+    report_env: tuple[str, ...] = ()
+
     # test-only: enables POST /debug/test on workers (advance the watchdog clock, stall transfers)
     test_hooks: bool = False
 
@@ -122,6 +171,7 @@ class RuntimeEnv:
             engine_failure_exit_grace_s=_float(env, "ENGINE_FAILURE_EXIT_GRACE_S", 2.0, lo=0.0, hi=600.0),
             instance_id=_opt_str(env, "INSTANCE_ID"),
             parent_pid=_int(env, "PARENT_PID", 0, lo=0, hi=(1 << 31) - 1),
+            report_env=parse_allow_list(env.get(PREFIX + "REPORT_ENV")),
             test_hooks=_choice(env, "TEST_HOOKS", "0", ("0", "1")) == "1",
         )
 
@@ -147,6 +197,7 @@ class RuntimeEnv:
         """Effective values for ``/config``; secrets are redacted."""
         out = dataclasses.asdict(self)
         out["kv_auth_token"] = "<redacted>" if self.kv_auth_token else None
-        out["process_env"] = {k: ("<redacted>" if "TOKEN" in k or "SECRET" in k else v)
-                              for k, v in sorted(os.environ.items()) if k.startswith(PREFIX)}
+        out["report_env"] = list(self.report_env)
+        # what the process really sees (webhook- or sidecar-injected variables included), for drift
+        out["process_env"] = env_report(os.environ, self.report_env)
         return out

@@ -27,6 +27,7 @@ os.environ["PDSTACK_OPERATOR_METRICS_PORT"] = "0"
 os.environ["PDSTACK_OPERATOR_LOST_NODE_MARGIN_S"] = "1"  # bounds in seconds, not minutes, in the tests
 os.environ["PDSTACK_OPERATOR_DRAIN_CONFIRM_TIMEOUT_S"] = "3"
 os.environ["PDSTACK_OPERATOR_PEERING_SETTLE_S"] = "0.2"  # in-thread operators have no simultaneous peer
+os.environ.setdefault("PDSTACK_OPERATOR_PROCESS_DRIFT_S", "0")  # emulated pods run no process; tests that have one set it
 
 import kmock  # noqa: E402
 import kopf  # noqa: E402

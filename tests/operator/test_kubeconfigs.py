@@ -114,9 +114,10 @@ async def test_ca_data_inline_and_a_token(tls_cluster, pki):
     assert text.startswith(f"PDDeployment {NS}/ca-data: phase Ready, ready pairs 1/1") and "Ready=True" in text
     out = io.StringIO()
     assert await asyncio.to_thread(cli.main, ["revisions", "ca-data"], out) == 0  # the context's namespace
-    assert out.getvalue().startswith("1\t") and len(out.getvalue().splitlines()) == 1
+    rows = out.getvalue().splitlines()
+    assert rows[0].split()[:2] == ["NUMBER", "REVISION"] and len(rows) == 2 and rows[1].split()[0] == "1"
     c.api.tokens = {}  # revoked: the CLI says so instead of a traceback
-    assert await asyncio.to_thread(cli.main, ["status", "ca-data", "-n", NS], io.StringIO()) == 1
+    assert await asyncio.to_thread(cli.main, ["status", "ca-data", "-n", NS], io.StringIO()) == 2
 
 
 async def test_client_certificate(tls_cluster, pki):
@@ -177,7 +178,7 @@ def test_missing_credentials_say_what_was_tried(tmp_path, capsys):
     import io
 
     from pdoperator import cli
-    assert cli.main(["status", "x", "--kubeconfig", str(tmp_path / "nope")], io.StringIO()) == 1
+    assert cli.main(["status", "x", "--kubeconfig", str(tmp_path / "nope")], io.StringIO()) == 2
     err = capsys.readouterr().err
     assert "no usable Kubernetes credentials: kubeconfig" in err and "nope" in err
     assert "accepted: a kubeconfig ($KUBECONFIG, --kubeconfig, ~/.kube/config) or a pod with a service account" in err

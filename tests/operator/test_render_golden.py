@@ -168,8 +168,8 @@ def test_cli_diff_names_the_changed_knob(tmp_path):
     out = io.StringIO()
     assert cli.main(["diff", str(a), str(b)], out=out) == 1
     lines = out.getvalue().splitlines()
-    assert lines[1:] == ["  decode.env.SGLANG_SM120_MMA_TARGET_CTAS: None -> '512'",
-                         "  kernel.decodeTargetCTAs: 0 -> 512"]
+    assert lines[2:] == ["decode.env.PDRT_DECODE_TARGET_CTAS: <unset> -> 512",
+                         "decode.env.SGLANG_SM120_MMA_TARGET_CTAS: <unset> -> 512"]
     assert cli.main(["diff", str(a), str(a)], out=io.StringIO()) == 0
     valid = io.StringIO()
     assert cli.main(["validate", str(a)], out=valid) == 0 and "PDDeployment/llm: valid, revision" in valid.getvalue()

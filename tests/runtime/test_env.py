@@ -55,3 +55,47 @@ def test_token_file_is_read_and_empty_file_rejected(tmp_path):
         RuntimeEnv.from_environ({"PDRT_KV_AUTH_TOKEN_FILE": str(f)}).resolve_kv_auth_token()
     with pytest.raises(ConfigError, match="cannot be read"):
         RuntimeEnv.from_environ({"PDRT_KV_AUTH_TOKEN_FILE": str(tmp_path / "missing")}).resolve_kv_auth_token()
+
+
+@pytest.mark.parametrize("name,value,allow,reported", [
+    ("PDRT_MAX_KV_SPLITS", "16", (), "16"),
+    ("SGLANG_SM120_MMA_TARGET_CTAS", "512", (), "512"),           # the incident's variable, injected
+    ("NCCL_IB_DISABLE", "1", (), "1"),
+    ("CUDA_VISIBLE_DEVICES", "0,1", (), "0,1"),
+    ("TORCH_CUDA_ARCH_LIST", "9.0", (), "9.0"),
+    ("HF_HUB_OFFLINE", "1", (), None),                          # not a reported family ...
+    ("HF_HUB_OFFLINE", "1", ("HF_HUB_OFFLINE",), "1"),          # ... unless allow-listed by name
+    ("OMP_NUM_THREADS", "4", ("OMP_*",), "4"),                  # ... or by prefix
+    ("HOME", "/root", ("OMP_*",), None),
+    ("PDRT_KV_AUTH_TOKEN", "s3cret", (), "<redacted>"),
+    ("SGLANG_API_KEY", "sk-1", (), "<redacted>"),
+    ("NCCL_SECRET", "x", (), "<redacted>"),
+    ("HF_TOKEN", "hf_abc", ("HF_*",), "<redacted>"),            # allow-listed, still redacted
+    ("PDRT_KV_AUTH_TOKEN_FILE", "/var/run/kv/token", (), "/var/run/kv/token"),  # a path, not a secret
+    ("TORCH_HUB_URL", "https://user:pw@hub.example/x", (), "https://<redacted>@hub.example/x"),
+])
+def test_env_report_families_allow_list_and_redaction(name, value, allow, reported):
+    from pdruntime.env import env_report
+    got = env_report({name: value, "PATH": "/bin"}, allow)
+    assert got.get(name) == reported
+    assert "PATH" not in got and ("s3cret" not in repr(got)) and ("pw@" not in repr(got))
+
+
+def test_config_reports_the_env_the_process_sees(monkeypatch):
+    monkeypatch.setenv("SGLANG_SM120_MMA_TARGET_CTAS", "512")  # as a webhook would inject it
+    monkeypatch.setenv("PDRT_REPORT_ENV", "MY_SIDECAR_*, HF_HUB_OFFLINE")
+    monkeypatch.setenv("MY_SIDECAR_MODE", "on")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("SGLANG_PASSWORD", "hunter2")
+    cfg = RuntimeEnv.from_environ().as_config()
+    assert cfg["report_env"] == ["MY_SIDECAR_*", "HF_HUB_OFFLINE"]
+    pe = cfg["process_env"]
+    assert pe["SGLANG_SM120_MMA_TARGET_CTAS"] == "512" and pe["MY_SIDECAR_MODE"] == "on" and pe["HF_HUB_OFFLINE"] == "1"
+    assert pe["SGLANG_PASSWORD"] == "<redacted>" and "hunter2" not in repr(cfg)
+    assert list(pe) == sorted(pe)
+
+
+@pytest.mark.parametrize("raw", ["A B", "1ABC", "A*B", "-x"])
+def test_report_env_allow_list_rejects_what_is_not_a_name(raw):
+    with pytest.raises(ConfigError, match="PDRT_REPORT_ENV item .* accepted: comma-separated"):
+        RuntimeEnv.from_environ({"PDRT_REPORT_ENV": f"OK,{raw}"})
