@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdruntime.engine import InvalidRequest, SamplingParams
-from pdruntime.engine.sampler import sample_batch
+from pdruntime.engine.sampler import Row, sample_batch
 
 
 @pytest.mark.parametrize("t", [5e-324, 1e-45, 1e-40, 1e-6])
@@ -15,7 +15,7 @@ def test_a_positive_temperature_below_the_floor_samples_greedily(t):
     logits = torch.tensor([[0.1, 2.0, 0.3, 1.9]])
     p = SamplingParams(temperature=t)
     assert p.greedy
-    assert sample_batch(logits, [p], [torch.Generator().manual_seed(0)]) == [1]
+    assert sample_batch(logits, [Row(p, seed=7)]).tokens == [1]
 
 
 @pytest.mark.parametrize("seed", [-1, 2 ** 64, True, 1.5])
