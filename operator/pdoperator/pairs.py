@@ -110,12 +110,13 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
         gpus=gpus,
         node=(pod.get("spec", {}) or {}).get("nodeName"),
         uid=meta.get("uid"),
-        delete_deadline=_epoch(meta.get("deletionTimestamp")),
+        delete_deadline=parse_iso(meta.get("deletionTimestamp")),
         member=member,
     )
 
 
-def _epoch(value: Any) -> float | None:
+def parse_iso(value: Any) -> float | None:
+    """An RFC 3339 timestamp (``2026-12-01T12:00:00Z``) -> epoch seconds; None when absent or malformed."""
     if not value or not isinstance(value, str):
         return None
     import datetime

@@ -10,7 +10,7 @@ import datetime
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .pairs import PairMemory, Plan
+from .pairs import PairMemory, Plan, parse_iso
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "CoRestarting", "ConfigDrift", "Stalled", "ApiRejected")
 
@@ -19,14 +19,6 @@ def iso(ts: float) -> str:
     return datetime.datetime.fromtimestamp(ts, tz=datetime.timezone.utc).isoformat(timespec="milliseconds").replace(
         "+00:00", "Z")
 
-
-def parse_iso(value: Any) -> float | None:
-    if not value or not isinstance(value, str):
-        return None
-    try:
-        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 def memory_from_status(status: Mapping[str, Any] | None) -> dict[int, PairMemory]:
