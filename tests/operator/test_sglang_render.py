@@ -5,6 +5,7 @@ the transfer backend explicit, and the NetworkPolicy admits the ports SGLang ope
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,16 @@ from pdoperator.cli import render_manifest
 
 EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "sglang-groups.yaml").read_text())
 
-server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang (installed --no-deps by `make setup`) "
-                                  "provides SGLang's own argument parser")
-router_args = pytest.importorskip("sglang_router.router_args", reason="sglang-router is in the dev extra")
+# importing sglang rewrites os.environ (it points TRITON_CACHE_DIR, CUDA_CACHE_PATH, ... at its own cache dir):
+# restore it, or every process later tests start inherits those (test_process_drift_live.py reports them as drift)
+_ENV = dict(os.environ)
+try:
+    server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang (installed --no-deps by `make setup`) "
+                                      "provides SGLang's own argument parser")
+    router_args = pytest.importorskip("sglang_router.router_args", reason="sglang-router is in the dev extra")
+finally:
+    os.environ.clear()
+    os.environ.update(_ENV)
 
 
 def _children(doc=EXAMPLE):
