@@ -14,10 +14,25 @@ replica pauses while a live peer has a higher priority. Give each replica a dist
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 
 import kopf
+
+
+def _priority(value: str) -> int:
+    """``--priority``: an integer, or ``auto`` = a stable 31-bit number from ``$POD_NAME`` (distinct per pod)."""
+    if value != "auto":
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not an integer; accepted: an integer or 'auto'") from None
+    pod = os.environ.get("POD_NAME")
+    if not pod:
+        raise argparse.ArgumentTypeError("'auto' needs $POD_NAME (the downward API's metadata.name); "
+                                         "accepted: an integer, or 'auto' with POD_NAME set")
+    return int.from_bytes(hashlib.sha256(pod.encode()).digest()[:4], "big") >> 1
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,8 +43,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--liveness", default="http://0.0.0.0:8081/healthz", help="kopf liveness endpoint URL")
     parser.add_argument("--standalone", action="store_true", help="no peering (single replica)")
     parser.add_argument("--peering", default="pdstack-operator", help="peering object name (HA)")
-    parser.add_argument("--priority", type=int, default=0,
-                        help="peering priority; give HA replicas distinct values (the highest acts)")
+    parser.add_argument("--priority", type=_priority, default=0,
+                        help="peering priority; give HA replicas distinct values (the highest acts); 'auto': derived "
+                             "from $POD_NAME (what the chart passes to each replica of a Deployment)")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     if args.all_namespaces and args.namespace:

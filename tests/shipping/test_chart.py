@@ -21,7 +21,8 @@ from shipping import CHART, ROOT, VALUES_FILES, by_kind, one, render, run, tool,
 
 K8S_VERSIONS = ("1.29", "1.33")
 # kinds kubernetes-validate has no schema for: checked below by other means
-CUSTOM_KINDS = {"PDDeployment", "PodMonitor", "ServiceMonitor", "PrometheusRule", "CustomResourceDefinition"}
+CUSTOM_KINDS = {"PDDeployment", "PodMonitor", "ServiceMonitor", "PrometheusRule", "CustomResourceDefinition",
+                "KopfPeering", "ClusterKopfPeering"}  # kopf.dev peering objects: schema-less status (crds/kopf-peering.yaml)
 ALL_ON = ["monitoring.serviceMonitor.enabled=true", "monitoring.podMonitor.enabled=true",
           "monitoring.prometheusRule.enabled=true", "monitoring.grafanaDashboard.enabled=true",
           "example.enabled=true"]
@@ -77,7 +78,8 @@ def test_crd_in_chart_is_the_repository_crd() -> None:
 
 def test_default_install_kinds() -> None:
     kinds = sorted(o["kind"] for o in render())
-    assert kinds == sorted(["CustomResourceDefinition", "ServiceAccount", "Role", "RoleBinding", "ClusterRole",
+    # CRDs: PDDeployment, and kopf's KopfPeering + ClusterKopfPeering (used when operator.replicas > 1)
+    assert kinds == sorted(["CustomResourceDefinition"] * 3 + ["ServiceAccount", "Role", "RoleBinding", "ClusterRole",
                             "ClusterRoleBinding", "Deployment", "Service", "NetworkPolicy", "NetworkPolicy", "Pod"])
 
 
@@ -112,10 +114,17 @@ def test_operator_args_parse_with_the_operators_parser() -> None:
     for values in VALUES_FILES:
         c = one(render(values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
         assert "command" not in c  # the image's ENTRYPOINT (python -m pdoperator) takes these args
-        with mock.patch("kopf.run") as kopf_run, mock.patch("logging.basicConfig"):
+        env = {"POD_NAME": "pd-pdstack-operator-5d9f7c-abcde"}  # the downward API's metadata.name
+        assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in c["env"]
+        with mock.patch("kopf.run") as kopf_run, mock.patch("logging.basicConfig"), mock.patch.dict("os.environ", env):
             entry.main(c["args"])  # argparse exits (SystemExit) on an argument it does not know
         kw = kopf_run.call_args.kwargs
-        assert kw["standalone"] is True and kw["liveness_endpoint"] == "http://0.0.0.0:8081/healthz"
+        assert kw["liveness_endpoint"] == "http://0.0.0.0:8081/healthz"
+        replicas = one(render(values), "Deployment")["spec"]["replicas"]
+        if replicas == 1:
+            assert kw["standalone"] is True and "priority" not in kw
+        else:  # HA: kopf peering, each pod its own priority
+            assert kw["standalone"] is False and kw["peering_name"] == "pdstack-operator" and kw["priority"] > 0
         if values is not None and "clusterwide" in values.name:
             assert kw["clusterwide"] is True and kw["namespaces"] == []
         else:
@@ -284,3 +293,28 @@ def test_monitoring_objects_validate_against_prometheus_operator_schemas() -> No
     bad = [dict(objs[0], spec={"selector": {}, "podMetricsEndpoints": [{"port": 8000}]}, kind="PodMonitor")]
     out = run(["node", str(script)], input=json.dumps(bad), cwd=node_dir)
     assert out.returncode == 1 and "port must be string" in out.stdout, out.stdout + out.stderr
+
+
+def test_ha_replicas_peer_with_distinct_priorities_in_each_watched_namespace() -> None:
+    """operator.replicas > 1: kopf peering objects where the operator watches, and a priority per pod name."""
+    from unittest import mock
+
+    import pdoperator.__main__ as entry
+
+    objs = render(ROOT / "charts/pdstack/ci/ha-values.yaml")
+    assert one(objs, "Deployment")["spec"]["replicas"] == 2
+    peerings = by_kind(objs, "KopfPeering")
+    assert sorted(p["metadata"]["namespace"] for p in peerings) == ["llm-a", "llm-b"]
+    assert {p["metadata"]["name"] for p in peerings} == {"pdstack-operator"}
+    cw = render(ROOT / "charts/pdstack/ci/clusterwide-values.yaml", "operator.replicas=2")
+    assert [p["metadata"]["name"] for p in by_kind(cw, "ClusterKopfPeering")] == ["pdstack-operator"]
+    assert not by_kind(render(), "KopfPeering")  # one standalone replica: no peering
+    prios = set()
+    for pod in ("pd-pdstack-operator-5d9f7c-abcde", "pd-pdstack-operator-5d9f7c-fghij"):
+        with mock.patch("kopf.run") as kopf_run, mock.patch("logging.basicConfig"), \
+                mock.patch.dict("os.environ", {"POD_NAME": pod}):
+            entry.main(["--priority=auto", "-n", "llm-a"])
+        prios.add(kopf_run.call_args.kwargs["priority"])
+    assert len(prios) == 2 and all(0 < p < 2 ** 31 for p in prios)
+    with mock.patch.dict("os.environ", {"POD_NAME": ""}), pytest.raises(SystemExit):
+        entry.main(["--priority=auto"])  # argparse: 'auto' needs $POD_NAME
