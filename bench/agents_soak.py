@@ -50,7 +50,7 @@ def free_port() -> int:
 def free_port_block(n: int) -> int:
     """A base port with ``n`` consecutive free ports (pdrt up uses base .. base + 3 * pairs - 1)."""
     for _ in range(200):
-        base = random.randint(20000, 60000)
+        base = random.randint(20000, 32767 - n)  # below the ephemeral range: no client socket takes one
         ok = True
         for p in range(base, base + n):
             with socket.socket() as s:

@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "pd"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-from pd_harness import base_env, free_port  # noqa: E402
+from pd_harness import base_env, free_port, free_port_block  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900)]
 
@@ -23,7 +23,7 @@ def test_eight_agents_five_rounds_of_tool_use_against_pdrt_up_with_zero_errors(a
     pytest.importorskip("openai")
     import agent_harness
 
-    port, base = free_port(), free_port()
+    port, base = free_port(), free_port_block(3)
     proc = subprocess.Popen([sys.executable, "-m", "pdruntime.server", "up", "--model", agent_tiny_model, "--port",
                              str(port), "--base-port", str(base), "--num-blocks", "2048"], env=base_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

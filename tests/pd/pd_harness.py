@@ -36,6 +36,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# below Linux's ephemeral range (32768-60999): no outgoing connection can take one of these ports mid-test
+_BLOCK_RANGE = (20000, 32767)
+
+
+def free_port_block(n: int) -> int:
+    """A base port with ``n`` consecutive free ports (``pdrt up`` listens on base .. base + n - 1).
+
+    Consecutive ports next to a ``free_port()`` are not safe: in the ephemeral range any client socket on the
+    machine may take one between the check and ``pdrt up``'s bind (which it then refuses, naming the port)."""
+    import random
+
+    for _ in range(200):
+        base = random.randint(_BLOCK_RANGE[0], _BLOCK_RANGE[1] - n)
+        try:
+            socks = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no block of {n} free ports in {_BLOCK_RANGE}")
+
+
 def base_env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDRT_")}
     env.update(TIMEOUTS)

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from pd_harness import base_env, free_port, start_stack, wait_for
+from pd_harness import base_env, free_port, free_port_block, start_stack, wait_for
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -104,7 +104,7 @@ def test_prefill_killed_decode_aborts_and_router_answers_5xx_within_the_deadline
 
 def test_pdrt_up_serves_and_restarts_a_pair_together(tiny_model, tmp_path):
     port = free_port()
-    base = free_port()
+    base = free_port_block(3)
     env = base_env()
     proc = subprocess.Popen([sys.executable, "-m", "pdruntime.server", "up", "--model", tiny_model, "--port", str(port),
                              "--base-port", str(base), "--num-blocks", "256"], env=env, stdout=subprocess.PIPE,

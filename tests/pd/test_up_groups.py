@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from pd_harness import base_env, free_port
+from pd_harness import base_env, free_port, free_port_block
 
 
 def _decode_requests(port: int) -> float:
@@ -23,7 +23,7 @@ def _decode_requests(port: int) -> float:
 
 
 def test_pdrt_up_1p2d_group_serves_16_concurrent_chats_on_both_decodes(tiny_model):
-    port, base = free_port(), free_port()
+    port, base = free_port(), free_port_block(4)
     proc = subprocess.Popen([sys.executable, "-m", "pdruntime.server", "up", "--model", tiny_model, "--port", str(port),
                              "--base-port", str(base), "--prefill", "1", "--decode", "2", "--num-blocks", "256",
                              "--max-num-seqs", "16"], env=base_env(), stdout=subprocess.PIPE,

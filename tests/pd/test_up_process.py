@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from pd_harness import base_env, free_port, wait_for
+from pd_harness import base_env, free_port, free_port_block, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -61,7 +61,7 @@ def test_pdrt_up_over_a_held_port_exits_nonzero_within_5s_naming_the_port_and_it
 def test_pdrt_up_co_restarts_a_pair_whose_engine_gave_up_and_its_children_die_when_it_is_sigkilled(tiny_model, tmp_path):
     # Defect 4 (issue 13). Ran against the unfixed code (commit 1c0b2fc): FAILED (its /health had no instance
     # id); the same SIGKILL scenario run by hand on that code left all 3 children alive 5 s later (orphans).
-    port, base = free_port(), free_port()
+    port, base = free_port(), free_port_block(3)
     env = base_env(PDRT_ENGINE_MAX_STEP_FAILURES="2", PDRT_ENGINE_FAILURE_EXIT_GRACE_S="0.5")
     proc = subprocess.Popen([sys.executable, "-m", "pdruntime.server", "up", "--model", tiny_model, "--port", str(port),
                              "--base-port", str(base), "--num-blocks", "256"], env=env, stdout=subprocess.PIPE,
