@@ -106,7 +106,8 @@ def spawn(name: str, args: list[str], env: dict, log_dir: str, port: int) -> Pro
     return Proc(name, p, log, f"http://127.0.0.1:{port}")
 
 
-def wait_healthy(procs: list[Proc], timeout: float = 120.0) -> None:
+def wait_healthy(procs: list[Proc], timeout: float = 120.0, path: str = "/health") -> None:
+    """Wait until every process answers 200 on ``path`` (``/metrics`` for a router whose pairs are down)."""
     deadline = time.monotonic() + timeout
     pending = list(procs)
     while pending:
@@ -114,7 +115,7 @@ def wait_healthy(procs: list[Proc], timeout: float = 120.0) -> None:
             if p.popen.poll() is not None:
                 raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{p.log_text()[-3000:]}")
             try:
-                if httpx.get(p.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(p.url + path, timeout=2).status_code == 200:
                     pending.remove(p)
             except httpx.HTTPError:
                 pass

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from pd_harness import base_env, free_port, spawn
+from pd_harness import base_env, free_port, spawn, wait_healthy
 from pdruntime.env import RuntimeEnv
 from pdruntime.server.router_app import Router, RouterConfig, match_api_key, parse_api_keys
 
@@ -86,15 +86,7 @@ def keyed_router(stack, tmp_path_factory):
     p = spawn("keyed-router", ["--role", "router", "--port", str(port), "--prefill", stack.prefill.url,
                                "--decode", stack.decode.url, "--bootstrap-ports", str(stack.bootstrap_port),
                                "--api-key-file", str(keyfile)], base_env(), str(d), port)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(p.url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline and p.popen.poll() is None, p.log_text()
-        time.sleep(0.2)
+    wait_healthy([p], timeout=60)
     yield p
     p.stop()
 

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from pd_harness import base_env, free_port, spawn
+from pd_harness import base_env, free_port, spawn, wait_healthy
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,15 +31,7 @@ def router(tmp_path_factory):
     p = spawn("router", ["--role", "router", "--port", str(port), "--prefill", dead, "--decode", dead,
                          "--bootstrap-ports", "1", "--body-timeout-s", str(BODY_TIMEOUT_S)],
               base_env(), str(tmp_path_factory.mktemp("router")), port)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(p.url + "/metrics", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline and p.popen.poll() is None, p.log_text()
-        time.sleep(0.2)
+    wait_healthy([p], timeout=60, path="/metrics")  # no pair is up: /health is 503 by design
     yield p
     p.stop()
 
