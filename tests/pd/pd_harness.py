@@ -198,3 +198,14 @@ def wait_for(pred, timeout: float, what: str, *, every: float = 0.05):
             return v
         assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
         time.sleep(every)
+
+
+def stop_up(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Stop a ``pdrt up`` as an operator would (SIGTERM: it stops its children); if it hangs, kill its whole
+    session and fail the test."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise

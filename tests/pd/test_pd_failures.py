@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from pd_harness import base_env, free_port, free_port_block, start_stack, wait_for
+from pd_harness import base_env, free_port, free_port_block, start_stack, wait_for, stop_up
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -137,10 +137,5 @@ def test_pdrt_up_serves_and_restarts_a_pair_together(tiny_model, tmp_path):
         r = httpx.post(url + "/v1/chat/completions", json=chat(model_id), timeout=60)
         assert r.status_code == 200, r.text
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        stop_up(proc)
     assert proc.returncode == 0

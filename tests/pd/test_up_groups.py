@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -13,7 +12,7 @@ import time
 
 import httpx
 
-from pd_harness import base_env, free_port, free_port_block
+from pd_harness import base_env, free_port, free_port_block, stop_up
 
 
 def _decode_requests(port: int) -> float:
@@ -56,10 +55,4 @@ def test_pdrt_up_1p2d_group_serves_16_concurrent_chats_on_both_decodes(tiny_mode
         cfg = httpx.get(url + "/config", timeout=10).json()
         assert cfg["topology_version"] is not None
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            import os
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        stop_up(proc)
