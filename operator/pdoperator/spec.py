@@ -212,6 +212,34 @@ class CoRestartSpec:
 
 
 @dataclass(frozen=True)
+class CanarySpec:
+    """spec.rollout.canary: a new revision goes to one pair first, which the router takes out of normal traffic;
+    the multi-round agent probe (``pdrt probe agents``) runs against it, and only a clean probe promotes it."""
+
+    agents: int = 8  # concurrent agents, each on its own keep-alive connection
+    rounds: int = 10  # rounds per agent; each round's context grows by the previous answer and a tool result
+    round_timeout_s: float = 60.0  # a round not finished within this is a hang
+    max_tokens: int = 16  # completion tokens per round
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """spec.rollout beyond pacing: soak, canary and auto-rollback. None of it is part of the revision."""
+
+    soak_s: int = 300  # serving this long with no stall makes a revision lastKnownGood
+    canary: CanarySpec | None = None  # None: no canary, every pair rolls as maxUnavailablePairs allows
+    auto_rollback: bool = False  # a stall within rollback_window_s of a revision change rolls back to lastKnownGood
+    rollback_window_s: int = 900
+
+
+@dataclass(frozen=True)
+class StallSpec:
+    """spec.stall: when a pair counts as Stalled (read from its /debug/requests and /metrics)."""
+
+    seconds: float = 60.0  # a live request with no progress for this long (or that old before decode) is stuck
+
+
+@dataclass(frozen=True)
 class PDSpec:
     image: str
     engine: str = "pdrt"
@@ -230,6 +258,8 @@ class PDSpec:
     revision_history_limit: int = 10
     probes: Probes = Probes()
     sglang: SglangSpec = SglangSpec()
+    rollout: RolloutSpec = RolloutSpec()
+    stall: StallSpec = StallSpec()
 
     def router_image(self) -> str:
         """spec.router.image, else pdstack's CPU runtime image (pdrt), else spec.image (sglang's router)."""
@@ -576,6 +606,27 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
                           f"maxSeconds={co.backoff_max_s}; accepted: initialSeconds <= maxSeconds")
     dr = r.obj(d.get("drift"), "spec.drift")
     ro = r.obj(d.get("rollout"), "spec.rollout")
+    canary = None
+    if ro.get("canary") is not None:
+        cn = r.obj(ro.get("canary"), "spec.rollout.canary")
+        canary = CanarySpec(
+            agents=r.int_(cn, "agents", "spec.rollout.canary", 8, 1, 64),
+            rounds=r.int_(cn, "rounds", "spec.rollout.canary", 10, 1, 100),
+            round_timeout_s=r.num(cn, "roundTimeoutSeconds", "spec.rollout.canary", 60.0, 1.0, 3600.0),
+            max_tokens=r.int_(cn, "maxTokens", "spec.rollout.canary", 16, 1, 4096),
+        )
+    auto = ro.get("autoRollback", False)
+    if not isinstance(auto, bool):
+        r.fail("spec.rollout.autoRollback", auto, "true | false")
+        auto = False
+    rollout = RolloutSpec(
+        soak_s=r.int_(ro, "soakSeconds", "spec.rollout", 300, 0, 86400),
+        canary=canary,
+        auto_rollback=auto,
+        rollback_window_s=r.int_(ro, "rollbackWindowSeconds", "spec.rollout", 900, 0, 86400),
+    )
+    st = r.obj(d.get("stall"), "spec.stall")
+    stall = StallSpec(seconds=r.num(st, "seconds", "spec.stall", 60.0, 1.0, 86400.0))
     spec = PDSpec(
         image=image,
         engine=engine,
@@ -594,6 +645,8 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
         revision_history_limit=r.int_(d, "revisionHistoryLimit", "spec", 10, 1, 1000),
         probes=probes,
         sglang=sglang,
+        rollout=rollout,
+        stall=stall,
     )
     if r.problems:
         raise SpecError(r.problems)
