@@ -9,6 +9,10 @@ Rules (DESIGN.md, "Operator"):
 * Spec changes roll out pair by pair: a ready pair at an old revision is replaced only while
   fewer than ``maxUnavailablePairs`` pairs are unavailable. A pair's pods are always created
   together at one revision, so prefill and decode of a pair never run different revisions.
+  ``targets`` (from :mod:`canary`) may hold a pair at another revision than the spec's: during a
+  canary every pair but the canary keeps the old revision, also when it is recreated.
+* A pod whose declared fields someone else edited (``reverts``, under ``drift.policy: Revert``) is
+  not patched back in place (most pod fields are immutable): its whole pair is co-restarted.
 
 * Drain before delete: a pair about to lose its pods (co-restart, rollout, scale-down) is first
   marked draining in the router topology. Its pods are deleted only once every router runs a
@@ -37,7 +41,8 @@ FAILED = "Failed"
 CONTAINER_RESTART = "ContainerRestart"
 POD_DELETED = "PodDeleted"
 MIXED_REVISION = "MixedRevision"
-REASONS = (EVICTED, OOM_KILLED, FAILED, CONTAINER_RESTART, POD_DELETED, MIXED_REVISION)
+DRIFT_REVERTED = "DriftReverted"  # a pod field edited by someone else, under drift.policy Revert
+REASONS = (EVICTED, OOM_KILLED, FAILED, CONTAINER_RESTART, POD_DELETED, MIXED_REVISION, DRIFT_REVERTED)
 
 TERMINATING_RECHECK_S = 2.0  # poll while our deletions drain (pod events usually come first)
 
@@ -234,8 +239,8 @@ class Plan:
         return tuple(a for a in self.actions if isinstance(a, CoRestart))
 
 
-def _trigger(live: Sequence[PodView], slots: Sequence[str] = ROLES) -> tuple[str, str] | None:
-    """(reason, detail) if this group must co-restart, judged from its live pods."""
+def _trigger(live: Sequence[PodView], slots: Sequence[str] = ROLES, revert: str | None = None) -> tuple[str, str] | None:
+    """(reason, detail) if this group must co-restart, judged from its live pods (``revert``: drift to undo)."""
     for reason, hit in ((EVICTED, lambda p: p.evicted), (OOM_KILLED, lambda p: p.oom_killed),
                         (FAILED, lambda p: p.phase == "Failed"), (CONTAINER_RESTART, lambda p: p.restarts > 0)):
         for p in live:
@@ -249,6 +254,8 @@ def _trigger(live: Sequence[PodView], slots: Sequence[str] = ROLES) -> tuple[str
     revisions = {p.revision for p in live}
     if len(revisions) > 1:
         return MIXED_REVISION, f"pods run revisions {sorted(revisions)}"
+    if revert:
+        return DRIFT_REVERTED, revert
     return None
 
 
@@ -308,9 +315,19 @@ def plan_pairs(
     lost_node_margin_s: float = LOST_NODE_MARGIN_S,
     drain_confirm_timeout_s: float = DRAIN_CONFIRM_TIMEOUT_S,
     slots: tuple[str, ...] = ROLES,
+    targets: Mapping[int, str] | None = None,
+    reverts: Mapping[int, str] | None = None,
 ) -> Plan:
     """Decide the actions for one reconcile of the worker pods. ``pairs`` is the number of groups, ``slots``
-    the members of each (render.group_slots: one prefill + one decode by default); a group restarts whole."""
+    the members of each (render.group_slots: one prefill + one decode by default); a group restarts whole.
+    ``targets``: pair -> the revision it should run (default: ``desired_revision``); ``reverts``: pair ->
+    the drifted pod fields to undo by a co-restart."""
+    targets = targets or {}
+    reverts = reverts or {}
+
+    def want(k: int) -> str:
+        return targets.get(k, desired_revision)
+
     actions: list[Action] = []
     states: dict[int, PairState] = {}
     retiring: list[PairState] = []
@@ -372,7 +389,7 @@ def plan_pairs(
         hosts = (seen["prefill"].ip if "prefill" in seen else None, seen["decode"].ip if "decode" in seen else None)
         members = _members(live)
 
-        trig = _trigger(live, slots)
+        trig = _trigger(live, slots, reverts.get(k))
         if trig and policy.policy == "Pair":
             reason, detail = trig
             go, gmem = gate(k, mem)
@@ -417,12 +434,12 @@ def plan_pairs(
                     states[k] = PairState(k, None, False, "BackingOff", mem)
                     requeue = _min(requeue, wait)
                     continue
-            actions.append(CreatePods(k, desired_revision, slots))
-            states[k] = PairState(k, desired_revision, False, "Creating", mem)
+            actions.append(CreatePods(k, want(k), slots))
+            states[k] = PairState(k, want(k), False, "Creating", mem)
             continue
 
         revision = live[0].revision
-        if mem.drain_started_at is not None and revision != desired_revision:
+        if mem.drain_started_at is not None and revision != want(k):
             # a rollout drain in progress: the pair is out of service already
             states[k] = PairState(k, revision, False, "Draining", replace(mem, ready_since=None), hosts=hosts,
                                   draining=True, members=members)
@@ -446,7 +463,7 @@ def plan_pairs(
     budget = max_unavailable - unavailable
     for k in range(pairs):
         s = states[k]
-        if s.revision is None or s.revision == desired_revision or s.phase not in (
+        if s.revision is None or s.revision == want(k) or s.phase not in (
                 "Ready", "Starting", "Unschedulable", "Draining"):
             continue
         if s.phase == "Draining" and any(isinstance(a, DrainPair) and a.pair == k for a in actions):
@@ -458,7 +475,7 @@ def plan_pairs(
         names = tuple(p.name for p in sorted(by_pair.get(k, []), key=_role_order) if not p.terminating)
         go, mem = gate(k, s.memory)
         if go:
-            actions.append(RolloutPair(k, s.revision, desired_revision, names))
+            actions.append(RolloutPair(k, s.revision, want(k), names))
             states[k] = replace(s, ready=False, phase="RollingOut", draining=True,
                                 memory=replace(mem, ready_since=None))
         else:

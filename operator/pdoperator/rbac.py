@@ -31,7 +31,8 @@ NAMESPACED_RULES: list[PolicyRule] = [
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "list", "watch", "create", "patch"]},
-    {"apiGroups": ["apps"], "resources": ["controllerrevisions"], "verbs": ["list", "create", "delete"]},
+    # revision history, its pruning, and the known-good annotation (pdstack.io/known-good-since)
+    {"apiGroups": ["apps"], "resources": ["controllerrevisions"], "verbs": ["list", "create", "patch", "delete"]},
     {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["get", "create", "patch"]},
     # HA: kopf peering heartbeats (namespaced mode; the chart creates the KopfPeering object)

@@ -23,16 +23,18 @@ from typing import Any, Awaitable, Callable, Mapping
 
 import yaml
 
+from . import canary as rollout_safety
 from . import drift, metrics
 from .config import OperatorConfig
 from .kube import ApiError, Kube, object_path, path
-from .pairs import (CoRestart, CreatePods, DeletePods, DrainPair, ForceDelete, Plan, RolloutPair, plan_pairs,
-                    pod_view, unschedulable_message)
+from .pairs import (CoRestart, CreatePods, DeletePods, DrainPair, ForceDelete, Plan, RolloutPair, parse_iso,
+                    plan_pairs, pod_view, unschedulable_message)
 from .render import (ADMIN_KEY, KV_AUTH_KEY, LABEL_COMPONENT, LABEL_DEPLOYMENT, TOPOLOGY_KEY, Owner, TopologyPair, admin_secret, group_slots, slot_name,
                      admin_secret_name, kv_secret,
                      kv_secret_name, router_name, static_children, topology_doc, topology_generation, topology_name,
                      worker_env, worker_pod)
-from .revisions import controller_revision, prune_history, revision_hash
+from .revisions import (ANN_CURRENT_SINCE, ANN_KNOWN_GOOD, controller_revision, diff_configs, prune_history,
+                        recorded_spec, restore_spec, revision_hash, revision_view, show)
 from .routerlink import RouterLink, router_pods_ready
 from .spec import GROUP, KIND, VERSION, SpecError, parse_spec
 from .status import Facts, build_status, invalid_status, iso, memory_from_status, same_status
@@ -109,37 +111,60 @@ async def _apply(kube: Kube, obj: dict[str, Any], policy: str, *, enforce: bool 
     return []
 
 
-async def _ensure_revision(kube: Kube, owner: Owner, spec: Any, revision: str, now: float) -> None:
+async def _ensure_revision(kube: Kube, owner: Owner, spec: Any, revision: str, now: float,
+                           raw_spec: Mapping[str, Any] | None = None,
+                           protected: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """Record ``revision`` as current (a ControllerRevision with its config and raw revision fields);
+    prune the history, never a ``protected`` revision (the one pairs fall back to, the last known-good).
+    Returns the ControllerRevisions kept."""
     sel = f"{LABEL_DEPLOYMENT}={owner.name}"
     existing = await kube.list(path("apps/v1", "ControllerRevision", owner.namespace), label_selector=sel)
     newest = max(existing, key=lambda r: int(r.get("revision", 0)), default=None)
     if newest is not None and (newest.get("data") or {}).get("revision") == revision:
-        return  # already current
+        return await _prune(kube, owner, existing, spec.revision_history_limit, {revision} | set(protected))
     number = max([int(r.get("revision", 0)) for r in existing] + [0]) + 1
+    cr = controller_revision(owner.name, owner.namespace, owner.reference(), spec, revision, number, iso(now),
+                             raw_spec)
     for old in [r for r in existing if (r.get("data") or {}).get("revision") == revision]:
         # an older revision becomes current again (a revert): re-record it with a new number and time,
-        # so the history says when it became current, like a StatefulSet's revisions
+        # so the history says when it became current, like a StatefulSet's revisions; it stays known-good
+        good = ((old.get("metadata") or {}).get("annotations") or {}).get(ANN_KNOWN_GOOD)
+        if good:
+            cr["metadata"]["annotations"][ANN_KNOWN_GOOD] = good
         await kube.delete(path("apps/v1", "ControllerRevision", owner.namespace, old["metadata"]["name"]))
         existing.remove(old)
-    cr = controller_revision(owner.name, owner.namespace, owner.reference(), spec, revision, number, iso(now))
     try:
         await kube.create(cr)
     except ApiError as e:
         if e.status != 409:
             raise
-    for victim in prune_history(existing + [cr], spec.revision_history_limit, {revision}):
+    return await _prune(kube, owner, existing + [cr], spec.revision_history_limit, {revision} | set(protected))
+
+
+async def _prune(kube: Kube, owner: Owner, revisions: list[dict[str, Any]], keep: int,
+                 protected: set[str]) -> list[dict[str, Any]]:
+    """Delete the oldest ControllerRevisions beyond ``keep`` (never a protected one, which may outlive the
+    limit for a while); returns those kept."""
+    victims = prune_history(revisions, keep, protected)
+    for victim in victims:
         await kube.delete(path("apps/v1", "ControllerRevision", owner.namespace, victim))
+    return [r for r in revisions if r["metadata"]["name"] not in victims]
 
 
 # (namespace, name) -> (monotonic time of the last /config sweep, its drift lines); lines last posted
 _PROCESS_CHECKED: dict[tuple[str, str], tuple[float, list[str]]] = {}
 _PROCESS_POSTED: dict[tuple[str, str], tuple[str, ...]] = {}
+# (namespace, name, revision) -> the canary probe running in the background (never awaited by a reconcile)
+_PROBES: dict[tuple[str, str, str], asyncio.Task] = {}
 
 
 def forget_process_drift(namespace: str, name: str) -> None:
-    """Drop a deleted (or no longer ours) PDDeployment's last sweep, so a namesake starts afresh."""
+    """Drop a deleted (or no longer ours) PDDeployment's last sweep and canary probes, so a namesake starts
+    afresh."""
     _PROCESS_CHECKED.pop((namespace, name), None)
     _PROCESS_POSTED.pop((namespace, name), None)
+    for key in [k for k in _PROBES if k[:2] == (namespace, name)]:
+        _PROBES.pop(key).cancel()
 
 
 async def _process_drift(http: RouterLink, cfg: OperatorConfig, namespace: str, name: str, spec: Any,
@@ -210,9 +235,12 @@ async def _delete_pods(kube: Kube, steps: Steps, ns: str, names: tuple[str, ...]
         await steps.run(kube.delete(path("v1", "Pod", ns, pod), uid=uids.get(pod), grace_period_s=grace))
 
 
-async def _execute(kube: Kube, steps: Steps, body: Mapping[str, Any], owner: Owner, spec: Any, plan: Plan,
-                   uids: Mapping[str, str | None], log: logging.Logger) -> None:
+async def _execute(kube: Kube, steps: Steps, body: Mapping[str, Any], owner: Owner, specs: Mapping[str, Any],
+                   plan: Plan, uids: Mapping[str, str | None], log: logging.Logger) -> None:
+    """Carry out the plan's actions. ``specs``: revision -> the spec its pods are rendered from (the spec's
+    own revision, and during a canary the revision the other pairs keep)."""
     ns, name = owner.namespace, owner.name
+    spec = next(iter(specs.values()))
     for a in plan.actions:
         if isinstance(a, ForceDelete):
             await _delete_pods(kube, steps, ns, (a.pod,), uids, grace=0)
@@ -240,7 +268,7 @@ async def _execute(kube: Kube, steps: Steps, body: Mapping[str, Any], owner: Own
             created: list[str] = []
             try:
                 for role in a.roles:
-                    pod = worker_pod(spec, owner, a.revision, a.pair, role, suffix)
+                    pod = worker_pod(specs.get(a.revision, spec), owner, a.revision, a.pair, role, suffix)
                     await kube.apply(pod)
                     created.append(pod["metadata"]["name"])
             except ApiError as e:
@@ -256,6 +284,220 @@ async def _execute(kube: Kube, steps: Steps, body: Mapping[str, Any], owner: Own
             log.info("%s/%s pair %d: deleted %s (%s)", ns, name, a.pair, list(a.pods), a.reason)
         elif isinstance(a, DrainPair):
             log.info("%s/%s pair %d draining before %s", ns, name, a.pair, a.reason)
+
+
+# --- rollout safety: pod drift under Revert, canary, known-good, auto-rollback (decisions in canary.py) ----
+
+ROLLBACK_MANAGER = "pdstack-rollback"  # the field manager of spec patches by a rollback
+CANARY_POLL_S = 1.0  # while a probe runs in the background, look at it this often
+WATCHDOG_METRIC = "pdrt_watchdog_fired_total"
+
+
+def revision_spec_of(cr: Mapping[str, Any] | None, current_raw: Mapping[str, Any] | None, name: str) -> Any:
+    """The PDSpec a recorded revision ran: its raw revision fields over the current spec's other fields.
+    None when the record kept no spec (made by an older operator) or it no longer parses."""
+    raw = recorded_spec(cr) if cr else None
+    if raw is None:
+        return None
+    try:
+        return parse_spec(restore_spec(current_raw, raw), name=name)
+    except SpecError:
+        return None
+
+
+def _pod_drift(specs: Mapping[str, Any], owner: Owner, pods: list[dict[str, Any]],
+               policy: str) -> tuple[list[str], dict[int, str]]:
+    """Declared fields of live worker pods that another manager now owns (``kubectl edit``; managedFields).
+    Returns (drift lines, pair -> what to undo under Revert). A pod is judged against the spec of its own
+    revision; pods of a revision we cannot render are not judged."""
+    lines: list[str] = []
+    reverts: dict[int, str] = {}
+    for pod in pods:
+        v = pod_view(pod)
+        if v is None or v.terminating or v.revision not in specs:
+            continue
+        suffix = v.name[len(f"{owner.name}-{v.pair}-{v.slot}-"):]
+        desired = worker_pod(specs[v.revision], owner, v.revision, v.pair, v.slot, suffix)
+        paths = drift.owned_elsewhere(desired, pod)
+        if not paths:
+            continue
+        lines.append(f"Pod/{v.name}: {', '.join(paths[:5])}")
+        if policy == "Revert":
+            what = f"{v.slot} pod {v.name}: {', '.join(paths[:5])} edited by someone else"
+            reverts[v.pair] = f"{reverts[v.pair]}; {what}" if v.pair in reverts else what
+    return lines, reverts
+
+
+def change_lines(crs: Mapping[str, Mapping[str, Any]], old: str, new: str) -> list[str]:
+    """``field: old -> new`` over the recorded effective configs of two revisions (``kubectl-pd diff``)."""
+    a, b = crs.get(old), crs.get(new)
+    if a is None or b is None:
+        return [f"revision {old} -> {new} (a record is missing)"]
+    return [f"{p}: {show(x)} -> {show(y)}" for p, x, y in diff_configs(revision_view(a), revision_view(b))]
+
+
+async def _watchdog_fires(http: RouterLink, urls: list[str]) -> int:
+    """Watchdog fires counted by the workers' ``/metrics`` (unreadable: 0, no evidence)."""
+    total = 0.0
+    for text in await asyncio.gather(*(http.get_text(u) for u in urls)):
+        for line in (text or "").splitlines():
+            if line.startswith(WATCHDOG_METRIC):
+                try:
+                    total += float(line.rsplit(" ", 1)[1])
+                except (IndexError, ValueError):
+                    pass
+    return int(total)
+
+
+async def _canary_probe(http: RouterLink, url: str, headers: dict[str, str], spec: Any,
+                        metrics_urls: list[str]) -> tuple[dict[str, Any], int]:
+    """The multi-round agent probe against a router, pinned to the canary pair; (report, watchdog fires)."""
+    c = spec.rollout.canary
+    try:
+        from pdruntime.probe_agents import run_agents_probe
+        before = await _watchdog_fires(http, metrics_urls)
+        report = await run_agents_probe(url, agents=c.agents, rounds=c.rounds, round_timeout_s=c.round_timeout_s,
+                                        max_tokens=c.max_tokens, headers=headers, model=spec.model.served_name)
+        return report.to_dict(), max(0, await _watchdog_fires(http, metrics_urls) - before)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a probe that cannot run is no evidence of health: the canary fails
+        return {"ok": False, "rounds": [], "failure": {"round": None, "agent": None, "kind": "error",
+                                                         "detail": f"the probe could not run: {e!r}"}}, 0
+
+
+async def _advance_canary(state: Any, *, key: tuple[str, str, str], plan: Plan, spec: Any, http: RouterLink | None,
+                          router_ips: list[str], token: str | None, routers_confirmed: bool,
+                          stall: Mapping[str, Any] | None, cfg: OperatorConfig, now: float) -> Any:
+    """Pending -> Probing (start the background probe) -> Passed | Failed (its result). Never waits on it."""
+    pair = plan.pairs[state.pair] if state.pair < len(plan.pairs) else None
+    if pair is None or http is None:
+        return state
+    if state.phase == rollout_safety.PENDING:
+        if not (router_ips and token and rollout_safety.ready_to_probe(
+                state, pair_revision=pair.revision, pair_ready=pair.ready, routers_confirmed=routers_confirmed)):
+            return state
+        state = rollout_safety.start_probe(state, now)
+    if state.phase != rollout_safety.PROBING:
+        return state
+    task = _PROBES.get(key)
+    if task is None:  # just started, or the operator restarted while probing: (re)start it
+        headers = {"X-PDStack-Pair": str(state.pair), "X-PDStack-Admin-Token": token or ""}
+        metrics_urls = [f"http://{ip}:{cfg.worker_port}/metrics" for ip in (pair.members or {}).values() if ip]
+        _PROBES[key] = asyncio.create_task(_canary_probe(http, f"http://{router_ips[0]}:{http.port}", headers, spec,
+                                                         metrics_urls) if router_ips else _no_router())
+        return state
+    if not task.done():
+        return state
+    _PROBES.pop(key, None)
+    report, fires = task.result() if not task.cancelled() else ({"ok": False, "failure": {"detail": "cancelled"}}, 0)
+    msg = (stall or {}).get("message") or ""
+    pair_stall = msg if rollout_safety.stalled(stall) and (f"pair {state.pair}" in msg or "pair " not in msg) else None
+    return rollout_safety.finish_probe(state, report, now, watchdog_fires=fires, stall=pair_stall)
+
+
+async def _no_router() -> tuple[dict[str, Any], int]:
+    return {"ok": False, "rounds": [], "failure": {"kind": "error", "detail": "no router pod to probe through"}}, 0
+
+
+async def _rollback_spec(kube: Kube, body: Mapping[str, Any], cr: Mapping[str, Any]) -> None:
+    """Patch the PDDeployment's spec back to a recorded revision's fields (resourceVersion precondition)."""
+    raw = recorded_spec(cr)
+    if raw is None:
+        raise ValueError(f"ControllerRevision {cr['metadata']['name']} recorded no spec to restore")
+    meta = body["metadata"]
+    patch = {"metadata": {"resourceVersion": meta["resourceVersion"]},
+             "spec": rollback_patch(body.get("spec") or {}, raw)}
+    await kube.request("PATCH", path(API, KIND, meta["namespace"], meta["name"]), body=patch,
+                       query={"fieldManager": ROLLBACK_MANAGER}, content_type="application/merge-patch+json")
+
+
+def rollback_patch(current: Mapping[str, Any], recorded: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch of ``spec`` that restores a revision's fields (the others untouched)."""
+    from .revisions import merge_patch
+    return merge_patch(dict(current), restore_spec(current, recorded))
+
+
+async def _known_good(kube: Kube, steps: Steps, body: Mapping[str, Any], log: logging.Logger, *, spec: Any,
+                      revision: str, plan: Plan, crs: Mapping[str, Mapping[str, Any]], previous: str | None,
+                      stall: Mapping[str, Any] | None, now: float) -> tuple[str | None, float | None]:
+    """(lastKnownGoodRevision, seconds until the soak ends). Recorded in status and as an annotation on
+    the revision's ControllerRevision (so a lost status can be rebuilt)."""
+    if previous is None:  # from the records
+        good = [(parse_iso(((c.get("metadata") or {}).get("annotations") or {}).get(ANN_KNOWN_GOOD)), rev)
+                for rev, c in crs.items()]
+        good = [(t, rev) for t, rev in good if t is not None]
+        previous = max(good)[1] if good else None
+    left = rollout_safety.soak_left(revision=revision, pairs=plan.pairs, n_pairs=spec.pairs, stall=stall,
+                                    soak_s=spec.rollout.soak_s, now=now)
+    if left is None or left > 0:
+        return previous, left
+    cr = crs.get(revision)
+    if cr is not None and not ((cr.get("metadata") or {}).get("annotations") or {}).get(ANN_KNOWN_GOOD):
+        meta = cr["metadata"]
+        await steps.run(kube.request("PATCH", path("apps/v1", "ControllerRevision", meta["namespace"], meta["name"]),
+                                     body={"metadata": {"annotations": {ANN_KNOWN_GOOD: iso(now)}}},
+                                     query={"fieldManager": "pdstack-operator"},
+                                     content_type="application/merge-patch+json"))
+    if previous != revision:
+        msg = (f"revision {revision} is known-good: every pair served it for {spec.rollout.soak_s}s "
+               "with no stall")
+        log.info("%s/%s %s", body["metadata"]["namespace"], body["metadata"]["name"], msg)
+        await post_event(kube, body, "Normal", "KnownGood", msg)
+    return revision, None
+
+async def _canary_event(kube: Kube, body: Mapping[str, Any], log: logging.Logger, canary: Any,
+                        crs: Mapping[str, Mapping[str, Any]]) -> None:
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    tried = "; ".join(change_lines(crs, canary.from_revision, canary.revision))
+    if canary.phase == rollout_safety.PROBING:
+        etype, reason, msg = "Normal", "CanaryProbing", (f"pair {canary.pair} runs revision {canary.revision}: "
+                                                         "the agent probe starts")
+    elif canary.phase == rollout_safety.PASSED:
+        etype, reason, msg = "Normal", "CanaryPassed", (f"revision {canary.revision} passed its canary on pair "
+                                                        f"{canary.pair} ({canary.evidence}); rolling out to every pair")
+    elif canary.phase == rollout_safety.FAILED:
+        etype, reason, msg = "Warning", "CanaryFailed", (
+            f"revision {canary.revision} failed its canary on pair {canary.pair}: {canary.evidence}; pair "
+            f"{canary.pair} rolls back to {canary.from_revision} and the rollout stops; tried: {tried}")
+    else:
+        return
+    (log.warning if etype == "Warning" else log.info)("%s/%s %s", ns, name, msg)
+    await post_event(kube, body, etype, reason, msg)
+
+
+async def _auto_rollback(kube: Kube, body: Mapping[str, Any], log: logging.Logger, *, spec: Any, revision: str,
+                         crs: Mapping[str, Mapping[str, Any]], good: str | None, stall: Mapping[str, Any] | None,
+                         previous: Mapping[str, Any] | None, canary: Any, now: float) -> dict[str, Any] | None:
+    """Roll the spec back to the last known-good revision when a stall began soon after this revision
+    became current (``rollout.autoRollback``). Returns the new ``status.autoRollback`` (None: unchanged)."""
+    reverted = list((previous or {}).get("reverted") or [])
+    cr = crs.get(revision)
+    changed_at = parse_iso(((cr or {}).get("metadata") or {}).get("annotations", {}).get(ANN_CURRENT_SINCE))
+    to = rollout_safety.auto_rollback(enabled=spec.rollout.auto_rollback, window_s=spec.rollout.rollback_window_s,
+                                      desired=revision, last_known_good=good, changed_at=changed_at, stall=stall,
+                                      reverted=reverted, canary=canary)
+    if to is None:
+        return None
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    changes = change_lines(crs, to, revision)
+    record = {"from": revision, "to": to, "time": iso(now), "reverted": (reverted + [revision])[-10:],
+              "changes": changes}
+    try:
+        if crs.get(to) is None:
+            raise ValueError(f"revision {to} is no longer recorded")
+        await _rollback_spec(kube, body, crs[to])
+    except (ApiError, ValueError) as e:
+        msg = f"stall after revision {revision} became current, but rolling back to {to} failed: {e}"
+        log.error("%s/%s %s", ns, name, msg)
+        await post_event(kube, body, "Warning", "AutoRollbackFailed", msg)
+        return dict(record, error=str(e)[:300])
+    msg = (f"stalled within {spec.rollout.rollback_window_s}s of revision {revision} becoming current "
+           f"({(stall or {}).get('message') or 'Stalled'}); rolled the spec back to last known-good revision {to}, "
+           f"reverting: {'; '.join(changes)}")
+    log.warning("%s/%s %s", ns, name, msg)
+    await post_event(kube, body, "Warning", "AutoRollback", msg)
+    return record
 
 
 async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logger,
@@ -288,7 +530,10 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     steps = Steps()
     owner = Owner(name, namespace, meta["uid"])
     revision = revision_hash(spec)
-    await steps.run(_ensure_revision(kube, owner, spec, revision, now))
+    current = old_status.get("currentRevision")
+    protected = frozenset(r for r in (current, old_status.get("lastKnownGoodRevision")) if r)
+    crs = {(c.get("data") or {}).get("revision"): c for c in await steps.run(
+        _ensure_revision(kube, owner, spec, revision, now, body.get("spec"), protected), default=[]) or []}
     # the KV-transfer token (workers only) and the router-admin token (router only; authenticates our pushes)
     await steps.run(_secret_token(kube, owner, kv_secret_name(name), KV_AUTH_KEY, kv_secret))
     token = (await steps.run(_secret_token(kube, owner, admin_secret_name(name), ADMIN_KEY, admin_secret))
@@ -299,6 +544,26 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     owned = [p for p in raw_pods if any(r.get("uid") == owner.uid for r in p["metadata"].get("ownerReferences") or [])]
     views = [v for v in (pod_view(p) for p in owned) if v is not None]
     uids = {v.name: v.uid for v in views}
+
+    # canary: which revision each pair runs now; the old revision's spec renders the pairs that keep it
+    specs = {revision: spec}
+    prior = rollout_safety.CanaryState.from_status(old_status.get("canary"))
+    canary = rollout_safety.plan_canary(spec.rollout.canary, pairs=spec.pairs, desired=revision, current=current,
+                                        prior=prior, known_good=old_status.get("lastKnownGoodRevision"))
+    if canary is not None:
+        old_spec = revision_spec_of(crs.get(canary.from_revision), body.get("spec"), name)
+        if old_spec is None:
+            log.warning("%s/%s no canary for revision %s: revision %s recorded no spec to keep the other pairs on",
+                        namespace, name, revision, canary.from_revision)
+            canary = None
+        else:
+            specs[canary.from_revision] = old_spec
+    if canary is not None and (prior is None or prior.revision != canary.revision):
+        await post_event(kube, body, "Normal", "CanaryStarted",
+                         f"revision {revision} goes to pair {canary.pair} first (out of normal traffic); the other "
+                         f"pairs keep {canary.from_revision} until the agent probe passes")
+    pod_lines, reverts = _pod_drift(specs, owner, [p for p in owned if not p["metadata"].get("deletionTimestamp")],
+                                    spec.drift_policy)
     lost = await _lost_nodes(kube, steps, views)
 
     drains = spec.engine == "pdrt" and router is not None
@@ -314,10 +579,12 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
                       memory=memory_from_status(old_status), now=now,
                       drain_s=spec.drain_seconds, lost_nodes=lost, lost_node_margin_s=cfg.lost_node_margin_s,
                       drain_confirm_timeout_s=cfg.drain_confirm_timeout_s,
+                      targets=rollout_safety.targets(canary, pairs=spec.pairs, desired=revision), reverts=reverts,
                       **({"router": view} if view is not None else {}))
 
     # topology first: a pair marked draining is published (and pushed) before anything is deleted
-    topo_pairs = [_topology_group(s, spec) for s in plan.pairs + plan.retiring]
+    canary_pair = canary.pair if canary is not None and canary.holds_traffic_off else None
+    topo_pairs = [_topology_group(s, spec, canary=s.index == canary_pair) for s in plan.pairs + plan.retiring]
     live_cm = await steps.run(kube.get(path("v1", "ConfigMap", namespace, topology_name(name))))
     try:
         previous = yaml.safe_load(((live_cm or {}).get("data") or {}).get(TOPOLOGY_KEY, "")) if live_cm else None
@@ -329,12 +596,14 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     drift_lines: list[str] = []
     topo_cm = next(c for c in children if c["kind"] == "ConfigMap" and c["metadata"]["name"] == topology_name(name))
     await steps.run(_apply(kube, topo_cm, spec.drift_policy, enforce=True))
+    routers_confirmed = False
     if drains and router_ips and token:
-        await router.sync(router_ips, doc, token)
+        pushed = await router.sync(router_ips, doc, token)
+        routers_confirmed = pushed.version is not None and pushed.version >= doc["generation"]
     plan = replace(plan, pairs=tuple(_stamp_drain(s, doc["generation"]) for s in plan.pairs),
                    retiring=tuple(_stamp_drain(s, doc["generation"]) for s in plan.retiring))
 
-    await _execute(kube, steps, body, owner, spec, plan, uids, log)
+    await _execute(kube, steps, body, owner, specs, plan, uids, log)
     for k in plan.unconfirmed_drains:
         await post_event(kube, body, "Warning", "DrainUnconfirmed",
                          f"pair {k}: the router did not confirm topology version >= {doc['generation']} within "
@@ -354,6 +623,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
         if child is topo_cm:
             continue
         drift_lines += await steps.run(_apply(kube, child, spec.drift_policy), default=[])
+    drift_lines += pod_lines
 
     process_lines = await _process_drift(router, cfg, namespace, name, spec, views) if router is not None else []
     image_lines = drift.image_drift([p for p in owned if not p["metadata"].get("deletionTimestamp")])
@@ -375,9 +645,34 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     metrics.PAIRS_READY.labels(namespace, name).set(sum(1 for s in plan.pairs if s.ready))
     metrics.PAIRS_DESIRED.labels(namespace, name).set(spec.pairs)
 
+    # rollout safety: the canary's next step, known-good after the soak, auto-rollback on an early stall
+    stall = old_conds.get("Stalled")
+    wait: float | None = None
+    canary_failed = None
+    if canary is not None:
+        before = canary.phase
+        canary = await _advance_canary(canary, key=(namespace, name, canary.revision), plan=plan, spec=spec,
+                                       http=router if drains else None, router_ips=router_ips, token=token,
+                                       routers_confirmed=routers_confirmed, stall=stall, cfg=cfg, now=now)
+        if canary.phase in (rollout_safety.PENDING, rollout_safety.PROBING):
+            wait = CANARY_POLL_S
+        elif canary.phase != before:
+            wait = 0.05  # promote, or roll the canary pair back, at once
+        if canary.phase != before:
+            await _canary_event(kube, body, log, canary, crs)
+        if canary.phase == rollout_safety.FAILED:
+            canary_failed = (f"revision {canary.revision} failed its canary on pair {canary.pair}: {canary.evidence}; "
+                             f"tried: {'; '.join(change_lines(crs, canary.from_revision, canary.revision))}")
+    good, soak = await _known_good(kube, steps, body, log, spec=spec, revision=revision, plan=plan, crs=crs,
+                                   previous=old_status.get("lastKnownGoodRevision"), stall=stall, now=now)
+    wait = min((w for w in (wait, soak) if w is not None), default=None)
+    auto = await _auto_rollback(kube, body, log, spec=spec, revision=revision, crs=crs, good=good, stall=stall,
+                                previous=old_status.get("autoRollback"), canary=canary, now=now)
     facts = Facts(generation=generation, desired_revision=revision, router_ready=router_ready,
                   unschedulable_message=unsched, drift=drift_lines, rejections=steps.rejections,
-                  topology_version=doc["generation"], selector=selector)
+                  topology_version=doc["generation"], selector=selector,
+                  canary=canary.to_status(iso) if canary is not None else None, canary_failed=canary_failed,
+                  last_known_good=good, auto_rollback=auto)
     new = build_status(old_status, plan, facts, now)
     if unsched and old_conds.get("Progressing", {}).get("reason") != "Unschedulable":
         await post_event(kube, body, "Warning", "Unschedulable", unsched)
@@ -389,6 +684,8 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
             metrics.RECONCILE_ERRORS.labels(namespace, name, "ApiRejected").inc()
     await _write_status(kube, namespace, name, body, new)
     metrics.RECONCILE_DURATION.labels(namespace, name).observe(time.perf_counter() - t0)
+    if wait is not None:
+        plan = replace(plan, requeue_after=min(plan.requeue_after or wait, wait))
     if cfg.process_drift_s > 0 and router is not None:  # the drift timer: read the processes again in time
         plan = replace(plan, requeue_after=min(plan.requeue_after or cfg.process_drift_s, cfg.process_drift_s))
     if steps.rejections:
@@ -398,13 +695,13 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     return plan.requeue_after
 
 
-def _topology_group(s: Any, spec: Any) -> TopologyPair:
+def _topology_group(s: Any, spec: Any, *, canary: bool = False) -> TopologyPair:
     """A planned group as the router sees it: every member slot, with its pod IP once it has one."""
     members = s.members or {}
     prefills = tuple(members.get(slot_name("prefill", m)) for m in range(spec.prefill.replicas))
     decodes = tuple(members.get(slot_name("decode", m)) for m in range(spec.decode.replicas))
     return TopologyPair(s.index, s.ready, s.hosts[0], s.hosts[1], s.draining, prefill_hosts=prefills,
-                        decode_hosts=decodes)
+                        decode_hosts=decodes, canary=canary)
 
 
 def _stamp_drain(state: Any, generation: int) -> Any:

@@ -58,6 +58,7 @@ class TopologyPair:
     draining: bool = False  # take no new requests; the pods go once the router confirms
     prefill_hosts: tuple[str | None, ...] = ()  # every prefill member (default: (prefill_host,))
     decode_hosts: tuple[str | None, ...] = ()
+    canary: bool = False  # a new revision on trial: no normal traffic, only requests pinned to it (the probe's)
 
     def members(self) -> tuple[tuple[str | None, ...], tuple[str | None, ...]]:
         return (self.prefill_hosts or (self.prefill_host,)), (self.decode_hosts or (self.decode_host,))
@@ -470,6 +471,8 @@ def topology_doc(revision: str, pairs: Iterable[TopologyPair], generation: int =
                                      "draining": p.draining}
             if grouped:
                 entry["group"] = p.index
+            if p.canary:
+                entry["canary"] = True
             entry["prefill"] = {"url": f"http://{ph}:{HTTP_PORT}" if ph else None,
                                 "bootstrap_host": ph, "bootstrap_port": BOOTSTRAP_PORT}
             entry["decode"] = {"url": f"http://{dh}:{HTTP_PORT}" if dh else None}

@@ -22,6 +22,13 @@ from .spec import PDSpec, PodTemplate, Probes, RoleSpec
 
 #: annotation on a ControllerRevision: when it last became the current revision (RFC 3339, UTC)
 ANN_CURRENT_SINCE = "pdstack.io/current-since"
+#: annotation on a ControllerRevision: when it became known-good (served ``rollout.soakSeconds`` with no stall)
+ANN_KNOWN_GOOD = "pdstack.io/known-good-since"
+#: the top-level spec fields a revision covers (everything :func:`effective_config` reads); the others
+#: (pairs, rollout, coRestart, drift, stall, router, revisionHistoryLimit) are not part of a revision and
+#: a rollback keeps them as they are
+REVISION_KEYS = ("engine", "image", "model", "podTemplate", "prefill", "decode", "placement", "kernel",
+                 "watchdog", "probes", "sglang")
 UNSET = "<unset>"
 
 REVISION_LEN = 10
@@ -110,9 +117,45 @@ def diff_configs(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "
     return out
 
 
+def revision_spec(raw: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The revision's part of a raw ``spec`` (:data:`REVISION_KEYS`), as written: what a rollback restores."""
+    return {k: json.loads(json.dumps(v)) for k, v in sorted((raw or {}).items()) if k in REVISION_KEYS}
+
+
+def restore_spec(current: Mapping[str, Any] | None, recorded: Mapping[str, Any]) -> dict[str, Any]:
+    """``current`` spec with its revision fields replaced by ``recorded`` (a ControllerRevision's
+    ``data.spec``): like ``kubectl rollout undo``, scaling, rollout and the other settings stay."""
+    out = {k: json.loads(json.dumps(v)) for k, v in (current or {}).items() if k not in REVISION_KEYS}
+    out.update(revision_spec(recorded))
+    return out
+
+
+def recorded_spec(cr: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The raw revision fields a ControllerRevision recorded; None for records made before they were kept."""
+    data = cr.get("data") or {}
+    return dict(data["spec"]) if isinstance(data.get("spec"), Mapping) else None
+
+
+def merge_patch(old: Any, new: Any) -> Any:
+    """The RFC 7386 merge patch that turns ``old`` into ``new`` (removed keys become null; lists whole)."""
+    if not isinstance(old, Mapping) or not isinstance(new, Mapping):
+        return json.loads(json.dumps(new))
+    out: dict[str, Any] = {}
+    for key in sorted(set(old) | set(new)):
+        if key not in new:
+            out[key] = None
+        elif key not in old:
+            out[key] = json.loads(json.dumps(new[key]))
+        elif old[key] != new[key]:
+            out[key] = merge_patch(old[key], new[key])
+    return out
+
+
 def controller_revision(name: str, namespace: str, owner: Mapping[str, Any], spec: PDSpec,
-                        revision: str, number: int, created_at: str) -> dict[str, Any]:
-    """An ``apps/v1 ControllerRevision`` recording ``revision`` with its config and time."""
+                        revision: str, number: int, created_at: str,
+                        raw_spec: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """An ``apps/v1 ControllerRevision`` recording ``revision`` with its config and time, and the raw
+    revision fields of the spec (``data.spec``) that a rollback restores."""
     return {
         "apiVersion": "apps/v1",
         "kind": "ControllerRevision",
@@ -125,7 +168,8 @@ def controller_revision(name: str, namespace: str, owner: Mapping[str, Any], spe
         },
         "revision": number,
         "data": {"revision": revision, "recordedAt": created_at, "config": effective_config(spec),
-                 "effective": effective_view(spec)},
+                 "effective": effective_view(spec),
+                 **({"spec": revision_spec(raw_spec)} if raw_spec is not None else {})},
     }
 
 

@@ -79,6 +79,14 @@ class RouterLink:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return None
 
+    async def get_text(self, url: str) -> str | None:
+        """GET ``url`` as text (a worker's ``/metrics``); None when unreachable or not a 200."""
+        try:
+            async with self._http().get(url) as r:
+                return await r.text() if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError):
+            return None
+
     async def push(self, ip: str, doc: Mapping[str, Any], token: str) -> int | None:
         """POST the topology (bearer = the router-admin token); the HTTP status (None when unreachable)."""
         try:

@@ -12,7 +12,8 @@ from typing import Any, Mapping, Sequence
 
 from .pairs import PairMemory, Plan, parse_iso
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "CoRestarting", "ConfigDrift", "Stalled", "ApiRejected")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "CoRestarting", "ConfigDrift", "Stalled", "ApiRejected",
+                   "CanaryFailed")
 
 
 def iso(ts: float) -> str:
@@ -57,6 +58,11 @@ class Facts:
     rejections: Sequence[str] = ()  # "<verb> <kind>/<name>: HTTP <code>: <server message>", one per failed write
     topology_version: int | None = None
     selector: str | None = None  # the worker pods' label selector (status.selector, for the scale subresource)
+    # rollout safety (canary.py): status.canary, status.lastKnownGoodRevision, status.autoRollback
+    canary: Mapping[str, Any] | None = None
+    canary_failed: str | None = None  # the CanaryFailed message while the spec asks for the failed revision
+    last_known_good: str | None = None
+    auto_rollback: Mapping[str, Any] | None = None
 
 
 def _cond(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -134,6 +140,9 @@ def build_status(old: Mapping[str, Any] | None, plan: Plan, facts: Facts, now: f
                   f"router {'ready' if facts.router_ready else 'not ready'}")
     if facts.unschedulable_message:
         progressing = _cond("Progressing", False, "Unschedulable", facts.unschedulable_message)
+    elif facts.canary_failed:
+        progressing = _cond("Progressing", False, "CanaryFailed",
+                            f"revision {facts.desired_revision} stopped at its canary; change the spec to try again")
     elif rolling:
         progressing = _cond("Progressing", True, "RollingOut",
                             f"pairs {[p.index for p in rolling]} moving to revision {facts.desired_revision}")
@@ -152,7 +161,9 @@ def build_status(old: Mapping[str, Any] | None, plan: Plan, facts: Facts, now: f
     stalled = _cond("Stalled", False, "AsExpected", "")
     rejected = _cond("ApiRejected", bool(facts.rejections), "Rejected" if facts.rejections else "AsExpected",
                      "; ".join(facts.rejections) if facts.rejections else "every write was accepted")
-    conds = [ready, progressing, degraded, co, drift, stalled, rejected]
+    canary_failed = _cond("CanaryFailed", bool(facts.canary_failed), "ProbeFailed" if facts.canary_failed
+                          else "AsExpected", facts.canary_failed or "")
+    conds = [ready, progressing, degraded, co, drift, stalled, rejected, canary_failed]
 
     if all_ready:
         phase = "Ready"
@@ -176,6 +187,11 @@ def build_status(old: Mapping[str, Any] | None, plan: Plan, facts: Facts, now: f
     if facts.selector is not None:  # scale subresource: status.replicas (groups that exist) + selector
         out["replicas"] = n
         out["selector"] = facts.selector
+    # a merge patch: None removes a key that no longer applies
+    out["canary"] = dict(facts.canary) if facts.canary else None
+    out["lastKnownGoodRevision"] = facts.last_known_good or old.get("lastKnownGoodRevision")
+    if facts.auto_rollback is not None:
+        out["autoRollback"] = dict(facts.auto_rollback)
     return out
 
 

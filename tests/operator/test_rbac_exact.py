@@ -25,7 +25,8 @@ def ready(c, name):
 async def _scenario(c) -> None:
     name = "full"
     c.kubelet.add_node("gpu-c", 8, {"pdstack.io/gpu": "h100"})
-    c.apply(manifest(name, pairs=2, gpus=4, revisionHistoryLimit=1))
+    # soakSeconds 1: the revision becomes known-good (its ControllerRevision annotated) within the scenario
+    c.apply(manifest(name, pairs=2, gpus=4, revisionHistoryLimit=1, rollout={"soakSeconds": 1}))
     await eventually(lambda: ready(c, name), timeout=30, what="create -> Ready")
     # rollout (and the old ControllerRevision pruned: revisionHistoryLimit 1)
     rev = c.pdd(name)["status"]["currentRevision"]

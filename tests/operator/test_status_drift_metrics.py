@@ -30,7 +30,7 @@ def test_all_ready():
     assert conds(st) == {"Ready": ("True", "AllPairsReady"), "Progressing": ("True", "RolloutComplete"),
                          "Degraded": ("False", "AsExpected"), "CoRestarting": ("False", "Idle"),
                          "ConfigDrift": ("False", "NoDrift"), "Stalled": ("False", "AsExpected"),
-                         "ApiRejected": ("False", "AsExpected")}
+                         "ApiRejected": ("False", "AsExpected"), "CanaryFailed": ("False", "AsExpected")}
 
 
 def test_api_rejections_are_a_condition_naming_verb_object_and_message():
