@@ -13,6 +13,10 @@ the operator's own client (``pdoperator.kube``, kubernetes_asyncio):
     kubectl-pd diff NAME --since 12:00|2h|RFC3339   what changed since then (against the current revision)
     kubectl-pd diff NAME --from REV [--to REV]      two recorded revisions (hash or number; --to: current)
     kubectl-pd drift NAME [-n NS]        ConfigDrift lines by source (children, process); exit 1 when any
+    kubectl-pd rollback NAME --to REV | --last-known-good [--dry-run]
+                                         patch the spec's revision fields back to a recorded revision (like
+                                         ``kubectl rollout undo``; pairs, rollout, ... stay); prints the diff it
+                                         applies; exit 0 applied (or already there), 2 error
 
 Diffs are field-level over the effective config per role, defaults included
 (``decode.env.PDRT_DECODE_TARGET_CTAS: <unset> -> 512``), with the revision and time of each side; a
@@ -34,8 +38,9 @@ from typing import Any, Sequence, TextIO
 import yaml
 
 from .render import Owner, render
-from .revisions import (HistoryEntry, diff_report, effective_view, format_diff, format_time, history,
-                        parse_since, revision_at, revision_hash, revision_view)
+from .revisions import (ANN_KNOWN_GOOD, HistoryEntry, diff_report, effective_view, format_diff, format_time,
+                        history, merge_patch, parse_since, recorded_spec, restore_spec, revision_at, revision_hash,
+                        revision_view)
 from .spec import KIND, SpecError, parse_spec
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
@@ -193,6 +198,11 @@ async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
             return 1 if report["lines"] else 0
         revs = await kube.list(path("apps/v1", "ControllerRevision", ns), label_selector=f"{LABEL_DEPLOYMENT}={args.name}")
         entries = history(revs)
+        if args.cmd == "rollback":
+            obj = await kube.get(path(f"{GROUP}/{VERSION}", KIND, ns, args.name))
+            if obj is None:
+                raise CliError(f"{KIND} {ns}/{args.name} not found")
+            return await _rollback(kube, obj, revs, entries, args, out)
         if args.cmd in ("history", "revisions"):
             if not entries and await kube.get(path(f"{GROUP}/{VERSION}", KIND, ns, args.name)) is None:
                 raise CliError(f"{KIND} {ns}/{args.name} not found")
@@ -237,6 +247,89 @@ async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
         return 2
     finally:
         await kube.close()
+
+
+def last_known_good(obj: dict[str, Any], revs: list[dict[str, Any]]) -> str | None:
+    """``status.lastKnownGoodRevision``, else the newest ControllerRevision annotated known-good."""
+    good = ((obj.get("status") or {}).get("lastKnownGoodRevision"))
+    if good:
+        return str(good)
+    marked = [(((r.get("metadata") or {}).get("annotations") or {}).get(ANN_KNOWN_GOOD), (r.get("data") or {}).get("revision"))
+              for r in revs]
+    marked = [m for m in marked if m[0] and m[1]]
+    return max(marked)[1] if marked else None
+
+
+def rollback_plan(obj: dict[str, Any], cr: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """(the spec after the rollback, the merge patch of ``spec``, the revision it hashes to) — pure."""
+    raw = recorded_spec(cr)
+    name = (cr.get("metadata") or {}).get("name", "?")
+    if raw is None:
+        raise CliError(f"ControllerRevision {name} was recorded without its spec (by an older operator); "
+                       "it cannot be restored. Accepted: a revision recorded since rollback support")
+    current = dict(obj.get("spec") or {})
+    restored = restore_spec(current, raw)
+    try:
+        spec = parse_spec(restored, name=(obj.get("metadata") or {}).get("name"))
+    except SpecError as e:
+        raise CliError(f"the restored spec is not valid: {e}") from None
+    return restored, merge_patch(current, restored), revision_hash(spec)
+
+
+async def _rollback(kube: Any, obj: dict[str, Any], revs: list[dict[str, Any]], entries: list[HistoryEntry],
+                    args: argparse.Namespace, out: TextIO) -> int:
+    """``rollback NAME --to REV | --last-known-good [--dry-run]``: 0 applied or already there, 2 error."""
+    from .kube import ApiError, path
+    from .spec import GROUP, VERSION
+
+    meta = obj["metadata"]
+    if args.last_known_good:
+        good = last_known_good(obj, revs)
+        if good is None:
+            raise CliError(f"{KIND} {meta['namespace']}/{meta['name']} has no known-good revision yet (a revision "
+                           "becomes known-good after rollout.soakSeconds of serving with no stall); "
+                           "accepted: --to REV (see kubectl-pd history)")
+        target = next((e for e in entries if e.revision == good), None)
+        if target is None:
+            raise CliError(f"the last known-good revision {good} is no longer recorded (pruned); "
+                           "accepted: --to REV (see kubectl-pd history)")
+    else:
+        target = _pick(entries, args.to_rev)
+    cr = next(r for r in revs if (r.get("metadata") or {}).get("name") == target.name)
+    restored, patch, rev = rollback_plan(obj, cr)
+    try:
+        before = effective_view(parse_spec(obj.get("spec"), name=meta["name"]))
+        before_rev = revision_hash(parse_spec(obj.get("spec"), name=meta["name"]))
+    except SpecError:
+        before, before_rev = {}, "<invalid spec>"
+    after = effective_view(parse_spec(restored, name=meta["name"]))
+    report = diff_report(before, after, from_side={"revision": before_rev, "source": "spec now"},
+                         to_side=dict(_side(target), revision=rev))
+    if not patch:
+        out.write(f"{KIND} {meta['namespace']}/{meta['name']}: already at revision {rev}; nothing to roll back\n")
+        return 0
+    if args.output == "json":
+        out.write(json.dumps(report, indent=2) + "\n")
+    elif args.output == "yaml":
+        out.write(yaml.safe_dump(report, sort_keys=False))
+    else:
+        out.write(format_diff(report))
+    if rev != target.revision:
+        out.write(f"note: the restored spec hashes to {rev}, recorded as {target.revision} "
+                  "(an operator version with a different effective config)\n")
+    if args.dry_run:
+        out.write(f"dry run: {KIND} {meta['namespace']}/{meta['name']} not changed\n")
+        return 0
+    body = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "spec": patch}
+    try:
+        await kube.request("PATCH", path(f"{GROUP}/{VERSION}", KIND, meta["namespace"], meta["name"]), body=body,
+                           query={"fieldManager": "kubectl-pd"}, content_type="application/merge-patch+json")
+    except ApiError as e:
+        if e.status == 409:
+            raise CliError(f"{KIND} {meta['namespace']}/{meta['name']} changed while rolling back; run again") from None
+        raise
+    out.write(f"rolled back {KIND} {meta['namespace']}/{meta['name']} to revision {rev} (#{target.number})\n")
+    return 0
 
 
 def drift_report(obj: dict[str, Any]) -> dict[str, Any]:
@@ -286,6 +379,15 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         c.add_argument("name")
         c.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
         _cluster_args(c)
+    rb = sub.add_parser("rollback", help="patch the spec back to a recorded revision's worker config")
+    rb.add_argument("name")
+    which = rb.add_mutually_exclusive_group(required=True)
+    which.add_argument("--to", dest="to_rev", help="revision hash (or unique prefix) or number (see history)")
+    which.add_argument("--last-known-good", action="store_true",
+                       help="the last revision that served rollout.soakSeconds with no stall")
+    rb.add_argument("--dry-run", action="store_true", help="print the diff only")
+    rb.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
+    _cluster_args(rb)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
@@ -295,7 +397,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return _render(args.file, out)
     if args.cmd == "diff":
         return _diff(args, out)
-    if args.cmd in ("status", "history", "revisions", "drift"):
+    if args.cmd in ("status", "history", "revisions", "drift", "rollback"):
         import asyncio
         return asyncio.run(_cluster(args, out))
     return _validate(args.file, out)

@@ -280,3 +280,37 @@ def test_outranked_names_live_higher_priority_peers_only():
     assert outranked(status, 50, now) == ["a@host/1"]
     assert outranked(status, 100, now) == []
     assert outranked(None, 0, now) == []
+
+
+# --- per-pair targets (a canary holds the other pairs at the old revision) and drift reverts -----------------
+
+def plan_with(pods, *, targets=None, reverts=None, memory=None, desired="r1", pairs=2):
+    return plan_pairs(desired_revision=desired, pairs=pairs, policy=PAIR, max_unavailable=1, pods=pods,
+                      memory=memory or {}, now=NOW, targets=targets, reverts=reverts)
+
+
+TARGET_CASES = [
+    ("canary pair 1 first: only pair 1 rolls", healthy(rev="r0"), {0: "r0", 1: "r1"}, None,
+     [RolloutPair(1, "r0", "r1", ("d-1-prefill-r0", "d-1-decode-r0"))]),
+    ("canary ready at r1: pair 0 stays at r0", [pod(0, r, "r0") for r in BOTH] + [pod(1, r, "r1") for r in BOTH],
+     {0: "r0", 1: "r1"}, None, []),
+    ("a held pair that co-restarts comes back at the old revision",
+     [pod(1, r, "r1") for r in BOTH], {0: "r0", 1: "r1"}, None, [CreatePods(0, "r0", BOTH)]),
+    ("canary failed: the canary pair rolls back", [pod(0, r, "r0") for r in BOTH] + [pod(1, r, "r1") for r in BOTH],
+     {0: "r0", 1: "r0"}, None, [RolloutPair(1, "r1", "r0", ("d-1-prefill-r1", "d-1-decode-r1"))]),
+    ("drift revert: the whole pair co-restarts", H, None, {1: "decode pod d-1-decode-r1: spec.containers[0].image"},
+     [("CoRestart", 1, "DriftReverted", NAMES1)]),
+    ("a real fault is named before the drift", swap(H, 1, "decode", restarts=1), None, {1: "edited"},
+     [("CoRestart", 1, "ContainerRestart", NAMES1)]),
+]
+
+
+@pytest.mark.parametrize("pods,targets,reverts,expected", [c[1:] for c in TARGET_CASES],
+                         ids=[c[0] for c in TARGET_CASES])
+def test_planner_targets_and_reverts(pods, targets, reverts, expected):
+    assert kinds(plan_with(pods, targets=targets, reverts=reverts)) == expected
+
+
+def test_drift_revert_event_detail_names_the_field():
+    p = plan_with(H, reverts={0: "decode pod d-0-decode-r1: spec.containers[0].image edited by someone else"})
+    assert p.co_restarts[0].detail.endswith("spec.containers[0].image edited by someone else")
