@@ -257,7 +257,8 @@ class KernelKnobs:
 class WatchdogSpec:
     """PD watchdogs, seconds; each must exceed ``tick_s`` (checked in parse_spec)."""
 
-    bootstrap_timeout_s: float = knob("bootstrapTimeoutSeconds", 30.0, lo=0.01, hi=86400, env="PDRT_BOOTSTRAP_TIMEOUT_S")
+    bootstrap_timeout_s: float = knob("bootstrapTimeoutSeconds", 30.0, lo=0.01, hi=86400,
+                                      env="PDRT_BOOTSTRAP_TIMEOUT_S")
     # KV-transfer phase only, never the decode phase
     transfer_timeout_s: float = knob("transferTimeoutSeconds", 60.0, lo=0.01, hi=86400, env="PDRT_TRANSFER_TIMEOUT_S")
     decode_transfer_timeout_s: float = knob("decodeTransferTimeoutSeconds", 60.0, lo=0.01, hi=86400,
@@ -286,7 +287,8 @@ class CanarySpec:
     agents: int = knob("agents", 8, lo=1, hi=64)  # concurrent agents, each on its own keep-alive connection
     # rounds per agent; each round's context grows by the previous answer and a tool result
     rounds: int = knob("rounds", 10, lo=1, hi=100)
-    round_timeout_s: float = knob("roundTimeoutSeconds", 60.0, lo=1, hi=3600)  # a round not finished within this is a hang
+    # a round not finished within this is a hang
+    round_timeout_s: float = knob("roundTimeoutSeconds", 60.0, lo=1, hi=3600)
     max_tokens: int = knob("maxTokens", 16, lo=1, hi=4096)  # completion tokens per round
 
 
@@ -707,7 +709,8 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
     k = r.obj(d.get("kernel"), "spec.kernel")
     kernel = KernelKnobs(**{a: r.take(k, "spec.kernel", KernelKnobs, a) for a in KernelKnobs.__dataclass_fields__})
     w = r.obj(d.get("watchdog"), "spec.watchdog")
-    watchdog = WatchdogSpec(**{a: r.take(w, "spec.watchdog", WatchdogSpec, a) for a in WatchdogSpec.__dataclass_fields__})
+    watchdog = WatchdogSpec(**{a: r.take(w, "spec.watchdog", WatchdogSpec, a)
+                               for a in WatchdogSpec.__dataclass_fields__})
     for key, value in (("transferTimeoutSeconds", watchdog.transfer_timeout_s),
                        ("decodeTransferTimeoutSeconds", watchdog.decode_transfer_timeout_s),
                        ("bootstrapTimeoutSeconds", watchdog.bootstrap_timeout_s)):

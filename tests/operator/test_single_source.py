@@ -159,7 +159,8 @@ def runtime_disagreements(knobs: Iterable[KnobAt], parse: Callable[[Mapping[str,
         if kind == "integer" and k.knob.lo is not None:
             outside = [str(int(k.knob.lo) - 1), str(int(k.knob.hi) + 1)]
         elif kind == "number":
-            outside = [_text(kind, math.nextafter(k.knob.lo, -math.inf)), _text(kind, math.nextafter(k.knob.hi, math.inf))]
+            outside = [_text(kind, math.nextafter(k.knob.lo, -math.inf)),
+                       _text(kind, math.nextafter(k.knob.hi, math.inf))]
         elif k.knob.choices:
             outside = ["not-a-choice"]
         for text in outside:
@@ -317,7 +318,8 @@ def test_crd_checker_lists_a_crd_default_the_model_does_not_hold():
     schema["properties"]["probes"]["properties"]["readinessTimeoutSeconds"]["default"] = 2
     schema["properties"]["stall"]["properties"]["minLiveRequests"] = {"type": "integer", "default": 1}
     assert crd_defaults_not_modelled(schema, KNOBS) == ["stall.minLiveRequests"]
-    assert crd_disagreements(schema, KNOBS) == ["probes.readinessTimeoutSeconds: default 2 in the CRD, none in the model"]
+    assert crd_disagreements(schema, KNOBS) == [
+        "probes.readinessTimeoutSeconds: default 2 in the CRD, none in the model"]
 
 
 def test_runtime_checker_names_a_default_and_a_range_the_runtime_does_not_share():
