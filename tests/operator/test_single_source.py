@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from pdoperator.render import worker_env
+from pdoperator.revisions import effective_config
 from pdoperator.spec import (OPERATOR_OWNED_ENV, KnobAt, PDSpec, PodTemplate, Section, SpecError, parse_spec,
                               spec_knobs)
 from pdruntime import env as runtime_env
@@ -234,6 +235,16 @@ def test_every_rendered_pdrt_variable_is_operator_owned_and_every_env_knob_is_re
     rendered = {e["name"] for role in ("prefill", "decode") for e in worker_env(spec, role)}
     assert sorted(n for n in rendered if n.startswith("PDRT_") and n not in OPERATOR_OWNED_ENV) == []
     assert sorted({k.knob.env for k in KNOBS if k.knob.env} - rendered) == []
+
+
+def test_the_effective_config_names_the_kernel_and_watchdog_knobs_as_the_model_does():
+    """Revisions record kernel knobs and watchdog timeouts under the model's JSON names, with the parsed values."""
+    spec = parse_spec({"image": "img", "kernel": {"decodeTargetCTAs": 512, "maxKVSplits": 8},
+                       "watchdog": {"tickSeconds": 0.25, "transferTimeoutSeconds": 90}})
+    config = effective_config(spec)
+    for name in ("kernel", "watchdog"):
+        from_model = {k.knob.json: getattr(getattr(spec, k.attrs[0]), k.attr) for k in KNOBS if k.attrs[0] == name}
+        assert config[name] == from_model
 
 
 def test_runtime_attention_backends_are_the_models_choices():
