@@ -87,7 +87,7 @@ def knob(json: str, default: Any, *, kind: str | None = None, lo: float | None =
          choices: tuple[str, ...] = (), env: str | None = None) -> Any:
     """A modelled scalar field; ``kind`` is implied by the default's type unless the default is None."""
     kind = kind or _KINDS[type(default)]
-    if kind == "number":  # ranges of seconds print as floats in messages: "[0.0, 3600.0]"
+    if kind == "number" and lo is not None and hi is not None:  # seconds print as floats: "[0.0, 3600.0]"
         lo, hi = float(lo), float(hi)
     return field(default=default, metadata={"knob": Knob(json, kind, lo, hi, tuple(choices), env)})
 

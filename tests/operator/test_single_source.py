@@ -1,7 +1,7 @@
 """Single source of truth: the CRD schema and the runtime's env parser agree with the typed spec model.
 
 The frozen dataclasses of ``pdoperator.spec`` hold every scalar field's default, range or enum, and the
-``PDRT_*`` variable it renders to (``spec_knobs()``). Two checkers compare the other holders against it:
+``PDRT_*`` variable it renders to (``spec_knobs()``). Checkers compare the other holders against it:
 
 - ``crd_disagreements``: each modelled field at its JSON path in ``crds/pddeployment.yaml``'s
   openAPIV3Schema has the model's type, default, minimum, maximum and enum; and no CRD scalar with a
@@ -10,8 +10,10 @@ The frozen dataclasses of ``pdoperator.spec`` hold every scalar field's default,
   (the runtime's own parser) reads the operator's rendering (``render.worker_env``) of the default, the
   minimum, the maximum and each choice back as the same value; an unset variable means the model's
   default; and just outside the model's range (or an unknown choice) is rejected.
+- smaller holders of the same facts: the runtime's dtype and attention-backend choices, the effective
+  config's kernel/watchdog keys, and the defaults written in docs/crd.md's tables.
 
-Each checker is shown to fail, naming the field, on a mutated copy of the CRD or of the model.
+Each checker is shown to fail, naming the field, on a mutated copy of the CRD, the docs or the model.
 """
 
 from __future__ import annotations
