@@ -5,12 +5,27 @@ or raises :class:`SpecError` listing every problem found, each naming the field,
 and what would be accepted. The CRD schema catches type/enum/range mistakes at admission;
 this module re-checks them (manifests rendered offline never met the API server) and adds
 the cross-field rules a schema cannot express.
+
+The frozen dataclasses below are the one source of truth for every scalar field of the spec:
+a field declared with :func:`knob` carries its default (the dataclass default), its JSON name,
+its CRD type, its range or enum, and the ``PDRT_*`` variable the operator renders it to.
+``parse_spec`` reads defaults, ranges and enums from there (no literal repeats them), and
+:func:`spec_knobs` lists them with their JSON paths so that tests hold the CRD schema
+(``crds/pddeployment.yaml``) and the runtime's env parser (``pdruntime/env.py``) to the same
+values (``tests/operator/test_single_source.py``).
+
+Why dataclasses with field metadata, not pydantic: the spec is config, and config in pdstack is
+typed and frozen dataclasses (STYLE.md; pydantic stays at HTTP edges). Every consumer (render,
+revisions, drift, the CLI) already reads these attributes; ``dataclasses.asdict`` of them feeds
+the revision hash, which must not move; and the parser's job beyond types is to collect every
+problem, each worded as "what was wrong; accepted: ..." (tests pin those lines), plus cross-field
+rules. Pydantic would add a second object model and a second error format for the same facts.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
 GROUP = "pdstack.io"
@@ -34,24 +49,58 @@ _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?$")
 HTTP_PORT = 8000  # every pdrt/sglang server: HTTP API, /health, /metrics
 BOOTSTRAP_PORT = 8998  # prefill: KV-transfer bootstrap
 
-# Env vars the operator derives from typed spec fields; setting them by hand is rejected
-# so one knob has one source (and one place in the revision diff).
-OPERATOR_OWNED_ENV = {
-    "PDRT_DECODE_TARGET_CTAS": "spec.kernel.decodeTargetCTAs",
-    "PDRT_MAX_KV_SPLITS": "spec.kernel.maxKVSplits",
-    "PDRT_ATTENTION_BACKEND": "spec.kernel.attentionBackend",
-    "PDRT_BOOTSTRAP_TIMEOUT_S": "spec.watchdog.bootstrapTimeoutSeconds",
-    "PDRT_TRANSFER_TIMEOUT_S": "spec.watchdog.transferTimeoutSeconds",
-    "PDRT_DECODE_TRANSFER_TIMEOUT_S": "spec.watchdog.decodeTransferTimeoutSeconds",
-    "PDRT_WATCHDOG_TICK_S": "spec.watchdog.tickSeconds",
-    "PDRT_KV_AUTH_TOKEN_FILE": "the operator (it mounts the KV-transfer Secret)",
-    "PDRT_KV_AUTH_TOKEN": "the operator (it mounts the KV-transfer Secret)",
-    "PDRT_MODEL": "spec.model.source",
-}
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 MAX_GROUP_REPLICAS = 16  # prefill (decode) pods per group; "-<group>-decode-15-<suffix>" fits a DNS label
 MAX_NAME_LEN = 40  # leaves room for "-<pair>-prefill-<suffix>" within 63 chars
+
+
+# ---------------------------------------------------------------- the model's vocabulary
+@dataclass(frozen=True)
+class Knob:
+    """What the spec says about one scalar field besides its default (the dataclass field's own default)."""
+
+    json: str  # key in the enclosing section's JSON object; dotted when nested there ("resources.gpus")
+    kind: str  # integer | number | string | boolean: the CRD schema's type
+    lo: float | None = None  # inclusive range (integer, number); None = unbounded
+    hi: float | None = None
+    choices: tuple[str, ...] = ()  # the enum (string); () = any string
+    env: str | None = None  # the PDRT_* variable render.worker_env sets from this field
+
+
+@dataclass(frozen=True)
+class Section:
+    """A nested object of the spec: its JSON key ("" = its fields sit in the parent's object, as a role's pod
+    fields do), its dataclass, range overrides ``{attr: (lo, hi)}`` that hold at this place only, and the
+    fields of ``cls`` that are no field at this place (the router has no tensorParallelSize)."""
+
+    json: str
+    cls: type
+    bounds: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    absent: tuple[str, ...] = ()
+
+
+_KINDS = {bool: "boolean", int: "integer", float: "number", str: "string"}
+
+
+def knob(json: str, default: Any, *, kind: str | None = None, lo: float | None = None, hi: float | None = None,
+         choices: tuple[str, ...] = (), env: str | None = None) -> Any:
+    """A modelled scalar field; ``kind`` is implied by the default's type unless the default is None."""
+    kind = kind or _KINDS[type(default)]
+    if kind == "number" and lo is not None and hi is not None:  # seconds print as floats: "[0.0, 3600.0]"
+        lo, hi = float(lo), float(hi)
+    return field(default=default, metadata={"knob": Knob(json, kind, lo, hi, tuple(choices), env)})
+
+
+def section(json: str, cls: type, *, optional: bool = False, bounds: Mapping[str, tuple[int, int]] | None = None,
+            absent: tuple[str, ...] = ()) -> Any:
+    """A nested object; its default is ``cls()``, or None when ``optional`` (absent = feature off)."""
+    return field(default=None if optional else cls(),
+                 metadata={"section": Section(json, cls, dict(bounds or {}), tuple(absent))})
+
+
+def default_of(cls: type, attr: str) -> Any:
+    return cls.__dataclass_fields__[attr].default
 
 
 class SpecError(ValueError):
@@ -69,18 +118,20 @@ class ModelStorage:
 
     kind: str  # pvc | hostPath | image | emptyDir
     source: Mapping[str, Any]  # the core/v1 volume source of that kind
-    mount_path: str = "/models"
+    mount_path: str = knob("mountPath", "/models")
     download_url: str | None = None  # an init container fetches it into the volume (clusters with network)
     download_size: str | None = None  # emptyDir sizeLimit for a download
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    source: str | None = None  # path inside the image / mounted volume; None = runtime default model
+    # path inside the image / mounted volume; None = runtime default model
+    source: str | None = knob("source", None, kind="string", env="PDRT_MODEL")
     served_name: str | None = None
-    dtype: str = "auto"  # weights/activations/KV: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32
+    # weights/activations/KV: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32
+    dtype: str = knob("dtype", "auto", choices=DTYPES)
     sha256: str | None = None  # expected weights hash: recorded in the revision; the download verifies it
-    storage: ModelStorage | None = None
+    storage: ModelStorage | None = section("storage", ModelStorage, optional=True)
 
 
 @dataclass(frozen=True)
@@ -92,10 +143,11 @@ class PodTemplate:
     """
 
     image: str | None = None
-    image_pull_policy: str | None = None
+    image_pull_policy: str | None = knob("imagePullPolicy", None, kind="string", choices=PULL_POLICIES)
     image_pull_secrets: tuple[str, ...] = ()
     service_account_name: str | None = None
-    automount_service_account_token: bool | None = None  # None = the secure default (False)
+    # None = the secure default (False)
+    automount_service_account_token: bool | None = knob("automountServiceAccountToken", None, kind="boolean")
     env_from: tuple[Mapping[str, Any], ...] = ()
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
@@ -104,7 +156,8 @@ class PodTemplate:
     priority_class_name: str | None = None
     containers: tuple[Mapping[str, Any], ...] = ()  # sidecars, appended after the main container
     shared_memory_size: str | None = None  # a memory-backed emptyDir at /dev/shm of this size limit
-    termination_grace_period_s: int | None = None
+    termination_grace_period_s: int | None = knob("terminationGracePeriodSeconds", None, kind="integer", lo=0,
+                                                  hi=86400)
     annotations: Mapping[str, str] = field(default_factory=dict)
     labels: Mapping[str, str] = field(default_factory=dict)
     security_context: Mapping[str, Any] = field(default_factory=dict)  # merged over the container default
@@ -127,25 +180,32 @@ class PodTemplate:
 class Probes:
     """Worker probes. Startup covers the model load; liveness only runs after startup succeeded."""
 
-    startup_s: int = DEFAULT_STARTUP_SECONDS  # model-load budget before the kubelet gives up and restarts
-    readiness_timeout_s: int | None = None  # None = the engine's default (pdrt 2 s, sglang 10 s: /health generates)
-    liveness_period_s: int = 10
-    liveness_failures: int = 6  # a hung engine is restarted after period * failures seconds
-    drain_s: int = 10  # preStop: stop taking requests and let in-flight ones finish (within the grace period)
+    # model-load budget before the kubelet gives up and restarts
+    startup_s: int = knob("startupSeconds", DEFAULT_STARTUP_SECONDS, lo=10, hi=86400)
+    # None = the engine's default (pdrt 2 s, sglang 10 s: /health generates)
+    readiness_timeout_s: int | None = knob("readinessTimeoutSeconds", None, kind="integer", lo=1, hi=600)
+    liveness_period_s: int = knob("livenessPeriodSeconds", 10, lo=1, hi=3600)
+    # a hung engine is restarted after period * failures seconds
+    liveness_failures: int = knob("livenessFailureThreshold", 6, lo=1, hi=1000)
+    # preStop: stop taking requests and let in-flight ones finish (within the grace period)
+    drain_s: int = knob("preStopDrainSeconds", 10, lo=0, hi=3600)
 
 
 @dataclass(frozen=True)
 class RoleSpec:
-    replicas: int = 1
-    gpus: int = 0  # nvidia.com/gpu per pod (requests == limits)
+    """One role's pods. Ranges here are a worker role's (prefill, decode); ``PDSpec.router`` overrides them."""
+
+    replicas: int = knob("replicas", 1, lo=1, hi=MAX_GROUP_REPLICAS)  # pods of this role per P:D group
+    gpus: int = knob("resources.gpus", 0, lo=0, hi=64)  # nvidia.com/gpu per pod (requests == limits)
     requests: Mapping[str, str] = field(default_factory=dict)  # cpu / memory
     limits: Mapping[str, str] = field(default_factory=dict)
     env: tuple[tuple[str, Any], ...] = ()  # (name, value or {"valueFrom": {...}}), in declared order
     args: tuple[str, ...] = ()  # appended to the rendered command line
     volumes: tuple[Mapping[str, Any], ...] = ()
     volume_mounts: tuple[Mapping[str, Any], ...] = ()
-    tensor_parallel: int | None = None  # set explicitly; None = one rank per GPU (see tp_size)
-    pod: PodTemplate = PodTemplate()  # merged with spec.podTemplate at parse time
+    # set explicitly; None = one rank per GPU (see tp_size)
+    tensor_parallel: int | None = knob("tensorParallelSize", None, kind="integer", lo=1, hi=64)
+    pod: PodTemplate = section("", PodTemplate)  # the role's own pod fields; merged with spec.podTemplate at parse
 
     @property
     def tp_size(self) -> int:
@@ -163,7 +223,8 @@ GROUP_PLACEMENTS = ("Preferred", "Required", "None")
 
 @dataclass(frozen=True)
 class Placement:
-    group_placement: str = "Preferred"  # a group's pods on one node (KV transfer stays local), groups spread
+    # a group's pods on one node (KV transfer stays local), groups spread
+    group_placement: str = knob("groupPlacement", "Preferred", choices=GROUP_PLACEMENTS)
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
     affinity: Mapping[str, Any] = field(default_factory=dict)
@@ -178,31 +239,38 @@ class SglangSpec:
     """engine: sglang only. The KV-transfer backend is always rendered explicitly: SGLang's own default is
     mooncake over RDMA, which fails on a node without an RDMA device."""
 
-    transfer_backend: str = "nixl"  # NIXL over UCX works on TCP; mooncake needs RDMA (ibDevice + rdmaResources)
+    # NIXL over UCX works on TCP; mooncake needs RDMA (ibDevice + rdmaResources)
+    transfer_backend: str = knob("transferBackend", "nixl", choices=SGLANG_TRANSFER_BACKENDS)
     ib_device: str | None = None  # --disaggregation-ib-device, e.g. mlx5_0
     rdma_resources: Mapping[str, str] = field(default_factory=dict)  # e.g. {"rdma/ib": "1"}: requests == limits
 
 
 @dataclass(frozen=True)
 class KernelKnobs:
-    decode_target_ctas: int = 0  # 0 = derive from the device (SMs x waves)
-    max_kv_splits: int = 32
-    attention_backend: str = "auto"
+    # 0 = derive from the device (SMs x waves)
+    decode_target_ctas: int = knob("decodeTargetCTAs", 0, lo=0, hi=1 << 16, env="PDRT_DECODE_TARGET_CTAS")
+    max_kv_splits: int = knob("maxKVSplits", 32, lo=1, hi=1024, env="PDRT_MAX_KV_SPLITS")
+    attention_backend: str = knob("attentionBackend", "auto", choices=ATTENTION_BACKENDS, env="PDRT_ATTENTION_BACKEND")
 
 
 @dataclass(frozen=True)
 class WatchdogSpec:
-    bootstrap_timeout_s: float = 30.0
-    transfer_timeout_s: float = 60.0  # KV-transfer phase only, never the decode phase
-    decode_transfer_timeout_s: float = 60.0
-    tick_s: float = 0.5
+    """PD watchdogs, seconds; each must exceed ``tick_s`` (checked in parse_spec)."""
+
+    bootstrap_timeout_s: float = knob("bootstrapTimeoutSeconds", 30.0, lo=0.01, hi=86400,
+                                      env="PDRT_BOOTSTRAP_TIMEOUT_S")
+    # KV-transfer phase only, never the decode phase
+    transfer_timeout_s: float = knob("transferTimeoutSeconds", 60.0, lo=0.01, hi=86400, env="PDRT_TRANSFER_TIMEOUT_S")
+    decode_transfer_timeout_s: float = knob("decodeTransferTimeoutSeconds", 60.0, lo=0.01, hi=86400,
+                                            env="PDRT_DECODE_TRANSFER_TIMEOUT_S")
+    tick_s: float = knob("tickSeconds", 0.5, lo=0.001, hi=60, env="PDRT_WATCHDOG_TICK_S")
 
 
 @dataclass(frozen=True)
 class CoRestartSpec:
-    policy: str = "Pair"
-    backoff_initial_s: float = 1.0
-    backoff_max_s: float = 300.0
+    policy: str = knob("policy", "Pair", choices=CO_RESTART_POLICIES)
+    backoff_initial_s: float = knob("backoff.initialSeconds", 1.0, lo=0, hi=3600)
+    backoff_max_s: float = knob("backoff.maxSeconds", 300.0, lo=0, hi=86400)
 
     def backoff(self, streak: int) -> float:
         """Seconds to wait before recreating a pair after its ``streak``-th consecutive co-restart."""
@@ -216,50 +284,57 @@ class CanarySpec:
     """spec.rollout.canary: a new revision goes to one pair first, which the router takes out of normal traffic;
     the multi-round agent probe (``pdrt probe agents``) runs against it, and only a clean probe promotes it."""
 
-    agents: int = 8  # concurrent agents, each on its own keep-alive connection
-    rounds: int = 10  # rounds per agent; each round's context grows by the previous answer and a tool result
-    round_timeout_s: float = 60.0  # a round not finished within this is a hang
-    max_tokens: int = 16  # completion tokens per round
+    agents: int = knob("agents", 8, lo=1, hi=64)  # concurrent agents, each on its own keep-alive connection
+    # rounds per agent; each round's context grows by the previous answer and a tool result
+    rounds: int = knob("rounds", 10, lo=1, hi=100)
+    # a round not finished within this is a hang
+    round_timeout_s: float = knob("roundTimeoutSeconds", 60.0, lo=1, hi=3600)
+    max_tokens: int = knob("maxTokens", 16, lo=1, hi=4096)  # completion tokens per round
 
 
 @dataclass(frozen=True)
 class RolloutSpec:
     """spec.rollout beyond pacing: soak, canary and auto-rollback. None of it is part of the revision."""
 
-    soak_s: int = 300  # serving this long with no stall makes a revision lastKnownGood
-    canary: CanarySpec | None = None  # None: no canary, every pair rolls as maxUnavailablePairs allows
-    auto_rollback: bool = False  # a stall within rollback_window_s of a revision change rolls back to lastKnownGood
-    rollback_window_s: int = 900
+    soak_s: int = knob("soakSeconds", 300, lo=0, hi=86400)  # serving this long with no stall makes it lastKnownGood
+    # None: no canary, every pair rolls as maxUnavailablePairs allows
+    canary: CanarySpec | None = section("canary", CanarySpec, optional=True)
+    # a stall within rollback_window_s of a revision change rolls back to lastKnownGood
+    auto_rollback: bool = knob("autoRollback", False)
+    rollback_window_s: int = knob("rollbackWindowSeconds", 900, lo=0, hi=86400)
 
 
 @dataclass(frozen=True)
 class StallSpec:
     """spec.stall: when a pair counts as Stalled (read from its /debug/requests and /metrics)."""
 
-    seconds: float = 60.0  # a live request with no progress for this long (or that old before decode) is stuck
+    # a live request with no progress for this long (or that old before decode) is stuck
+    seconds: float = knob("seconds", 60.0, lo=1, hi=86400)
 
 
 @dataclass(frozen=True)
 class PDSpec:
     image: str
-    engine: str = "pdrt"
-    model: ModelSpec = ModelSpec()
-    pairs: int = 1
-    prefill: RoleSpec = RoleSpec()
-    decode: RoleSpec = RoleSpec()
-    router: RoleSpec = RoleSpec()
-    placement: Placement = Placement()
-    kernel: KernelKnobs = KernelKnobs()
-    watchdog: WatchdogSpec = WatchdogSpec()
-    co_restart: CoRestartSpec = CoRestartSpec()
-    drift_policy: str = "Report"
-    max_unavailable_pairs: int = 1
-    drain_seconds: float = 30.0  # in-flight requests of a draining pair may finish this long before deletion
-    revision_history_limit: int = 10
-    probes: Probes = Probes()
-    sglang: SglangSpec = SglangSpec()
-    rollout: RolloutSpec = RolloutSpec()
-    stall: StallSpec = StallSpec()
+    engine: str = knob("engine", "pdrt", choices=ENGINES)
+    model: ModelSpec = section("model", ModelSpec)
+    pairs: int = knob("pairs", 1, lo=0, hi=256)
+    prefill: RoleSpec = section("prefill", RoleSpec)
+    decode: RoleSpec = section("decode", RoleSpec)
+    router: RoleSpec = section("router", RoleSpec, bounds={"replicas": (0, 64), "gpus": (0, 0)},
+                               absent=("tensor_parallel",))  # CPU-only, outside the P:D groups, no TP ranks
+    placement: Placement = section("placement", Placement)
+    kernel: KernelKnobs = section("kernel", KernelKnobs)
+    watchdog: WatchdogSpec = section("watchdog", WatchdogSpec)
+    co_restart: CoRestartSpec = section("coRestart", CoRestartSpec)
+    drift_policy: str = knob("drift.policy", "Report", choices=DRIFT_POLICIES)
+    max_unavailable_pairs: int = knob("rollout.maxUnavailablePairs", 1, lo=1, hi=256)
+    # in-flight requests of a draining pair may finish this long before deletion
+    drain_seconds: float = knob("rollout.drainSeconds", 30.0, lo=0, hi=3600)
+    revision_history_limit: int = knob("revisionHistoryLimit", 10, lo=1, hi=1000)
+    probes: Probes = section("probes", Probes)
+    sglang: SglangSpec = section("sglang", SglangSpec)
+    rollout: RolloutSpec = section("rollout", RolloutSpec)
+    stall: StallSpec = section("stall", StallSpec)
 
     def router_image(self) -> str:
         """spec.router.image, else pdstack's CPU runtime image (pdrt), else spec.image (sglang's router)."""
@@ -270,6 +345,50 @@ class PDSpec:
     @property
     def gpus_per_pair(self) -> int:
         return self.prefill.gpus * self.prefill.replicas + self.decode.gpus * self.decode.replicas
+
+
+@dataclass(frozen=True)
+class KnobAt:
+    """A modelled field at its place in the spec."""
+
+    path: str  # JSON path under ``spec``, e.g. "rollout.canary.roundTimeoutSeconds", "router.resources.gpus"
+    attrs: tuple[str, ...]  # attribute path from PDSpec, e.g. ("rollout", "canary", "round_timeout_s")
+    cls: type  # the dataclass that declares it
+    attr: str
+    knob: Knob  # with this place's range (the router's bounds applied)
+    default: Any
+
+
+def spec_knobs(place: Section = Section("", PDSpec), prefix: str = "", attrs: tuple[str, ...] = ()
+               ) -> tuple[KnobAt, ...]:
+    """Every modelled scalar field of the spec, depth first in declaration order."""
+    out: list[KnobAt] = []
+    for f in fields(place.cls):
+        if f.name in place.absent:
+            continue
+        if "knob" in f.metadata:
+            k = f.metadata["knob"]
+            if f.name in place.bounds:
+                k = replace(k, lo=place.bounds[f.name][0], hi=place.bounds[f.name][1])
+            out.append(KnobAt(".".join(p for p in (prefix, k.json) if p), attrs + (f.name,), place.cls, f.name, k,
+                              f.default))
+        elif "section" in f.metadata:
+            s = f.metadata["section"]
+            out.extend(spec_knobs(s, ".".join(p for p in (prefix, s.json) if p), attrs + (f.name,)))
+    return tuple(out)
+
+
+def section_of(cls: type, attr: str) -> Section:
+    return cls.__dataclass_fields__[attr].metadata["section"]
+
+
+# Env vars the operator derives from typed spec fields; setting them by hand is rejected
+# so one knob has one source (and one place in the revision diff).
+OPERATOR_OWNED_ENV = {
+    **{k.knob.env: f"spec.{k.path}" for k in spec_knobs() if k.knob.env},
+    "PDRT_KV_AUTH_TOKEN_FILE": "the operator (it mounts the KV-transfer Secret)",
+    "PDRT_KV_AUTH_TOKEN": "the operator (it mounts the KV-transfer Secret)",
+}
 
 
 # ---------------------------------------------------------------- parsing helpers
@@ -311,6 +430,34 @@ class _Reader:
             return default
         return value
 
+    def bool_(self, raw: Mapping[str, Any], key: str, path: str, default: bool | None) -> bool | None:
+        value = raw.get(key, default)
+        if not isinstance(value, bool):
+            self.fail(f"{path}.{key}", value, "true | false")
+            return default
+        return value
+
+    def take(self, raw: Mapping[str, Any], path: str, cls: type, attr: str,
+             bounds: Mapping[str, tuple[int, int]] | None = None) -> Any:
+        """The modelled field ``cls.attr`` read from ``raw`` (the JSON object at ``path``): its default when
+        absent, else checked against its kind and its range (``bounds`` override) or choices."""
+        k: Knob = cls.__dataclass_fields__[attr].metadata["knob"]
+        default = default_of(cls, attr)
+        key = k.json.rsplit(".", 1)[-1]
+        if default is None and raw.get(key) is None:
+            return None
+        lo, hi = (bounds or {}).get(attr, (k.lo, k.hi))
+        if k.kind == "integer":
+            return self.int_(raw, key, path, default, lo, hi)
+        if k.kind == "number":
+            return self.num(raw, key, path, default, lo, hi)
+        if k.kind == "boolean":
+            return self.bool_(raw, key, path, default)
+        if k.choices:
+            return self.choice(raw, key, path, default, k.choices)
+        value = self.str_(raw, key, path)
+        return default if value is None else value
+
     def str_(self, raw: Mapping[str, Any], key: str, path: str, *, required: bool = False) -> str | None:
         value = raw.get(key)
         if value is None:
@@ -340,14 +487,15 @@ class _Reader:
         return tuple(value)
 
 
-def _role(r: _Reader, raw: Any, path: str, *, gpu_role: bool) -> RoleSpec:
+def _role(r: _Reader, raw: Any, path: str, place: Section) -> RoleSpec:
     d = r.obj(raw, path)
-    if gpu_role:  # pods of this role per P:D group (spec.pairs counts groups)
-        replicas = r.int_(d, "replicas", path, 1, 1, MAX_GROUP_REPLICAS)
-    else:
-        replicas = r.int_(d, "replicas", path, 1, 0, 64)
+    for attr in place.absent:
+        key = RoleSpec.__dataclass_fields__[attr].metadata["knob"].json
+        if d.get(key) is not None:
+            r.problems.append(f"{path}.{key} is not a field of {path}; accepted: {key} on spec.prefill and spec.decode")
+    replicas = r.take(d, path, RoleSpec, "replicas", place.bounds)  # pods of this role per P:D group
     res = r.obj(d.get("resources"), f"{path}.resources")
-    gpus = r.int_(res, "gpus", f"{path}.resources", 0, 0, 64 if gpu_role else 0)
+    gpus = r.take(res, f"{path}.resources", RoleSpec, "gpus", place.bounds)
     env: list[tuple[str, str]] = []
     seen: set[str] = set()
     raw_env = d.get("env") or []
@@ -384,12 +532,10 @@ def _role(r: _Reader, raw: Any, path: str, *, gpu_role: bool) -> RoleSpec:
             r.fail(f"{epath}.value", value, "a string")
             continue
         env.append((name, str(value)))
-    tp = None
-    if d.get("tensorParallelSize") is not None:
-        tp = r.int_(d, "tensorParallelSize", path, 1, 1, 64)
-        if gpus and tp > gpus:
-            r.problems.append(f"{path}.tensorParallelSize={tp} exceeds {path}.resources.gpus={gpus}; accepted: "
-                              f"at most one rank per GPU (1..{gpus})")
+    tp = None if "tensor_parallel" in place.absent else r.take(d, path, RoleSpec, "tensor_parallel")
+    if tp is not None and gpus and tp > gpus:
+        r.problems.append(f"{path}.tensorParallelSize={tp} exceeds {path}.resources.gpus={gpus}; accepted: "
+                          f"at most one rank per GPU (1..{gpus})")
     args = d.get("args") or []
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         r.fail(f"{path}.args", args, "a list of strings")
@@ -420,7 +566,7 @@ def _model_storage(r: _Reader, raw: Any) -> ModelStorage | None:
     url = r.str_(dl, "url", "spec.model.storage.download", required=bool(dl)) if dl else None
     if url is not None and not url.startswith(("https://", "http://")):
         r.fail("spec.model.storage.download.url", url, "an http(s) URL")
-    mount = r.str_(d, "mountPath", "spec.model.storage") or "/models"
+    mount = r.take(d, "spec.model.storage", ModelStorage, "mount_path") or default_of(ModelStorage, "mount_path")
     if not mount.startswith("/"):
         r.fail("spec.model.storage.mountPath", mount, "an absolute path")
     if len(kinds) > 1 or (not kinds and not dl):
@@ -461,10 +607,7 @@ def _value_from(r: _Reader, raw: Any, path: str) -> dict[str, Any] | None:
 
 
 def _pod_template(r: _Reader, d: Mapping[str, Any], path: str) -> PodTemplate:
-    pull = d.get("imagePullPolicy")
-    if pull is not None and pull not in PULL_POLICIES:
-        r.fail(f"{path}.imagePullPolicy", pull, " | ".join(PULL_POLICIES))
-        pull = None
+    pull = r.take(d, path, PodTemplate, "image_pull_policy")
     secrets = []
     for i, s in enumerate(d.get("imagePullSecrets") or []):
         if isinstance(s, Mapping) and isinstance(s.get("name"), str) and s["name"]:
@@ -475,13 +618,8 @@ def _pod_template(r: _Reader, d: Mapping[str, Any], path: str) -> PodTemplate:
     if shm is not None and (not isinstance(shm, (str, int)) or isinstance(shm, bool) or not _QUANTITY.match(str(shm))):
         r.fail(f"{path}.sharedMemorySize", shm, "a quantity such as 16Gi")
         shm = None
-    automount = d.get("automountServiceAccountToken")
-    if automount is not None and not isinstance(automount, bool):
-        r.fail(f"{path}.automountServiceAccountToken", automount, "true | false")
-        automount = None
-    grace = None
-    if d.get("terminationGracePeriodSeconds") is not None:
-        grace = r.int_(d, "terminationGracePeriodSeconds", path, 30, 0, 86400)
+    automount = r.take(d, path, PodTemplate, "automount_service_account_token")
+    grace = r.take(d, path, PodTemplate, "termination_grace_period_s")
     sidecars = r.list_of_obj(d, "containers", path)
     for i, c in enumerate(sidecars):
         if not isinstance(c.get("name"), str) or not _DNS_LABEL.match(c.get("name", "")) \
@@ -517,14 +655,15 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
         r.fail("metadata.name", name, f"a DNS label of at most {MAX_NAME_LEN} characters")
     d = r.obj(raw, "spec")
     image = r.str_(d, "image", "spec", required=True) or ""
-    engine = r.choice(d, "engine", "spec", "pdrt", ENGINES)
+    engine = r.take(d, "spec", PDSpec, "engine")
     m = r.obj(d.get("model"), "spec.model")
     sha = r.str_(m, "sha256", "spec.model")
     if sha is not None and not re.fullmatch(r"[0-9a-f]{64}", sha):
         r.fail("spec.model.sha256", sha, "64 lowercase hex digits")
         sha = None
-    model = ModelSpec(source=r.str_(m, "source", "spec.model"), served_name=r.str_(m, "servedName", "spec.model"),
-                      dtype=r.choice(m, "dtype", "spec.model", "auto", DTYPES), sha256=sha,
+    model = ModelSpec(source=r.take(m, "spec.model", ModelSpec, "source"),
+                      served_name=r.str_(m, "servedName", "spec.model"),
+                      dtype=r.take(m, "spec.model", ModelSpec, "dtype"), sha256=sha,
                       storage=_model_storage(r, m.get("storage")))
     if model.storage and model.source and not model.source.startswith(model.storage.mount_path.rstrip("/") + "/"):
         r.problems.append(f"spec.model.source={model.source!r} is outside spec.model.storage.mountPath="
@@ -532,14 +671,13 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
                           f"{model.storage.mount_path.rstrip('/')}/model.gguf")
     if engine == "sglang" and not model.source:
         r.problems.append("spec.model.source is required with engine 'sglang'; accepted: a model path or HF id")
-    pairs = r.int_(d, "pairs", "spec", 1, 0, 256)
+    pairs = r.take(d, "spec", PDSpec, "pairs")
     shared = _pod_template(r, r.obj(d.get("podTemplate"), "spec.podTemplate"), "spec.podTemplate")
     if shared.image:
         r.problems.append("spec.podTemplate.image is not a field; accepted: spec.image (workers) and "
                           "spec.<role>.image (per role)")
-    prefill = _role(r, d.get("prefill"), "spec.prefill", gpu_role=True)
-    decode = _role(r, d.get("decode"), "spec.decode", gpu_role=True)
-    router = _role(r, d.get("router"), "spec.router", gpu_role=False)
+    prefill, decode, router = (_role(r, d.get(role), f"spec.{role}", section_of(PDSpec, role))
+                               for role in ("prefill", "decode", "router"))
     prefill, decode, router = (replace(x, pod=x.pod.over(shared)) for x in (prefill, decode, router))
     for role, x in (("prefill", prefill), ("decode", decode), ("router", router)):
         for i, c in enumerate(x.pod.containers):
@@ -547,21 +685,14 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
                 r.fail(f"spec.{role}.containers[{i}].name", role, "a name other than the operator's container")
     sg = r.obj(d.get("sglang"), "spec.sglang")
     sglang = SglangSpec(
-        transfer_backend=r.choice(sg, "transferBackend", "spec.sglang", "nixl", SGLANG_TRANSFER_BACKENDS),
+        transfer_backend=r.take(sg, "spec.sglang", SglangSpec, "transfer_backend"),
         ib_device=r.str_(sg, "ibDevice", "spec.sglang"),
         rdma_resources=r.str_map(sg, "rdmaResources", "spec.sglang"),
     )
     if sg and engine != "sglang":
         r.problems.append("spec.sglang is set but spec.engine is 'pdrt'; accepted: spec.sglang only with engine 'sglang'")
     pr = r.obj(d.get("probes"), "spec.probes")
-    probes = Probes(
-        startup_s=r.int_(pr, "startupSeconds", "spec.probes", DEFAULT_STARTUP_SECONDS, 10, 86400),
-        readiness_timeout_s=(r.int_(pr, "readinessTimeoutSeconds", "spec.probes", 2, 1, 600)
-                             if pr.get("readinessTimeoutSeconds") is not None else None),
-        liveness_period_s=r.int_(pr, "livenessPeriodSeconds", "spec.probes", 10, 1, 3600),
-        liveness_failures=r.int_(pr, "livenessFailureThreshold", "spec.probes", 6, 1, 1000),
-        drain_s=r.int_(pr, "preStopDrainSeconds", "spec.probes", 10, 0, 3600),
-    )
+    probes = Probes(**{a: r.take(pr, "spec.probes", Probes, a) for a in Probes.__dataclass_fields__})
     if prefill.tp_size != decode.tp_size:
         r.problems.append(f"spec.prefill tensor-parallel size {prefill.tp_size} differs from spec.decode's "
                           f"{decode.tp_size} (from tensorParallelSize, else resources.gpus); KV transfer moves one "
@@ -569,25 +700,17 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
 
     p = r.obj(d.get("placement"), "spec.placement")
     placement = Placement(
-        group_placement=r.choice(p, "groupPlacement", "spec.placement", "Preferred", GROUP_PLACEMENTS),
+        group_placement=r.take(p, "spec.placement", Placement, "group_placement"),
         node_selector=r.str_map(p, "nodeSelector", "spec.placement"),
         tolerations=r.list_of_obj(p, "tolerations", "spec.placement"),
         affinity=r.obj(p.get("affinity"), "spec.placement.affinity"),
         priority_class_name=r.str_(p, "priorityClassName", "spec.placement"),
     )
     k = r.obj(d.get("kernel"), "spec.kernel")
-    kernel = KernelKnobs(
-        decode_target_ctas=r.int_(k, "decodeTargetCTAs", "spec.kernel", 0, 0, 1 << 16),
-        max_kv_splits=r.int_(k, "maxKVSplits", "spec.kernel", 32, 1, 1024),
-        attention_backend=r.choice(k, "attentionBackend", "spec.kernel", "auto", ATTENTION_BACKENDS),
-    )
+    kernel = KernelKnobs(**{a: r.take(k, "spec.kernel", KernelKnobs, a) for a in KernelKnobs.__dataclass_fields__})
     w = r.obj(d.get("watchdog"), "spec.watchdog")
-    watchdog = WatchdogSpec(
-        bootstrap_timeout_s=r.num(w, "bootstrapTimeoutSeconds", "spec.watchdog", 30.0, 0.01, 86400.0),
-        transfer_timeout_s=r.num(w, "transferTimeoutSeconds", "spec.watchdog", 60.0, 0.01, 86400.0),
-        decode_transfer_timeout_s=r.num(w, "decodeTransferTimeoutSeconds", "spec.watchdog", 60.0, 0.01, 86400.0),
-        tick_s=r.num(w, "tickSeconds", "spec.watchdog", 0.5, 0.001, 60.0),
-    )
+    watchdog = WatchdogSpec(**{a: r.take(w, "spec.watchdog", WatchdogSpec, a)
+                               for a in WatchdogSpec.__dataclass_fields__})
     for key, value in (("transferTimeoutSeconds", watchdog.transfer_timeout_s),
                        ("decodeTransferTimeoutSeconds", watchdog.decode_transfer_timeout_s),
                        ("bootstrapTimeoutSeconds", watchdog.bootstrap_timeout_s)):
@@ -597,9 +720,9 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
     c = r.obj(d.get("coRestart"), "spec.coRestart")
     b = r.obj(c.get("backoff"), "spec.coRestart.backoff")
     co = CoRestartSpec(
-        policy=r.choice(c, "policy", "spec.coRestart", "Pair", CO_RESTART_POLICIES),
-        backoff_initial_s=r.num(b, "initialSeconds", "spec.coRestart.backoff", 1.0, 0.0, 3600.0),
-        backoff_max_s=r.num(b, "maxSeconds", "spec.coRestart.backoff", 300.0, 0.0, 86400.0),
+        policy=r.take(c, "spec.coRestart", CoRestartSpec, "policy"),
+        backoff_initial_s=r.take(b, "spec.coRestart.backoff", CoRestartSpec, "backoff_initial_s"),
+        backoff_max_s=r.take(b, "spec.coRestart.backoff", CoRestartSpec, "backoff_max_s"),
     )
     if co.backoff_initial_s > co.backoff_max_s:
         r.problems.append(f"spec.coRestart.backoff.initialSeconds={co.backoff_initial_s} exceeds "
@@ -609,24 +732,17 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
     canary = None
     if ro.get("canary") is not None:
         cn = r.obj(ro.get("canary"), "spec.rollout.canary")
-        canary = CanarySpec(
-            agents=r.int_(cn, "agents", "spec.rollout.canary", 8, 1, 64),
-            rounds=r.int_(cn, "rounds", "spec.rollout.canary", 10, 1, 100),
-            round_timeout_s=r.num(cn, "roundTimeoutSeconds", "spec.rollout.canary", 60.0, 1.0, 3600.0),
-            max_tokens=r.int_(cn, "maxTokens", "spec.rollout.canary", 16, 1, 4096),
-        )
-    auto = ro.get("autoRollback", False)
-    if not isinstance(auto, bool):
-        r.fail("spec.rollout.autoRollback", auto, "true | false")
-        auto = False
+        canary = CanarySpec(**{a: r.take(cn, "spec.rollout.canary", CanarySpec, a)
+                               for a in CanarySpec.__dataclass_fields__})
+    auto = r.take(ro, "spec.rollout", RolloutSpec, "auto_rollback")
     rollout = RolloutSpec(
-        soak_s=r.int_(ro, "soakSeconds", "spec.rollout", 300, 0, 86400),
+        soak_s=r.take(ro, "spec.rollout", RolloutSpec, "soak_s"),
         canary=canary,
         auto_rollback=auto,
-        rollback_window_s=r.int_(ro, "rollbackWindowSeconds", "spec.rollout", 900, 0, 86400),
+        rollback_window_s=r.take(ro, "spec.rollout", RolloutSpec, "rollback_window_s"),
     )
     st = r.obj(d.get("stall"), "spec.stall")
-    stall = StallSpec(seconds=r.num(st, "seconds", "spec.stall", 60.0, 1.0, 86400.0))
+    stall = StallSpec(seconds=r.take(st, "spec.stall", StallSpec, "seconds"))
     spec = PDSpec(
         image=image,
         engine=engine,
@@ -639,10 +755,10 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
         kernel=kernel,
         watchdog=watchdog,
         co_restart=co,
-        drift_policy=r.choice(dr, "policy", "spec.drift", "Report", DRIFT_POLICIES),
-        max_unavailable_pairs=r.int_(ro, "maxUnavailablePairs", "spec.rollout", 1, 1, 256),
-        drain_seconds=r.num(ro, "drainSeconds", "spec.rollout", 30.0, 0.0, 3600.0),
-        revision_history_limit=r.int_(d, "revisionHistoryLimit", "spec", 10, 1, 1000),
+        drift_policy=r.take(dr, "spec.drift", PDSpec, "drift_policy"),
+        max_unavailable_pairs=r.take(ro, "spec.rollout", PDSpec, "max_unavailable_pairs"),
+        drain_seconds=r.take(ro, "spec.rollout", PDSpec, "drain_seconds"),
+        revision_history_limit=r.take(d, "spec", PDSpec, "revision_history_limit"),
         probes=probes,
         sglang=sglang,
         rollout=rollout,

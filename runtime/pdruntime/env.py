@@ -156,21 +156,26 @@ class RuntimeEnv:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "RuntimeEnv":
         env = os.environ if environ is None else environ
+        # an unset variable takes the field's default: defaults live only in the class body above (the operator's
+        # spec.py must agree; tests/operator/test_single_source.py holds them together)
+        d = cls()
         return cls(
-            attention_backend=_choice(env, "ATTENTION_BACKEND", "auto", ATTENTION_BACKENDS),
-            decode_target_ctas=_int(env, "DECODE_TARGET_CTAS", 0, lo=0, hi=1 << 16),
-            max_kv_splits=_int(env, "MAX_KV_SPLITS", 32, lo=1, hi=1024),
+            attention_backend=_choice(env, "ATTENTION_BACKEND", d.attention_backend, ATTENTION_BACKENDS),
+            decode_target_ctas=_int(env, "DECODE_TARGET_CTAS", d.decode_target_ctas, lo=0, hi=1 << 16),
+            max_kv_splits=_int(env, "MAX_KV_SPLITS", d.max_kv_splits, lo=1, hi=1024),
             model=_opt_str(env, "MODEL"),
-            bootstrap_timeout_s=_float(env, "BOOTSTRAP_TIMEOUT_S", 30.0, lo=0.01, hi=86400.0),
-            transfer_timeout_s=_float(env, "TRANSFER_TIMEOUT_S", 60.0, lo=0.01, hi=86400.0),
-            decode_transfer_timeout_s=_float(env, "DECODE_TRANSFER_TIMEOUT_S", 60.0, lo=0.01, hi=86400.0),
-            watchdog_tick_s=_float(env, "WATCHDOG_TICK_S", 0.5, lo=0.001, hi=60.0),
+            bootstrap_timeout_s=_float(env, "BOOTSTRAP_TIMEOUT_S", d.bootstrap_timeout_s, lo=0.01, hi=86400.0),
+            transfer_timeout_s=_float(env, "TRANSFER_TIMEOUT_S", d.transfer_timeout_s, lo=0.01, hi=86400.0),
+            decode_transfer_timeout_s=_float(env, "DECODE_TRANSFER_TIMEOUT_S", d.decode_transfer_timeout_s, lo=0.01,
+                                             hi=86400.0),
+            watchdog_tick_s=_float(env, "WATCHDOG_TICK_S", d.watchdog_tick_s, lo=0.001, hi=60.0),
             kv_auth_token=_opt_str(env, "KV_AUTH_TOKEN"),
             kv_auth_token_file=_opt_str(env, "KV_AUTH_TOKEN_FILE"),
-            engine_max_step_failures=_int(env, "ENGINE_MAX_STEP_FAILURES", 5, lo=1, hi=100000),
-            engine_failure_exit_grace_s=_float(env, "ENGINE_FAILURE_EXIT_GRACE_S", 2.0, lo=0.0, hi=600.0),
+            engine_max_step_failures=_int(env, "ENGINE_MAX_STEP_FAILURES", d.engine_max_step_failures, lo=1, hi=100000),
+            engine_failure_exit_grace_s=_float(env, "ENGINE_FAILURE_EXIT_GRACE_S", d.engine_failure_exit_grace_s,
+                                               lo=0.0, hi=600.0),
             instance_id=_opt_str(env, "INSTANCE_ID"),
-            parent_pid=_int(env, "PARENT_PID", 0, lo=0, hi=(1 << 31) - 1),
+            parent_pid=_int(env, "PARENT_PID", d.parent_pid, lo=0, hi=(1 << 31) - 1),
             report_env=parse_allow_list(env.get(PREFIX + "REPORT_ENV")),
             test_hooks=_choice(env, "TEST_HOOKS", "0", ("0", "1")) == "1",
         )
