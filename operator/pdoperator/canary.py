@@ -130,7 +130,7 @@ def verdict(report: Any, *, watchdog_fires: int = 0, stall: str | None = None) -
         if not f:
             return False, "probe failed without a failure record"
         age = f.get("age_s")
-        return False, (f"round {f.get('round')} of {len(rounds) or '?'}: agent {f.get('agent')} "
+        return False, (f"round {f.get('round')}: agent {f.get('agent')} "
                        f"{'hung' if f.get('kind') == 'hang' else 'failed'} at stage {f.get('stage') or '?'}"
                        + (f", {age:.1f}s old" if isinstance(age, (int, float)) else "")
                        + (f": {f.get('detail')}" if f.get("detail") else ""))

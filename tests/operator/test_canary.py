@@ -84,10 +84,10 @@ class Report:  # what run_agents_probe returns: read through to_dict()
 @pytest.mark.parametrize("report,fires,stall,passed,evidence", [
     (CLEAN, 0, None, True, "3 round(s), 6 request(s) completed, slowest 1.20s"),
     (Report(CLEAN), 0, None, True, "3 round(s), 6 request(s) completed, slowest 1.20s"),
-    (HANG, 0, None, False, "round 2 of 2: agent 1 hung at stage decode, 10.0s old: no byte for 10.0s"),
-    (Report(HANG), 0, None, False, "round 2 of 2: agent 1 hung at stage decode, 10.0s old: no byte for 10.0s"),
+    (HANG, 0, None, False, "round 2: agent 1 hung at stage decode, 10.0s old: no byte for 10.0s"),
+    (Report(HANG), 0, None, False, "round 2: agent 1 hung at stage decode, 10.0s old: no byte for 10.0s"),
     ({"ok": False, "rounds": [], "failure": {"kind": "error", "detail": "the probe could not run: X"}}, 0, None,
-     False, "round None of ?: agent None failed at stage ?: the probe could not run: X"),
+     False, "round None: agent None failed at stage ?: the probe could not run: X"),
     ({"ok": False, "rounds": []}, 0, None, False, "probe failed without a failure record"),
     (CLEAN, 2, None, False, "watchdog fired 2 time(s) on the canary pair during the probe"),
     (CLEAN, 0, "pair 3: decode request 12s without progress", False,
@@ -101,7 +101,7 @@ def test_probe_transitions_and_status_round_trip():
     probing = c.start_probe(PENDING, NOW)
     assert probing.phase == c.PROBING and probing.started_at == NOW and probing.holds_traffic_off
     failed = c.finish_probe(probing, HANG, NOW + 25)
-    assert failed.phase == c.FAILED and not failed.holds_traffic_off and failed.evidence.startswith("round 2 of 2")
+    assert failed.phase == c.FAILED and not failed.holds_traffic_off and failed.evidence.startswith("round 2: ")
     passed = c.finish_probe(probing, Report(CLEAN), NOW + 25)
     assert passed.phase == c.PASSED and len(passed.rounds) == 3
     for s in (PENDING, probing, failed, passed):
