@@ -671,7 +671,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     facts = Facts(generation=generation, desired_revision=revision, router_ready=router_ready,
                   unschedulable_message=unsched, drift=drift_lines, rejections=steps.rejections,
                   topology_version=doc["generation"], selector=selector,
-                  canary=canary.to_status(iso) if canary is not None else None, canary_failed=canary_failed,
+                  canary=_canary_record(canary, prior, revision), canary_failed=canary_failed,
                   last_known_good=good, auto_rollback=auto)
     new = build_status(old_status, plan, facts, now)
     if unsched and old_conds.get("Progressing", {}).get("reason") != "Unschedulable":
@@ -693,6 +693,14 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     if not new["conditions"][0]["status"] == "True" and plan.requeue_after is None:
         return 10.0  # not ready yet: look again even if no event arrives
     return plan.requeue_after
+
+
+def _canary_record(canary: Any, prior: Any, revision: str) -> dict[str, Any] | None:
+    """``status.canary``: the canary in progress, else the last one of the spec's revision (it passed and the
+    rollout finished), else none."""
+    if canary is None and prior is not None and prior.revision == revision:
+        canary = prior
+    return canary.to_status(iso) if canary is not None else None
 
 
 def _topology_group(s: Any, spec: Any, *, canary: bool = False) -> TopologyPair:
