@@ -254,8 +254,8 @@ def last_known_good(obj: dict[str, Any], revs: list[dict[str, Any]]) -> str | No
     good = ((obj.get("status") or {}).get("lastKnownGoodRevision"))
     if good:
         return str(good)
-    marked = [(((r.get("metadata") or {}).get("annotations") or {}).get(ANN_KNOWN_GOOD), (r.get("data") or {}).get("revision"))
-              for r in revs]
+    marked = [(((r.get("metadata") or {}).get("annotations") or {}).get(ANN_KNOWN_GOOD),
+               (r.get("data") or {}).get("revision")) for r in revs]
     marked = [m for m in marked if m[0] and m[1]]
     return max(marked)[1] if marked else None
 

@@ -239,7 +239,8 @@ class Plan:
         return tuple(a for a in self.actions if isinstance(a, CoRestart))
 
 
-def _trigger(live: Sequence[PodView], slots: Sequence[str] = ROLES, revert: str | None = None) -> tuple[str, str] | None:
+def _trigger(live: Sequence[PodView], slots: Sequence[str] = ROLES,
+             revert: str | None = None) -> tuple[str, str] | None:
     """(reason, detail) if this group must co-restart, judged from its live pods (``revert``: drift to undo)."""
     for reason, hit in ((EVICTED, lambda p: p.evicted), (OOM_KILLED, lambda p: p.oom_killed),
                         (FAILED, lambda p: p.phase == "Failed"), (CONTAINER_RESTART, lambda p: p.restarts > 0)):

@@ -18,7 +18,7 @@ import logging
 import secrets
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Mapping
 
 import yaml
@@ -500,6 +500,57 @@ async def _auto_rollback(kube: Kube, body: Mapping[str, Any], log: logging.Logge
     return record
 
 
+@dataclass(frozen=True)
+class Safety:
+    """What one reconcile's rollout-safety step leaves for the status and the requeue."""
+
+    canary: dict[str, Any] | None  # status.canary
+    canary_failed: str | None  # the CanaryFailed message
+    last_known_good: str | None
+    auto_rollback: dict[str, Any] | None  # a new status.autoRollback (None: unchanged)
+    wait: float | None  # look again this soon (a probe running, a soak ending)
+
+
+async def _rollout_safety(kube: Kube, steps: Steps, body: Mapping[str, Any], log: logging.Logger, *, spec: Any,
+                          revision: str, plan: Plan, crs: Mapping[str, Mapping[str, Any]], canary: Any, prior: Any,
+                          old_status: Mapping[str, Any], http: RouterLink | None, router_ips: list[str],
+                          token: str | None, routers_confirmed: bool, cfg: OperatorConfig, now: float) -> Safety:
+    """The canary's next step, known-good after the soak, auto-rollback on an early stall (canary.py decides)."""
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    stall = next((c for c in old_status.get("conditions") or [] if c.get("type") == "Stalled"), None)
+    _cancel_probes(ns, name, keep=canary.revision if canary is not None else None)
+    wait: float | None = None
+    canary_failed = None
+    if canary is not None:
+        before = canary.phase
+        canary = await _advance_canary(canary, key=(ns, name, canary.revision), plan=plan, spec=spec, http=http,
+                                       router_ips=router_ips, token=token, routers_confirmed=routers_confirmed,
+                                       stall=stall, cfg=cfg, now=now)
+        if canary.phase in (rollout_safety.PENDING, rollout_safety.PROBING):
+            wait = CANARY_POLL_S
+        elif canary.phase != before:
+            wait = 0.05  # promote, or roll the canary pair back, at once
+        if canary.phase != before:
+            await _canary_event(kube, body, log, canary, crs)
+        if canary.phase == rollout_safety.FAILED:
+            canary_failed = (f"revision {canary.revision} failed its canary on pair {canary.pair}: {canary.evidence}; "
+                             f"tried: {'; '.join(change_lines(crs, canary.from_revision, canary.revision))}")
+    serving = {p.revision for p in plan.pairs}  # the revision every pair runs (the spec's, or a canary's old one)
+    good, soak = await _known_good(kube, steps, body, log, spec=spec,
+                                   revision=serving.pop() if len(serving) == 1 else revision, plan=plan, crs=crs,
+                                   previous=old_status.get("lastKnownGoodRevision"), stall=stall, now=now)
+    auto = await _auto_rollback(kube, body, log, spec=spec, revision=revision, crs=crs, good=good, stall=stall,
+                                previous=old_status.get("autoRollback"), canary=canary, now=now)
+    return Safety(_canary_record(canary, prior, revision), canary_failed, good, auto,
+                  min((w for w in (wait, soak) if w is not None), default=None))
+
+
+def _cancel_probes(namespace: str, name: str, keep: str | None) -> None:
+    """A probe of a revision the spec no longer asks for is of no use: cancel it."""
+    for key in [k for k in _PROBES if k[:2] == (namespace, name) and k[2] != keep]:
+        _PROBES.pop(key).cancel()
+
+
 async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logger,
                     router: RouterLink | None = None, config: OperatorConfig | None = None,
                     now: float | None = None) -> float | None:
@@ -645,34 +696,15 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     metrics.PAIRS_READY.labels(namespace, name).set(sum(1 for s in plan.pairs if s.ready))
     metrics.PAIRS_DESIRED.labels(namespace, name).set(spec.pairs)
 
-    # rollout safety: the canary's next step, known-good after the soak, auto-rollback on an early stall
-    stall = old_conds.get("Stalled")
-    wait: float | None = None
-    canary_failed = None
-    if canary is not None:
-        before = canary.phase
-        canary = await _advance_canary(canary, key=(namespace, name, canary.revision), plan=plan, spec=spec,
-                                       http=router if drains else None, router_ips=router_ips, token=token,
-                                       routers_confirmed=routers_confirmed, stall=stall, cfg=cfg, now=now)
-        if canary.phase in (rollout_safety.PENDING, rollout_safety.PROBING):
-            wait = CANARY_POLL_S
-        elif canary.phase != before:
-            wait = 0.05  # promote, or roll the canary pair back, at once
-        if canary.phase != before:
-            await _canary_event(kube, body, log, canary, crs)
-        if canary.phase == rollout_safety.FAILED:
-            canary_failed = (f"revision {canary.revision} failed its canary on pair {canary.pair}: {canary.evidence}; "
-                             f"tried: {'; '.join(change_lines(crs, canary.from_revision, canary.revision))}")
-    good, soak = await _known_good(kube, steps, body, log, spec=spec, revision=revision, plan=plan, crs=crs,
-                                   previous=old_status.get("lastKnownGoodRevision"), stall=stall, now=now)
-    wait = min((w for w in (wait, soak) if w is not None), default=None)
-    auto = await _auto_rollback(kube, body, log, spec=spec, revision=revision, crs=crs, good=good, stall=stall,
-                                previous=old_status.get("autoRollback"), canary=canary, now=now)
+    safety = await _rollout_safety(kube, steps, body, log, spec=spec, revision=revision, plan=plan, crs=crs,
+                                   canary=canary, prior=prior, old_status=old_status,
+                                   http=router if drains else None, router_ips=router_ips, token=token,
+                                   routers_confirmed=routers_confirmed, cfg=cfg, now=now)
     facts = Facts(generation=generation, desired_revision=revision, router_ready=router_ready,
                   unschedulable_message=unsched, drift=drift_lines, rejections=steps.rejections,
                   topology_version=doc["generation"], selector=selector,
-                  canary=_canary_record(canary, prior, revision), canary_failed=canary_failed,
-                  last_known_good=good, auto_rollback=auto)
+                  canary=safety.canary, canary_failed=safety.canary_failed,
+                  last_known_good=safety.last_known_good, auto_rollback=safety.auto_rollback)
     new = build_status(old_status, plan, facts, now)
     if unsched and old_conds.get("Progressing", {}).get("reason") != "Unschedulable":
         await post_event(kube, body, "Warning", "Unschedulable", unsched)
@@ -684,8 +716,8 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
             metrics.RECONCILE_ERRORS.labels(namespace, name, "ApiRejected").inc()
     await _write_status(kube, namespace, name, body, new)
     metrics.RECONCILE_DURATION.labels(namespace, name).observe(time.perf_counter() - t0)
-    if wait is not None:
-        plan = replace(plan, requeue_after=min(plan.requeue_after or wait, wait))
+    if safety.wait is not None:
+        plan = replace(plan, requeue_after=min(plan.requeue_after or safety.wait, safety.wait))
     if cfg.process_drift_s > 0 and router is not None:  # the drift timer: read the processes again in time
         plan = replace(plan, requeue_after=min(plan.requeue_after or cfg.process_drift_s, cfg.process_drift_s))
     if steps.rejections:
