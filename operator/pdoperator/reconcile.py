@@ -599,7 +599,9 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     # canary: which revision each pair runs now; the old revision's spec renders the pairs that keep it
     specs = {revision: spec}
     prior = rollout_safety.CanaryState.from_status(old_status.get("canary"))
-    canary = rollout_safety.plan_canary(spec.rollout.canary, pairs=spec.pairs, desired=revision, current=current,
+    # (engine sglang: its router takes a static list and cannot hold a pair out of traffic; no canary)
+    canary = rollout_safety.plan_canary(spec.rollout.canary if spec.engine == "pdrt" else None, pairs=spec.pairs,
+                                        desired=revision, current=current,
                                         prior=prior, known_good=old_status.get("lastKnownGoodRevision"))
     if canary is not None:
         old_spec = revision_spec_of(crs.get(canary.from_revision), body.get("spec"), name)
