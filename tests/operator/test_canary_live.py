@@ -136,3 +136,5 @@ async def test_canary_catches_a_bad_knob_and_the_other_pair_never_gets_it(tmp_pa
         # normal traffic keeps flowing through the router meanwhile
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 200, r.text
+        print(f"CanaryFailed: {msg}")
+        print(f"probe rounds: {st.get('rounds')}")
