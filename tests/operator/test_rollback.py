@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -141,3 +142,50 @@ async def test_rollback_to_last_known_good_without_one_is_an_error(operator, cap
     await eventually(lambda: is_ready(c, "young"), what="Ready")
     rc, _ = await kpd("rollback", "young", "--last-known-good")
     assert rc == 2 and "no known-good revision yet" in capsys.readouterr().err
+
+
+async def test_auto_rollback_on_a_stall_soon_after_a_revision_change(operator):
+    """The operator's path from a Stalled condition to the spec patch. The stall detector (stall11) writes
+    Stalled into status in a real run; here the test writes it, as that detector would, with its
+    lastTransitionTime (the slow test_rollback_live.py has the real detector and real processes)."""
+    from pdop_harness import PDDS
+    from pdoperator.status import iso
+    import time
+
+    c = operator
+    name = "ar"
+    c.apply(manifest(name, pairs=2, rollout={"soakSeconds": 1, "autoRollback": True, "rollbackWindowSeconds": 600}))
+    await eventually(lambda: is_ready(c, name), what="Ready")
+    good = c.pdd(name)["status"]["currentRevision"]
+    await eventually(lambda: c.pdd(name)["status"].get("lastKnownGoodRevision") == good, timeout=15,
+                     what="known-good")
+    c.patch_spec(name, {"decode": {"resources": {"gpus": 1}, "env": [{"name": "PDRT_FAULT_DECODE_STALL_AFTER",
+                                                                    "value": "1"}]}})
+    bad = await eventually(lambda: (st := c.pdd(name)["status"]).get("currentRevision") not in (None, good)
+                           and st["currentRevision"] == st["updateRevision"] and is_ready(c, name)
+                           and st["currentRevision"], timeout=30, what="the knob rolled out")
+    stalled_at = iso(time.time())
+
+    def stall() -> list:
+        obj = c.pdd(name)
+        conds = [x for x in obj["status"]["conditions"] if x["type"] != "Stalled"]
+        conds.append({"type": "Stalled", "status": "True", "reason": "NoProgress", "lastTransitionTime": stalled_at,
+                      "message": "pair 0: decode request 12s old without a token"})
+        if not c.events(name, "AutoRollback"):
+            c.api._store(PDDS, "default", name, {**obj, "status": {**obj["status"], "conditions": conds}},
+                         subresource="status")
+            c.patch_spec(name, {})  # wakes the daemon (a PDDeployment event)
+        return c.events(name, "AutoRollback")
+    events = await eventually(stall, timeout=20, interval=0.3, what="AutoRollback")
+    assert len(events) == 1 and events[0]["type"] == "Warning"
+    msg = events[0]["message"]
+    assert f"revision {bad}" in msg and f"last known-good revision {good}" in msg, msg
+    assert msg.endswith("reverting: decode.env.PDRT_FAULT_DECODE_STALL_AFTER: <unset> -> 1"), msg
+    assert "env" not in c.pdd(name)["spec"]["decode"]
+    record = c.pdd(name)["status"]["autoRollback"]
+    assert record["from"] == bad and record["to"] == good and record["reverted"] == [bad]
+    await eventually(lambda: (st := c.pdd(name)["status"])["currentRevision"] == good and is_ready(c, name),
+                     timeout=30, what="back at the known-good revision")
+    # the stall still shows (nothing cleared it in this test): no second rollback, no flapping
+    await asyncio.sleep(1.0)
+    assert len(c.events(name, "AutoRollback")) == 1
