@@ -18,7 +18,8 @@ Canary (``spec.rollout.canary``; at least 2 pairs and a current revision to fall
 Known-good: a revision that every pair has run, ready, for ``rollout.soakSeconds`` with condition
 ``Stalled`` not True. Auto-rollback (``rollout.autoRollback``): a stall that starts within
 ``rollbackWindowSeconds`` of the spec's revision becoming current rolls the spec back to the last
-known-good revision, once per revision (no flapping).
+known-good revision other than that one (a revision can soak before the load that breaks it arrives),
+once per revision (no flapping).
 """
 
 from __future__ import annotations
@@ -174,12 +175,20 @@ def soak_left(*, revision: str, pairs: Sequence[Any], n_pairs: int, stall: Mappi
     return max(0.0, start + soak_s - now)
 
 
+def rollback_target(known_good: Sequence[tuple[float, str]], desired: str) -> str | None:
+    """The revision an auto-rollback goes to: the most recent to become known-good other than ``desired``.
+    ``known_good``: (known-good since, revision) of every recorded revision that became known-good."""
+    others = [(t, rev) for t, rev in known_good if rev != desired]
+    return max(others)[1] if others else None
+
+
 def auto_rollback(*, enabled: bool, window_s: float, desired: str, last_known_good: str | None,
                   changed_at: float | None, stall: Mapping[str, Any] | None, reverted: Sequence[str],
                   canary: CanaryState | None = None) -> str | None:
     """The revision to roll the spec back to, or None. A stall (condition Stalled turned True) that
-    started within ``window_s`` after ``desired`` became current rolls back to ``last_known_good``,
-    once per revision (``reverted``). A revision under a canary is the canary's to judge."""
+    started within ``window_s`` after ``desired`` became current rolls back to ``last_known_good`` (from
+    :func:`rollback_target`), once per revision (``reverted``). A revision under a canary is the canary's
+    to judge."""
     if not enabled or not last_known_good or desired == last_known_good or desired in reverted:
         return None
     if canary is not None and canary.revision == desired and canary.phase != PASSED:

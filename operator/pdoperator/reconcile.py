@@ -143,9 +143,10 @@ async def _ensure_revision(kube: Kube, owner: Owner, spec: Any, revision: str, n
 
 async def _prune(kube: Kube, owner: Owner, revisions: list[dict[str, Any]], keep: int,
                  protected: set[str]) -> list[dict[str, Any]]:
-    """Delete the oldest ControllerRevisions beyond ``keep`` (never a protected one, which may outlive the
-    limit for a while); returns those kept."""
-    victims = prune_history(revisions, keep, protected)
+    """Delete the oldest ControllerRevisions beyond ``keep`` (never a protected one, nor the two most recent
+    known-good ones: an auto-rollback's targets; they may outlive the limit for a while); returns those kept."""
+    good = sorted(_known_good_records({(r.get("data") or {}).get("revision"): r for r in revisions}), reverse=True)
+    victims = prune_history(revisions, keep, set(protected) | {rev for _, rev in good[:2]})
     for victim in victims:
         await kube.delete(path("apps/v1", "ControllerRevision", owner.namespace, victim))
     return [r for r in revisions if r["metadata"]["name"] not in victims]
@@ -418,15 +419,23 @@ def rollback_patch(current: Mapping[str, Any], recorded: Mapping[str, Any]) -> d
     return merge_patch(dict(current), restore_spec(current, recorded))
 
 
+def _known_good_records(crs: Mapping[str, Mapping[str, Any]]) -> list[tuple[float, str]]:
+    """(known-good since, revision) of every recorded revision annotated known-good."""
+    out = []
+    for rev, c in crs.items():
+        t = parse_iso(((c.get("metadata") or {}).get("annotations") or {}).get(ANN_KNOWN_GOOD))
+        if t is not None and rev:
+            out.append((t, rev))
+    return out
+
+
 async def _known_good(kube: Kube, steps: Steps, body: Mapping[str, Any], log: logging.Logger, *, spec: Any,
                       revision: str, plan: Plan, crs: Mapping[str, Mapping[str, Any]], previous: str | None,
                       stall: Mapping[str, Any] | None, now: float) -> tuple[str | None, float | None]:
     """(lastKnownGoodRevision, seconds until the soak ends). Recorded in status and as an annotation on
     the revision's ControllerRevision (so a lost status can be rebuilt)."""
     if previous is None:  # from the records
-        good = [(parse_iso(((c.get("metadata") or {}).get("annotations") or {}).get(ANN_KNOWN_GOOD)), rev)
-                for rev, c in crs.items()]
-        good = [(t, rev) for t, rev in good if t is not None]
+        good = _known_good_records(crs)
         previous = max(good)[1] if good else None
     left = rollout_safety.soak_left(revision=revision, pairs=plan.pairs, n_pairs=spec.pairs, stall=stall,
                                     soak_s=spec.rollout.soak_s, now=now)
@@ -474,8 +483,9 @@ async def _auto_rollback(kube: Kube, body: Mapping[str, Any], log: logging.Logge
     reverted = list((previous or {}).get("reverted") or [])
     cr = crs.get(revision)
     changed_at = parse_iso(((cr or {}).get("metadata") or {}).get("annotations", {}).get(ANN_CURRENT_SINCE))
+    target = good if good != revision else rollout_safety.rollback_target(_known_good_records(crs), revision)
     to = rollout_safety.auto_rollback(enabled=spec.rollout.auto_rollback, window_s=spec.rollout.rollback_window_s,
-                                      desired=revision, last_known_good=good, changed_at=changed_at, stall=stall,
+                                      desired=revision, last_known_good=target, changed_at=changed_at, stall=stall,
                                       reverted=reverted, canary=canary)
     if to is None:
         return None

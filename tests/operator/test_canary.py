@@ -164,3 +164,13 @@ def test_auto_rollback(kw, expect):
                 stall=cond("True", NOW - 50), reverted=[], canary=None)
     args.update(kw)
     assert c.auto_rollback(**args) == expect
+
+
+@pytest.mark.parametrize("known_good,desired,expect", [
+    ([], "bad", None),
+    ([(1.0, "a"), (2.0, "b")], "c", "b"),   # the most recent to become known-good
+    ([(1.0, "a"), (2.0, "bad")], "bad", "a"),  # the stalled revision soaked before the load came: the one before
+    ([(2.0, "bad")], "bad", None),
+])
+def test_rollback_target(known_good, desired, expect):
+    assert c.rollback_target(known_good, desired) == expect

@@ -21,8 +21,9 @@ from test_canary_live import FAULT, live_stack, pods_ready
 pytestmark = pytest.mark.slow
 
 
-async def test_a_stall_after_a_revision_change_rolls_back_to_last_known_good(tmp_path):
+async def test_a_stall_after_a_revision_change_rolls_back_to_last_known_good(tmp_path, monkeypatch):
     pytest.importorskip("pdruntime.probe_agents", reason="the fault knob (rt11) is not on this branch yet")
+    monkeypatch.setenv("PDSTACK_OPERATOR_STALL_CHECK_S", "1")  # the stall sweep: every second, not every 15
     name = "auto"
     rollout = {"drainSeconds": 2, "soakSeconds": 2, "autoRollback": True, "rollbackWindowSeconds": 600}
     async with live_stack(tmp_path, name, pairs=1, rollout=rollout, stall={"seconds": 3}) as (c, url):
@@ -31,7 +32,7 @@ async def test_a_stall_after_a_revision_change_rolls_back_to_last_known_good(tmp
                          interval=0.2, what="first revision known-good")
         decode = dict(c.pdd(name)["spec"]["decode"])
         decode["env"] = [{"name": FAULT, "value": "1"}]
-        c.patch_spec(name, {"decode": decode})
+        c.patch_spec(name, {"decode": decode})  # (it may soak before the agents arrive: known-good, then stalls)
         bad = await eventually(lambda: (st := c.pdd(name)["status"]).get("currentRevision") not in (None, good)
                                and st["currentRevision"] == st["updateRevision"] and pods_ready(c, name, 2)
                                and st["currentRevision"], timeout=150, interval=0.2, what="the knob rolled out")
@@ -47,6 +48,10 @@ async def test_a_stall_after_a_revision_change_rolls_back_to_last_known_good(tmp
                                        timeout=60, interval=0.2, what="Stalled")
             events = await eventually(lambda: c.events(name, "AutoRollback"), timeout=30, interval=0.2,
                                       what="AutoRollback Event")
+        except AssertionError:
+            for e in c.events(name):
+                print("EVENT", e["reason"], e["message"][:300])
+            raise
         finally:
             agent.cancel()
         assert len(events) == 1 and events[0]["type"] == "Warning", events
@@ -56,6 +61,8 @@ async def test_a_stall_after_a_revision_change_rolls_back_to_last_known_good(tmp
         st = c.pdd(name)["status"]
         assert st["autoRollback"]["from"] == bad and st["autoRollback"]["to"] == good
         assert "env" not in c.pdd(name)["spec"]["decode"]  # the spec is the known-good one again
+        print(f"Stalled: {stalled['message']}")
+        print(f"AutoRollback: {msg}")
         assert stalled["status"] == "True"
         await eventually(lambda: (s := c.pdd(name)["status"])["currentRevision"] == good
                          and s["updateRevision"] == good and pods_ready(c, name, 2), timeout=150, interval=0.2,
