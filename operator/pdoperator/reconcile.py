@@ -33,8 +33,8 @@ from .render import (ADMIN_KEY, KV_AUTH_KEY, LABEL_COMPONENT, LABEL_DEPLOYMENT, 
                      admin_secret_name, kv_secret,
                      kv_secret_name, router_name, static_children, topology_doc, topology_generation, topology_name,
                      worker_env, worker_pod)
-from .revisions import (ANN_CURRENT_SINCE, ANN_KNOWN_GOOD, controller_revision, diff_configs, prune_history,
-                        recorded_spec, restore_spec, revision_hash, revision_view, show)
+from .revisions import (ANN_CURRENT_SINCE, ANN_KNOWN_GOOD, controller_revision, diff_configs, merge_patch,
+                        prune_history, recorded_spec, restore_spec, revision_hash, revision_view, show)
 from .routerlink import RouterLink, router_pods_ready
 from .spec import GROUP, KIND, VERSION, SpecError, parse_spec
 from .status import Facts, build_status, invalid_status, iso, memory_from_status, same_status
@@ -382,11 +382,12 @@ async def _advance_canary(state: Any, *, key: tuple[str, str, str], plan: Plan, 
     if state.phase != rollout_safety.PROBING:
         return state
     task = _PROBES.get(key)
-    if task is None:  # just started, or the operator restarted while probing: (re)start it
-        headers = {"X-PDStack-Pair": str(state.pair), "X-PDStack-Admin-Token": token or ""}
-        metrics_urls = [f"http://{ip}:{cfg.worker_port}/metrics" for ip in (pair.members or {}).values() if ip]
-        _PROBES[key] = asyncio.create_task(_canary_probe(http, f"http://{router_ips[0]}:{http.port}", headers, spec,
-                                                         metrics_urls) if router_ips else _no_router())
+    if task is None:  # just started, or the operator restarted while probing: (re)start it once a router is up
+        if router_ips and token:
+            headers = {"X-PDStack-Pair": str(state.pair), "X-PDStack-Admin-Token": token}
+            metrics_urls = [f"http://{ip}:{cfg.worker_port}/metrics" for ip in (pair.members or {}).values() if ip]
+            _PROBES[key] = asyncio.create_task(_canary_probe(http, f"http://{router_ips[0]}:{http.port}", headers,
+                                                             spec, metrics_urls))
         return state
     if not task.done():
         return state
@@ -395,10 +396,6 @@ async def _advance_canary(state: Any, *, key: tuple[str, str, str], plan: Plan, 
     msg = (stall or {}).get("message") or ""
     pair_stall = msg if rollout_safety.stalled(stall) and (f"pair {state.pair}" in msg or "pair " not in msg) else None
     return rollout_safety.finish_probe(state, report, now, watchdog_fires=fires, stall=pair_stall)
-
-
-async def _no_router() -> tuple[dict[str, Any], int]:
-    return {"ok": False, "rounds": [], "failure": {"kind": "error", "detail": "no router pod to probe through"}}, 0
 
 
 async def _rollback_spec(kube: Kube, body: Mapping[str, Any], cr: Mapping[str, Any]) -> None:
@@ -415,7 +412,6 @@ async def _rollback_spec(kube: Kube, body: Mapping[str, Any], cr: Mapping[str, A
 
 def rollback_patch(current: Mapping[str, Any], recorded: Mapping[str, Any]) -> dict[str, Any]:
     """The merge patch of ``spec`` that restores a revision's fields (the others untouched)."""
-    from .revisions import merge_patch
     return merge_patch(dict(current), restore_spec(current, recorded))
 
 
