@@ -47,6 +47,7 @@ class CanaryState:
     finished_at: float | None = None
     evidence: str = ""  # one line: why it failed (round, agent, stage, age) or what passed
     rounds: tuple[Mapping[str, Any], ...] = ()  # the probe's per-round results
+    since: float | None = None  # the canary began (a co-restart of its pair after this fails it)
 
     @property
     def holds_traffic_off(self) -> bool:
@@ -64,6 +65,8 @@ class CanaryState:
             out["evidence"] = self.evidence
         if self.rounds:
             out["rounds"] = [dict(r) for r in self.rounds]
+        if self.since is not None:
+            out["since"] = iso(self.since)
         return out
 
     @staticmethod
@@ -73,7 +76,8 @@ class CanaryState:
         try:
             return CanaryState(str(raw["revision"]), int(raw["pair"]), str(raw["phase"]), str(raw["fromRevision"]),
                                parse_iso(raw.get("startedAt")), parse_iso(raw.get("finishedAt")),
-                               str(raw.get("evidence") or ""), tuple(raw.get("rounds") or ()))
+                               str(raw.get("evidence") or ""), tuple(raw.get("rounds") or ()),
+                               parse_iso(raw.get("since")))
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -84,7 +88,8 @@ def canary_pair(pairs: int) -> int:
 
 
 def plan_canary(canary: CanarySpec | None, *, pairs: int, desired: str, current: str | None,
-                prior: CanaryState | None, known_good: str | None = None) -> CanaryState | None:
+                prior: CanaryState | None, known_good: str | None = None,
+                now: float | None = None) -> CanaryState | None:
     """The canary for this reconcile: the one in status if it is still about ``desired``, a new one when a
     new revision appears, None when there is nothing to try (no canary configured, fewer than
     :data:`MIN_PAIRS` pairs, no current revision yet, the spec asks for the current revision, or for the
@@ -93,7 +98,7 @@ def plan_canary(canary: CanarySpec | None, *, pairs: int, desired: str, current:
         return None
     if prior is not None and prior.revision == desired and prior.pair < pairs:
         return prior
-    return CanaryState(desired, canary_pair(pairs), PENDING, current)
+    return CanaryState(desired, canary_pair(pairs), PENDING, current, since=now)
 
 
 def targets(state: CanaryState | None, *, pairs: int, desired: str) -> dict[int, str]:
@@ -114,6 +119,17 @@ def ready_to_probe(state: CanaryState, *, pair_revision: str | None, pair_ready:
 
 def start_probe(state: CanaryState, now: float) -> CanaryState:
     return replace(state, phase=PROBING, started_at=now, finished_at=None, evidence="", rounds=())
+
+
+def crashed(state: CanaryState, *, last_co_restart_at: float | None, reason: str | None, now: float) -> CanaryState:
+    """Pending/Probing -> Failed when the canary pair co-restarted since the canary began: the new revision
+    crashes (or is evicted, OOM-killed...) before any probe could judge it."""
+    if state.phase not in (PENDING, PROBING) or state.since is None or last_co_restart_at is None:
+        return state
+    if last_co_restart_at < state.since:
+        return state
+    return replace(state, phase=FAILED, finished_at=now,
+                   evidence=f"pair {state.pair} co-restarted ({reason or 'unknown reason'}) while on trial")
 
 
 def _report(report: Any) -> Mapping[str, Any]:

@@ -374,6 +374,8 @@ async def _advance_canary(state: Any, *, key: tuple[str, str, str], plan: Plan, 
     pair = plan.pairs[state.pair] if state.pair < len(plan.pairs) else None
     if pair is None or http is None:
         return state
+    state = rollout_safety.crashed(state, last_co_restart_at=pair.memory.last_co_restart_at,
+                                   reason=pair.memory.last_co_restart_reason, now=now)
     if state.phase == rollout_safety.PENDING:
         if not (router_ips and token and rollout_safety.ready_to_probe(
                 state, pair_revision=pair.revision, pair_ready=pair.ready, routers_confirmed=routers_confirmed)):
@@ -524,7 +526,7 @@ async def _rollout_safety(kube: Kube, steps: Steps, body: Mapping[str, Any], log
     """The canary's next step, known-good after the soak, auto-rollback on an early stall (canary.py decides)."""
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     stall = next((c for c in old_status.get("conditions") or [] if c.get("type") == "Stalled"), None)
-    _cancel_probes(ns, name, keep=canary.revision if canary is not None else None)
+    _cancel_probes(ns, name, keep=canary.revision if canary is not None and canary.holds_traffic_off else None)
     wait: float | None = None
     canary_failed = None
     if canary is not None:
@@ -608,7 +610,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     # (engine sglang: its router takes a static list and cannot hold a pair out of traffic; no canary)
     canary = rollout_safety.plan_canary(spec.rollout.canary if spec.engine == "pdrt" else None, pairs=spec.pairs,
                                         desired=revision, current=current,
-                                        prior=prior, known_good=old_status.get("lastKnownGoodRevision"))
+                                        prior=prior, known_good=old_status.get("lastKnownGoodRevision"), now=now)
     if canary is not None:
         old_spec = revision_spec_of(crs.get(canary.from_revision), body.get("spec"), name)
         if old_spec is None:

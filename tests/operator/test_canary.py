@@ -174,3 +174,23 @@ def test_auto_rollback(kw, expect):
 ])
 def test_rollback_target(known_good, desired, expect):
     assert c.rollback_target(known_good, desired) == expect
+
+
+@pytest.mark.parametrize("state,restart_at,expect_phase", [
+    (replace(PENDING, since=NOW), NOW + 5, c.FAILED),                   # the new revision crashed on the canary pair
+    (replace(PENDING, since=NOW, phase=c.PROBING), NOW + 5, c.FAILED),
+    (replace(PENDING, since=NOW), NOW - 5, c.PENDING),                  # a co-restart from before the canary
+    (replace(PENDING, since=NOW), None, c.PENDING),
+    (replace(PENDING, since=NOW, phase=c.PASSED), NOW + 5, c.PASSED),   # judged already
+])
+def test_a_co_restart_of_the_canary_pair_fails_it(state, restart_at, expect_phase):
+    got = c.crashed(state, last_co_restart_at=restart_at, reason="OOMKilled", now=NOW + 6)
+    assert got.phase == expect_phase
+    if expect_phase == c.FAILED:
+        assert got.evidence == "pair 3 co-restarted (OOMKilled) while on trial" and got.finished_at == NOW + 6
+
+
+def test_a_new_canary_records_when_it_began():
+    got = c.plan_canary(SPEC, pairs=4, desired="new", current="old", prior=None, now=NOW)
+    assert got == replace(PENDING, since=NOW)
+    assert c.CanaryState.from_status(got.to_status(iso)) == got

@@ -39,13 +39,13 @@ CANARY = {"agents": 2, "rounds": 3, "roundTimeoutSeconds": 10, "maxTokens": 4}
 class Probe:
     """Stands in for ``_canary_probe``: records each call and answers ``report`` (what the probe would)."""
 
-    def __init__(self, report: dict[str, Any]) -> None:
-        self.report = report
+    def __init__(self, report: dict[str, Any], delay_s: float = 0.2) -> None:
+        self.report, self.delay_s = report, delay_s
         self.calls: list[tuple[str, dict[str, str], Any]] = []
 
     async def __call__(self, http: Any, url: str, headers: dict[str, str], spec: Any, metrics_urls: list[str]):
         self.calls.append((url, dict(headers), spec.rollout.canary))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(self.delay_s)
         return self.report, 0
 
 
@@ -182,3 +182,25 @@ async def test_a_passed_canary_promotes_to_every_pair(with_router, monkeypatch):
         passed_at = min(rv for rv, ev in c.api._log[R("", "v1", "events")] if ev["type"] == "ADDED"
                         and ev["object"]["reason"] == "CanaryPassed")
         assert int(passed_at) < int(first_new_pair0)
+
+
+async def test_a_canary_pair_that_crashes_at_the_new_revision_fails_the_canary(with_router, monkeypatch):
+    c, ip, start = with_router
+    probe = Probe(CLEAN, delay_s=60)  # it would pass, but not before the crash
+    monkeypatch.setattr(reconcile, "_canary_probe", probe)
+    async with running_operator(c):
+        name = "cc"
+        old, _ = await _deploy(c, start, name)
+        c.patch_spec(name, {"kernel": {"maxKVSplits": 16}})
+        new = await eventually(lambda: (u := c.pdd(name)["status"]["updateRevision"]) != old and u, what="new")
+        # the canary pair's decode at the new revision restarts (a crash) before the probe judged it
+        victim = await eventually(lambda: (p := c.pair_pods(name, 1).get("decode")) is not None
+                                  and p["metadata"]["labels"]["pdstack.io/revision"] == new
+                                  and (p.get("status") or {}).get("phase") == "Running" and p["metadata"]["name"],
+                                  timeout=20, what="canary decode pod running at the new revision")
+        c.kubelet.restart_container(NS, victim)
+        cond = await eventually(lambda: (x := c.condition(name, "CanaryFailed")).get("status") == "True" and x,
+                                timeout=30, what="CanaryFailed")
+        assert "pair 1 co-restarted (ContainerRestart) while on trial" in cond["message"], cond
+        await eventually(lambda: pairs_at(c, name) == {0: old, 1: old}, timeout=30, what="pair 1 back at old")
+        assert revisions_ever(c, name, 0) == {old}
