@@ -45,6 +45,7 @@ from .spec import KIND, SpecError, parse_spec
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
 PLACEHOLDER_TOKEN = "generated-once-by-the-operator"
+ROLLBACK_ATTEMPTS = 4  # a rollback's patch is recomputed from a fresh read after a 409 (status writes race it)
 
 
 def _load(path: str) -> list[dict[str, Any]]:
@@ -296,18 +297,36 @@ async def _rollback(kube: Any, obj: dict[str, Any], revs: list[dict[str, Any]], 
     else:
         target = _pick(entries, args.to_rev)
     cr = next(r for r in revs if (r.get("metadata") or {}).get("name") == target.name)
-    restored, patch, rev = rollback_plan(obj, cr)
+    url = path(f"{GROUP}/{VERSION}", KIND, meta["namespace"], meta["name"])
+    for attempt in range(ROLLBACK_ATTEMPTS):
+        restored, patch, rev = rollback_plan(obj, cr)
+        if not patch:
+            out.write(f"{KIND} {meta['namespace']}/{meta['name']}: already at revision {rev}; nothing to roll back\n")
+            return 0
+        if args.dry_run:
+            break
+        body = {"metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]}, "spec": patch}
+        try:
+            await kube.request("PATCH", url, body=body, query={"fieldManager": "kubectl-pd"},
+                               content_type="application/merge-patch+json")
+            break
+        except ApiError as e:  # 409: written in between (a status update, an edit): recompute from a fresh read
+            if e.status != 409 or attempt == ROLLBACK_ATTEMPTS - 1:
+                if e.status == 409:
+                    raise CliError(f"{KIND} {meta['namespace']}/{meta['name']} kept changing while rolling back; "
+                                   "run again") from None
+                raise
+            obj = await kube.get(url)
+            if obj is None:
+                raise CliError(f"{KIND} {meta['namespace']}/{meta['name']} not found") from None
     try:
         before = effective_view(parse_spec(obj.get("spec"), name=meta["name"]))
         before_rev = revision_hash(parse_spec(obj.get("spec"), name=meta["name"]))
     except SpecError:
         before, before_rev = {}, "<invalid spec>"
     after = effective_view(parse_spec(restored, name=meta["name"]))
-    report = diff_report(before, after, from_side={"revision": before_rev, "source": "spec now"},
+    report = diff_report(before, after, from_side={"revision": before_rev, "source": "spec before"},
                          to_side=dict(_side(target), revision=rev))
-    if not patch:
-        out.write(f"{KIND} {meta['namespace']}/{meta['name']}: already at revision {rev}; nothing to roll back\n")
-        return 0
     if args.output == "json":
         out.write(json.dumps(report, indent=2) + "\n")
     elif args.output == "yaml":
@@ -319,16 +338,8 @@ async def _rollback(kube: Any, obj: dict[str, Any], revs: list[dict[str, Any]], 
                   "(an operator version with a different effective config)\n")
     if args.dry_run:
         out.write(f"dry run: {KIND} {meta['namespace']}/{meta['name']} not changed\n")
-        return 0
-    body = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "spec": patch}
-    try:
-        await kube.request("PATCH", path(f"{GROUP}/{VERSION}", KIND, meta["namespace"], meta["name"]), body=body,
-                           query={"fieldManager": "kubectl-pd"}, content_type="application/merge-patch+json")
-    except ApiError as e:
-        if e.status == 409:
-            raise CliError(f"{KIND} {meta['namespace']}/{meta['name']} changed while rolling back; run again") from None
-        raise
-    out.write(f"rolled back {KIND} {meta['namespace']}/{meta['name']} to revision {rev} (#{target.number})\n")
+    else:
+        out.write(f"rolled back {KIND} {meta['namespace']}/{meta['name']} to revision {rev} (#{target.number})\n")
     return 0
 
 

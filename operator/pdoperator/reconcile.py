@@ -18,23 +18,24 @@ import logging
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from functools import partial
 from typing import Any, Awaitable, Callable, Mapping
 
 import yaml
 
-from . import canary as rollout_safety
 from . import drift, metrics
 from .config import OperatorConfig
 from .kube import ApiError, Kube, object_path, path
-from .pairs import (CoRestart, CreatePods, DeletePods, DrainPair, ForceDelete, Plan, RolloutPair, parse_iso,
-                    plan_pairs, pod_view, unschedulable_message)
+from .pairs import (CoRestart, CreatePods, DeletePods, DrainPair, ForceDelete, Plan, RolloutPair, plan_pairs,
+                    pod_view, unschedulable_message)
 from .render import (ADMIN_KEY, KV_AUTH_KEY, LABEL_COMPONENT, LABEL_DEPLOYMENT, TOPOLOGY_KEY, Owner, TopologyPair, admin_secret, group_slots, slot_name,
                      admin_secret_name, kv_secret,
                      kv_secret_name, router_name, static_children, topology_doc, topology_generation, topology_name,
                      worker_env, worker_pod)
-from .revisions import (ANN_CURRENT_SINCE, ANN_KNOWN_GOOD, controller_revision, diff_configs, merge_patch,
-                        prune_history, recorded_spec, restore_spec, revision_hash, revision_view, show)
+from .canary import targets
+from .revisions import ANN_KNOWN_GOOD, controller_revision, prune_history, revision_hash
+from .safety import forget_probes, known_good_records, plan_rollout, pod_drift, rollout_safety_step
 from .routerlink import RouterLink, router_pods_ready
 from .spec import GROUP, KIND, VERSION, SpecError, parse_spec
 from .status import Facts, build_status, invalid_status, iso, memory_from_status, same_status
@@ -145,7 +146,7 @@ async def _prune(kube: Kube, owner: Owner, revisions: list[dict[str, Any]], keep
                  protected: set[str]) -> list[dict[str, Any]]:
     """Delete the oldest ControllerRevisions beyond ``keep`` (never a protected one, nor the two most recent
     known-good ones: an auto-rollback's targets; they may outlive the limit for a while); returns those kept."""
-    good = sorted(_known_good_records({(r.get("data") or {}).get("revision"): r for r in revisions}), reverse=True)
+    good = sorted(known_good_records({(r.get("data") or {}).get("revision"): r for r in revisions}), reverse=True)
     victims = prune_history(revisions, keep, set(protected) | {rev for _, rev in good[:2]})
     for victim in victims:
         await kube.delete(path("apps/v1", "ControllerRevision", owner.namespace, victim))
@@ -155,8 +156,6 @@ async def _prune(kube: Kube, owner: Owner, revisions: list[dict[str, Any]], keep
 # (namespace, name) -> (monotonic time of the last /config sweep, its drift lines); lines last posted
 _PROCESS_CHECKED: dict[tuple[str, str], tuple[float, list[str]]] = {}
 _PROCESS_POSTED: dict[tuple[str, str], tuple[str, ...]] = {}
-# (namespace, name, revision) -> the canary probe running in the background (never awaited by a reconcile)
-_PROBES: dict[tuple[str, str, str], asyncio.Task] = {}
 
 
 def forget_process_drift(namespace: str, name: str) -> None:
@@ -164,8 +163,7 @@ def forget_process_drift(namespace: str, name: str) -> None:
     afresh."""
     _PROCESS_CHECKED.pop((namespace, name), None)
     _PROCESS_POSTED.pop((namespace, name), None)
-    for key in [k for k in _PROBES if k[:2] == (namespace, name)]:
-        _PROBES.pop(key).cancel()
+    forget_probes(namespace, name)
 
 
 async def _process_drift(http: RouterLink, cfg: OperatorConfig, namespace: str, name: str, spec: Any,
@@ -287,276 +285,6 @@ async def _execute(kube: Kube, steps: Steps, body: Mapping[str, Any], owner: Own
             log.info("%s/%s pair %d draining before %s", ns, name, a.pair, a.reason)
 
 
-# --- rollout safety: pod drift under Revert, canary, known-good, auto-rollback (decisions in canary.py) ----
-
-ROLLBACK_MANAGER = "pdstack-rollback"  # the field manager of spec patches by a rollback
-CANARY_POLL_S = 1.0  # while a probe runs in the background, look at it this often
-WATCHDOG_METRIC = "pdrt_watchdog_fired_total"
-
-
-def revision_spec_of(cr: Mapping[str, Any] | None, current_raw: Mapping[str, Any] | None, name: str) -> Any:
-    """The PDSpec a recorded revision ran: its raw revision fields over the current spec's other fields.
-    None when the record kept no spec (made by an older operator) or it no longer parses."""
-    raw = recorded_spec(cr) if cr else None
-    if raw is None:
-        return None
-    try:
-        return parse_spec(restore_spec(current_raw, raw), name=name)
-    except SpecError:
-        return None
-
-
-def _pod_drift(specs: Mapping[str, Any], owner: Owner, pods: list[dict[str, Any]],
-               policy: str) -> tuple[list[str], dict[int, str]]:
-    """Declared fields of live worker pods that another manager now owns (``kubectl edit``; managedFields).
-    Returns (drift lines, pair -> what to undo under Revert). A pod is judged against the spec of its own
-    revision; pods of a revision we cannot render are not judged."""
-    lines: list[str] = []
-    reverts: dict[int, str] = {}
-    for pod in pods:
-        v = pod_view(pod)
-        if v is None or v.terminating or v.revision not in specs:
-            continue
-        suffix = v.name[len(f"{owner.name}-{v.pair}-{v.slot}-"):]
-        desired = worker_pod(specs[v.revision], owner, v.revision, v.pair, v.slot, suffix)
-        paths = drift.owned_elsewhere(desired, pod)
-        if not paths:
-            continue
-        lines.append(f"Pod/{v.name}: {', '.join(paths[:5])}")
-        if policy == "Revert":
-            what = f"{v.slot} pod {v.name}: {', '.join(paths[:5])} edited by someone else"
-            reverts[v.pair] = f"{reverts[v.pair]}; {what}" if v.pair in reverts else what
-    return lines, reverts
-
-
-def change_lines(crs: Mapping[str, Mapping[str, Any]], old: str, new: str) -> list[str]:
-    """``field: old -> new`` over the recorded effective configs of two revisions (``kubectl-pd diff``)."""
-    a, b = crs.get(old), crs.get(new)
-    if a is None or b is None:
-        return [f"revision {old} -> {new} (a record is missing)"]
-    return [f"{p}: {show(x)} -> {show(y)}" for p, x, y in diff_configs(revision_view(a), revision_view(b))]
-
-
-async def _watchdog_fires(http: RouterLink, urls: list[str]) -> int:
-    """Watchdog fires counted by the workers' ``/metrics`` (unreadable: 0, no evidence)."""
-    total = 0.0
-    for text in await asyncio.gather(*(http.get_text(u) for u in urls)):
-        for line in (text or "").splitlines():
-            if line.startswith(WATCHDOG_METRIC):
-                try:
-                    total += float(line.rsplit(" ", 1)[1])
-                except (IndexError, ValueError):
-                    pass
-    return int(total)
-
-
-async def _canary_probe(http: RouterLink, url: str, headers: dict[str, str], spec: Any,
-                        metrics_urls: list[str]) -> tuple[dict[str, Any], int]:
-    """The multi-round agent probe against a router, pinned to the canary pair; (report, watchdog fires)."""
-    c = spec.rollout.canary
-    try:
-        from pdruntime.probe_agents import run_agents_probe
-        before = await _watchdog_fires(http, metrics_urls)
-        report = await run_agents_probe(url, agents=c.agents, rounds=c.rounds, round_timeout_s=c.round_timeout_s,
-                                        max_tokens=c.max_tokens, headers=headers, model=spec.model.served_name)
-        return report.to_dict(), max(0, await _watchdog_fires(http, metrics_urls) - before)
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a probe that cannot run is no evidence of health: the canary fails
-        return {"ok": False, "rounds": [], "failure": {"round": None, "agent": None, "kind": "error",
-                                                         "detail": f"the probe could not run: {e!r}"}}, 0
-
-
-async def _advance_canary(state: Any, *, key: tuple[str, str, str], plan: Plan, spec: Any, http: RouterLink | None,
-                          router_ips: list[str], token: str | None, routers_confirmed: bool,
-                          stall: Mapping[str, Any] | None, cfg: OperatorConfig, now: float) -> Any:
-    """Pending -> Probing (start the background probe) -> Passed | Failed (its result). Never waits on it."""
-    pair = plan.pairs[state.pair] if state.pair < len(plan.pairs) else None
-    if pair is None or http is None:
-        return state
-    state = rollout_safety.crashed(state, last_co_restart_at=pair.memory.last_co_restart_at,
-                                   reason=pair.memory.last_co_restart_reason, now=now)
-    if state.phase == rollout_safety.PENDING:
-        if not (router_ips and token and rollout_safety.ready_to_probe(
-                state, pair_revision=pair.revision, pair_ready=pair.ready, routers_confirmed=routers_confirmed)):
-            return state
-        state = rollout_safety.start_probe(state, now)
-    if state.phase != rollout_safety.PROBING:
-        return state
-    task = _PROBES.get(key)
-    if task is None:  # just started, or the operator restarted while probing: (re)start it once a router is up
-        if router_ips and token:
-            headers = {"X-PDStack-Pair": str(state.pair), "X-PDStack-Admin-Token": token}
-            metrics_urls = [f"http://{ip}:{cfg.worker_port}/metrics" for ip in (pair.members or {}).values() if ip]
-            _PROBES[key] = asyncio.create_task(_canary_probe(http, f"http://{router_ips[0]}:{http.port}", headers,
-                                                             spec, metrics_urls))
-        return state
-    if not task.done():
-        return state
-    _PROBES.pop(key, None)
-    report, fires = task.result() if not task.cancelled() else ({"ok": False, "failure": {"detail": "cancelled"}}, 0)
-    msg = (stall or {}).get("message") or ""
-    pair_stall = msg if rollout_safety.stalled(stall) and (f"pair {state.pair}" in msg or "pair " not in msg) else None
-    return rollout_safety.finish_probe(state, report, now, watchdog_fires=fires, stall=pair_stall)
-
-
-async def _rollback_spec(kube: Kube, body: Mapping[str, Any], cr: Mapping[str, Any]) -> None:
-    """Patch the PDDeployment's spec back to a recorded revision's fields (resourceVersion precondition)."""
-    raw = recorded_spec(cr)
-    if raw is None:
-        raise ValueError(f"ControllerRevision {cr['metadata']['name']} recorded no spec to restore")
-    meta = body["metadata"]
-    patch = {"metadata": {"resourceVersion": meta["resourceVersion"]},
-             "spec": rollback_patch(body.get("spec") or {}, raw)}
-    await kube.request("PATCH", path(API, KIND, meta["namespace"], meta["name"]), body=patch,
-                       query={"fieldManager": ROLLBACK_MANAGER}, content_type="application/merge-patch+json")
-
-
-def rollback_patch(current: Mapping[str, Any], recorded: Mapping[str, Any]) -> dict[str, Any]:
-    """The merge patch of ``spec`` that restores a revision's fields (the others untouched)."""
-    return merge_patch(dict(current), restore_spec(current, recorded))
-
-
-def _known_good_records(crs: Mapping[str, Mapping[str, Any]]) -> list[tuple[float, str]]:
-    """(known-good since, revision) of every recorded revision annotated known-good."""
-    out = []
-    for rev, c in crs.items():
-        t = parse_iso(((c.get("metadata") or {}).get("annotations") or {}).get(ANN_KNOWN_GOOD))
-        if t is not None and rev:
-            out.append((t, rev))
-    return out
-
-
-async def _known_good(kube: Kube, steps: Steps, body: Mapping[str, Any], log: logging.Logger, *, spec: Any,
-                      revision: str, plan: Plan, crs: Mapping[str, Mapping[str, Any]], previous: str | None,
-                      stall: Mapping[str, Any] | None, now: float) -> tuple[str | None, float | None]:
-    """(lastKnownGoodRevision, seconds until the soak ends). Recorded in status and as an annotation on
-    the revision's ControllerRevision (so a lost status can be rebuilt)."""
-    if previous is None:  # from the records
-        good = _known_good_records(crs)
-        previous = max(good)[1] if good else None
-    left = rollout_safety.soak_left(revision=revision, pairs=plan.pairs, n_pairs=spec.pairs, stall=stall,
-                                    soak_s=spec.rollout.soak_s, now=now)
-    if left is None or left > 0:
-        return previous, left
-    cr = crs.get(revision)
-    if cr is not None and not ((cr.get("metadata") or {}).get("annotations") or {}).get(ANN_KNOWN_GOOD):
-        meta = cr["metadata"]
-        await steps.run(kube.request("PATCH", path("apps/v1", "ControllerRevision", meta["namespace"], meta["name"]),
-                                     body={"metadata": {"annotations": {ANN_KNOWN_GOOD: iso(now)}}},
-                                     query={"fieldManager": "pdstack-operator"},
-                                     content_type="application/merge-patch+json"))
-    if previous != revision:
-        msg = (f"revision {revision} is known-good: every pair served it for {spec.rollout.soak_s}s "
-               "with no stall")
-        log.info("%s/%s %s", body["metadata"]["namespace"], body["metadata"]["name"], msg)
-        await post_event(kube, body, "Normal", "KnownGood", msg)
-    return revision, None
-
-async def _canary_event(kube: Kube, body: Mapping[str, Any], log: logging.Logger, canary: Any,
-                        crs: Mapping[str, Mapping[str, Any]]) -> None:
-    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    tried = "; ".join(change_lines(crs, canary.from_revision, canary.revision))
-    if canary.phase == rollout_safety.PROBING:
-        etype, reason, msg = "Normal", "CanaryProbing", (f"pair {canary.pair} runs revision {canary.revision}: "
-                                                         "the agent probe starts")
-    elif canary.phase == rollout_safety.PASSED:
-        etype, reason, msg = "Normal", "CanaryPassed", (f"revision {canary.revision} passed its canary on pair "
-                                                        f"{canary.pair} ({canary.evidence}); rolling out to every pair")
-    elif canary.phase == rollout_safety.FAILED:
-        etype, reason, msg = "Warning", "CanaryFailed", (
-            f"revision {canary.revision} failed its canary on pair {canary.pair}: {canary.evidence}; pair "
-            f"{canary.pair} rolls back to {canary.from_revision} and the rollout stops; tried: {tried}")
-    else:
-        return
-    (log.warning if etype == "Warning" else log.info)("%s/%s %s", ns, name, msg)
-    await post_event(kube, body, etype, reason, msg)
-
-
-async def _auto_rollback(kube: Kube, body: Mapping[str, Any], log: logging.Logger, *, spec: Any, revision: str,
-                         crs: Mapping[str, Mapping[str, Any]], good: str | None, stall: Mapping[str, Any] | None,
-                         previous: Mapping[str, Any] | None, canary: Any, now: float) -> dict[str, Any] | None:
-    """Roll the spec back to the last known-good revision when a stall began soon after this revision
-    became current (``rollout.autoRollback``). Returns the new ``status.autoRollback`` (None: unchanged)."""
-    reverted = list((previous or {}).get("reverted") or [])
-    cr = crs.get(revision)
-    changed_at = parse_iso(((cr or {}).get("metadata") or {}).get("annotations", {}).get(ANN_CURRENT_SINCE))
-    target = good if good != revision else rollout_safety.rollback_target(_known_good_records(crs), revision)
-    to = rollout_safety.auto_rollback(enabled=spec.rollout.auto_rollback, window_s=spec.rollout.rollback_window_s,
-                                      desired=revision, last_known_good=target, changed_at=changed_at, stall=stall,
-                                      reverted=reverted, canary=canary)
-    if to is None:
-        return None
-    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    changes = change_lines(crs, to, revision)
-    record = {"from": revision, "to": to, "time": iso(now), "reverted": (reverted + [revision])[-10:],
-              "changes": changes}
-    try:
-        if crs.get(to) is None:
-            raise ValueError(f"revision {to} is no longer recorded")
-        await _rollback_spec(kube, body, crs[to])
-    except (ApiError, ValueError) as e:
-        msg = f"stall after revision {revision} became current, but rolling back to {to} failed: {e}"
-        log.error("%s/%s %s", ns, name, msg)
-        await post_event(kube, body, "Warning", "AutoRollbackFailed", msg)
-        return dict(record, error=str(e)[:300])
-    msg = (f"stalled within {spec.rollout.rollback_window_s}s of revision {revision} becoming current "
-           f"({(stall or {}).get('message') or 'Stalled'}); rolled the spec back to last known-good revision {to}, "
-           f"reverting: {'; '.join(changes)}")
-    log.warning("%s/%s %s", ns, name, msg)
-    await post_event(kube, body, "Warning", "AutoRollback", msg)
-    return record
-
-
-@dataclass(frozen=True)
-class Safety:
-    """What one reconcile's rollout-safety step leaves for the status and the requeue."""
-
-    canary: dict[str, Any] | None  # status.canary
-    canary_failed: str | None  # the CanaryFailed message
-    last_known_good: str | None
-    auto_rollback: dict[str, Any] | None  # a new status.autoRollback (None: unchanged)
-    wait: float | None  # look again this soon (a probe running, a soak ending)
-
-
-async def _rollout_safety(kube: Kube, steps: Steps, body: Mapping[str, Any], log: logging.Logger, *, spec: Any,
-                          revision: str, plan: Plan, crs: Mapping[str, Mapping[str, Any]], canary: Any, prior: Any,
-                          old_status: Mapping[str, Any], http: RouterLink | None, router_ips: list[str],
-                          token: str | None, routers_confirmed: bool, cfg: OperatorConfig, now: float) -> Safety:
-    """The canary's next step, known-good after the soak, auto-rollback on an early stall (canary.py decides)."""
-    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    stall = next((c for c in old_status.get("conditions") or [] if c.get("type") == "Stalled"), None)
-    _cancel_probes(ns, name, keep=canary.revision if canary is not None and canary.holds_traffic_off else None)
-    wait: float | None = None
-    canary_failed = None
-    if canary is not None:
-        before = canary.phase
-        canary = await _advance_canary(canary, key=(ns, name, canary.revision), plan=plan, spec=spec, http=http,
-                                       router_ips=router_ips, token=token, routers_confirmed=routers_confirmed,
-                                       stall=stall, cfg=cfg, now=now)
-        if canary.phase in (rollout_safety.PENDING, rollout_safety.PROBING):
-            wait = CANARY_POLL_S
-        elif canary.phase != before:
-            wait = 0.05  # promote, or roll the canary pair back, at once
-        if canary.phase != before:
-            await _canary_event(kube, body, log, canary, crs)
-        if canary.phase == rollout_safety.FAILED:
-            canary_failed = (f"revision {canary.revision} failed its canary on pair {canary.pair}: {canary.evidence}; "
-                             f"tried: {'; '.join(change_lines(crs, canary.from_revision, canary.revision))}")
-    serving = {p.revision for p in plan.pairs}  # the revision every pair runs (the spec's, or a canary's old one)
-    good, soak = await _known_good(kube, steps, body, log, spec=spec,
-                                   revision=serving.pop() if len(serving) == 1 else revision, plan=plan, crs=crs,
-                                   previous=old_status.get("lastKnownGoodRevision"), stall=stall, now=now)
-    auto = await _auto_rollback(kube, body, log, spec=spec, revision=revision, crs=crs, good=good, stall=stall,
-                                previous=old_status.get("autoRollback"), canary=canary, now=now)
-    return Safety(_canary_record(canary, prior, revision), canary_failed, good, auto,
-                  min((w for w in (wait, soak) if w is not None), default=None))
-
-
-def _cancel_probes(namespace: str, name: str, keep: str | None) -> None:
-    """A probe of a revision the spec no longer asks for is of no use: cancel it."""
-    for key in [k for k in _PROBES if k[:2] == (namespace, name) and k[2] != keep]:
-        _PROBES.pop(key).cancel()
 
 
 async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logger,
@@ -605,25 +333,10 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     uids = {v.name: v.uid for v in views}
 
     # canary: which revision each pair runs now; the old revision's spec renders the pairs that keep it
-    specs = {revision: spec}
-    prior = rollout_safety.CanaryState.from_status(old_status.get("canary"))
-    # (engine sglang: its router takes a static list and cannot hold a pair out of traffic; no canary)
-    canary = rollout_safety.plan_canary(spec.rollout.canary if spec.engine == "pdrt" else None, pairs=spec.pairs,
-                                        desired=revision, current=current,
-                                        prior=prior, known_good=old_status.get("lastKnownGoodRevision"), now=now)
-    if canary is not None:
-        old_spec = revision_spec_of(crs.get(canary.from_revision), body.get("spec"), name)
-        if old_spec is None:
-            log.warning("%s/%s no canary for revision %s: revision %s recorded no spec to keep the other pairs on",
-                        namespace, name, revision, canary.from_revision)
-            canary = None
-        else:
-            specs[canary.from_revision] = old_spec
-    if canary is not None and (prior is None or prior.revision != canary.revision):
-        await post_event(kube, body, "Normal", "CanaryStarted",
-                         f"revision {revision} goes to pair {canary.pair} first (out of normal traffic); the other "
-                         f"pairs keep {canary.from_revision} until the agent probe passes")
-    pod_lines, reverts = _pod_drift(specs, owner, [p for p in owned if not p["metadata"].get("deletionTimestamp")],
+    post = partial(post_event, kube, body)
+    prior, canary, specs = await plan_rollout(post, log, spec=spec, revision=revision, raw_spec=body.get("spec"),
+                                              name=name, old_status=old_status, crs=crs, now=now)
+    pod_lines, reverts = pod_drift(specs, owner, [p for p in owned if not p["metadata"].get("deletionTimestamp")],
                                     spec.drift_policy)
     lost = await _lost_nodes(kube, steps, views)
 
@@ -640,7 +353,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
                       memory=memory_from_status(old_status), now=now,
                       drain_s=spec.drain_seconds, lost_nodes=lost, lost_node_margin_s=cfg.lost_node_margin_s,
                       drain_confirm_timeout_s=cfg.drain_confirm_timeout_s,
-                      targets=rollout_safety.targets(canary, pairs=spec.pairs, desired=revision), reverts=reverts,
+                      targets=targets(canary, pairs=spec.pairs, desired=revision), reverts=reverts,
                       **({"router": view} if view is not None else {}))
 
     # topology first: a pair marked draining is published (and pushed) before anything is deleted
@@ -706,10 +419,10 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     metrics.PAIRS_READY.labels(namespace, name).set(sum(1 for s in plan.pairs if s.ready))
     metrics.PAIRS_DESIRED.labels(namespace, name).set(spec.pairs)
 
-    safety = await _rollout_safety(kube, steps, body, log, spec=spec, revision=revision, plan=plan, crs=crs,
-                                   canary=canary, prior=prior, old_status=old_status,
-                                   http=router if drains else None, router_ips=router_ips, token=token,
-                                   routers_confirmed=routers_confirmed, cfg=cfg, now=now)
+    safety = await rollout_safety_step(kube, steps, post, body, log, spec=spec, revision=revision, plan=plan,
+                                       crs=crs, canary=canary, prior=prior, old_status=old_status,
+                                       http=router if drains else None, router_ips=router_ips, token=token,
+                                       routers_confirmed=routers_confirmed, cfg=cfg, now=now)
     facts = Facts(generation=generation, desired_revision=revision, router_ready=router_ready,
                   unschedulable_message=unsched, drift=drift_lines, rejections=steps.rejections,
                   topology_version=doc["generation"], selector=selector,
@@ -735,14 +448,6 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     if not new["conditions"][0]["status"] == "True" and plan.requeue_after is None:
         return 10.0  # not ready yet: look again even if no event arrives
     return plan.requeue_after
-
-
-def _canary_record(canary: Any, prior: Any, revision: str) -> dict[str, Any] | None:
-    """``status.canary``: the canary in progress, else the last one of the spec's revision (it passed and the
-    rollout finished), else none."""
-    if canary is None and prior is not None and prior.revision == revision:
-        canary = prior
-    return canary.to_status(iso) if canary is not None else None
 
 
 def _topology_group(s: Any, spec: Any, *, canary: bool = False) -> TopologyPair:

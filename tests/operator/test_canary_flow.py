@@ -27,7 +27,7 @@ import yaml
 
 from pdop_harness import NS, PODS, eventually, manifest, running_operator
 from pdop_k8s_emulator import R
-from pdoperator import reconcile
+from pdoperator import safety
 
 from test_canary import CLEAN, HANG
 
@@ -115,7 +115,7 @@ def pairs_at(c, name: str) -> dict[int, str]:
 async def test_a_failed_canary_rolls_back_its_pair_and_stops_the_rollout(with_router, monkeypatch):
     c, ip, start = with_router
     probe = Probe(HANG)
-    monkeypatch.setattr(reconcile, "_canary_probe", probe)
+    monkeypatch.setattr(safety, "_canary_probe", probe)
     async with running_operator(c):
         name = "cf"
         old, token = await _deploy(c, start, name)
@@ -163,7 +163,7 @@ async def test_a_failed_canary_rolls_back_its_pair_and_stops_the_rollout(with_ro
 async def test_a_passed_canary_promotes_to_every_pair(with_router, monkeypatch):
     c, ip, start = with_router
     probe = Probe(CLEAN)
-    monkeypatch.setattr(reconcile, "_canary_probe", probe)
+    monkeypatch.setattr(safety, "_canary_probe", probe)
     async with running_operator(c):
         name = "cp"
         old, _ = await _deploy(c, start, name)
@@ -187,7 +187,7 @@ async def test_a_passed_canary_promotes_to_every_pair(with_router, monkeypatch):
 async def test_a_canary_pair_that_crashes_at_the_new_revision_fails_the_canary(with_router, monkeypatch):
     c, ip, start = with_router
     probe = Probe(CLEAN, delay_s=60)  # it would pass, but not before the crash
-    monkeypatch.setattr(reconcile, "_canary_probe", probe)
+    monkeypatch.setattr(safety, "_canary_probe", probe)
     async with running_operator(c):
         name = "cc"
         old, _ = await _deploy(c, start, name)

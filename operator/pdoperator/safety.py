@@ -1,0 +1,361 @@
+"""Rollout safety, the shell: what :mod:`canary` decides, done against the cluster.
+
+* the canary: the revision each pair runs (the old revision's spec restored from its ControllerRevision for
+  the pairs that keep it), the agent probe run as a background task keyed by (namespace, name, revision)
+  and never awaited by a reconcile, its result turned into status, Events and the canary pair's rollback;
+* known-good: recorded in status and as ``pdstack.io/known-good-since`` on the ControllerRevision;
+* auto-rollback: the spec patched back to a known-good revision on an early stall, once per revision;
+* pod drift: declared pod fields another manager owns (``kubectl edit``), the pairs to recreate under Revert.
+
+Called by :func:`reconcile.reconcile`; Events go through the ``post`` it passes (its ``post_event``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Mapping
+
+from . import canary as rollout_safety
+from . import drift
+from .config import OperatorConfig
+from .kube import ApiError, Kube, path
+from .pairs import Plan, parse_iso, pod_view
+from .render import Owner, worker_pod
+from .revisions import (ANN_CURRENT_SINCE, ANN_KNOWN_GOOD, diff_configs, merge_patch, recorded_spec, restore_spec,
+                        revision_view, show)
+from .routerlink import RouterLink
+from .spec import GROUP, KIND, VERSION, SpecError, parse_spec
+from .status import iso
+
+API = f"{GROUP}/{VERSION}"
+Post = Callable[[str, str, str], Awaitable[None]]  # (type, reason, message) -> an Event on the PDDeployment
+
+# (namespace, name, revision) -> the canary probe running in the background (never awaited by a reconcile)
+_PROBES: dict[tuple[str, str, str], asyncio.Task] = {}
+
+ROLLBACK_MANAGER = "pdstack-rollback"  # the field manager of spec patches by a rollback
+ROLLBACK_CONFLICT_RETRIES = 3
+CANARY_POLL_S = 1.0  # while a probe runs in the background, look at it this often
+WATCHDOG_METRIC = "pdrt_watchdog_fired_total"
+
+
+async def plan_rollout(post: Post, log: logging.Logger, *, spec: Any, revision: str, raw_spec: Mapping[str, Any] | None,
+                       name: str, old_status: Mapping[str, Any], crs: Mapping[str, Mapping[str, Any]],
+                       now: float) -> tuple[Any, Any, dict[str, Any]]:
+    """(the canary in status, the canary for this reconcile, revision -> spec its pods render from). During a
+    canary the pairs that keep the old revision render from its recorded spec; without one, no canary."""
+    specs: dict[str, Any] = {revision: spec}
+    prior = rollout_safety.CanaryState.from_status(old_status.get("canary"))
+    # (engine sglang: its router takes a static list and cannot hold a pair out of traffic; no canary)
+    canary = rollout_safety.plan_canary(spec.rollout.canary if spec.engine == "pdrt" else None, pairs=spec.pairs,
+                                        desired=revision, current=old_status.get("currentRevision"), prior=prior,
+                                        known_good=old_status.get("lastKnownGoodRevision"), now=now)
+    if canary is not None:
+        old_spec = revision_spec_of(crs.get(canary.from_revision), raw_spec, name)
+        if old_spec is None:
+            log.warning("%s: no canary for revision %s: revision %s recorded no spec (that still parses) to keep "
+                        "the other pairs on", name, revision, canary.from_revision)
+            canary = None
+        else:
+            specs[canary.from_revision] = old_spec
+    if canary is not None and (prior is None or prior.revision != canary.revision):
+        await post("Normal", "CanaryStarted",
+                   f"revision {revision} goes to pair {canary.pair} first (out of normal traffic); the other "
+                   f"pairs keep {canary.from_revision} until the agent probe passes")
+    return prior, canary, specs
+
+
+def forget_probes(namespace: str, name: str) -> None:
+    """Cancel a deleted (or no longer ours) PDDeployment's probes."""
+    for key in [k for k in _PROBES if k[:2] == (namespace, name)]:
+        _PROBES.pop(key).cancel()
+
+
+def revision_spec_of(cr: Mapping[str, Any] | None, current_raw: Mapping[str, Any] | None, name: str) -> Any:
+    """The PDSpec a recorded revision ran: its raw revision fields over the current spec's other fields.
+    None when the record kept no spec (made by an older operator) or it no longer parses."""
+    raw = recorded_spec(cr) if cr else None
+    if raw is None:
+        return None
+    try:
+        return parse_spec(restore_spec(current_raw, raw), name=name)
+    except SpecError:
+        return None
+
+
+def pod_drift(specs: Mapping[str, Any], owner: Owner, pods: list[dict[str, Any]],
+               policy: str) -> tuple[list[str], dict[int, str]]:
+    """Declared fields of live worker pods that another manager now owns (``kubectl edit``; managedFields).
+    Returns (drift lines, pair -> what to undo under Revert). A pod is judged against the spec of its own
+    revision; pods of a revision we cannot render are not judged."""
+    lines: list[str] = []
+    reverts: dict[int, str] = {}
+    for pod in pods:
+        v = pod_view(pod)
+        if v is None or v.terminating or v.revision not in specs:
+            continue
+        suffix = v.name[len(f"{owner.name}-{v.pair}-{v.slot}-"):]
+        desired = worker_pod(specs[v.revision], owner, v.revision, v.pair, v.slot, suffix)
+        paths = drift.owned_elsewhere(desired, pod)
+        if not paths:
+            continue
+        lines.append(f"Pod/{v.name}: {', '.join(paths[:5])}")
+        if policy == "Revert":
+            what = f"{v.slot} pod {v.name}: {', '.join(paths[:5])} edited by someone else"
+            reverts[v.pair] = f"{reverts[v.pair]}; {what}" if v.pair in reverts else what
+    return lines, reverts
+
+
+def change_lines(crs: Mapping[str, Mapping[str, Any]], old: str, new: str) -> list[str]:
+    """``field: old -> new`` over the recorded effective configs of two revisions (``kubectl-pd diff``)."""
+    a, b = crs.get(old), crs.get(new)
+    if a is None or b is None:
+        return [f"revision {old} -> {new} (a record is missing)"]
+    return [f"{p}: {show(x)} -> {show(y)}" for p, x, y in diff_configs(revision_view(a), revision_view(b))]
+
+
+async def _watchdog_fires(http: RouterLink, urls: list[str]) -> int:
+    """Watchdog fires counted by the workers' ``/metrics`` (unreadable: 0, no evidence)."""
+    total = 0.0
+    for text in await asyncio.gather(*(http.get_text(u) for u in urls)):
+        for line in (text or "").splitlines():
+            if line.startswith(WATCHDOG_METRIC):
+                try:
+                    total += float(line.rsplit(" ", 1)[1])
+                except (IndexError, ValueError):
+                    pass
+    return int(total)
+
+
+async def _canary_probe(http: RouterLink, url: str, headers: dict[str, str], spec: Any,
+                        metrics_urls: list[str]) -> tuple[dict[str, Any], int]:
+    """The multi-round agent probe against a router, pinned to the canary pair; (report, watchdog fires)."""
+    c = spec.rollout.canary
+    try:
+        from pdruntime.probe_agents import run_agents_probe
+        before = await _watchdog_fires(http, metrics_urls)
+        report = await run_agents_probe(url, agents=c.agents, rounds=c.rounds, round_timeout_s=c.round_timeout_s,
+                                        max_tokens=c.max_tokens, headers=headers, model=spec.model.served_name)
+        return report.to_dict(), max(0, await _watchdog_fires(http, metrics_urls) - before)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a probe that cannot run is no evidence of health: the canary fails
+        return {"ok": False, "rounds": [], "failure": {"round": None, "agent": None, "kind": "error",
+                                                         "detail": f"the probe could not run: {e!r}"}}, 0
+
+
+async def _advance_canary(state: Any, *, key: tuple[str, str, str], plan: Plan, spec: Any, http: RouterLink | None,
+                          router_ips: list[str], token: str | None, routers_confirmed: bool,
+                          stall: Mapping[str, Any] | None, cfg: OperatorConfig, now: float) -> Any:
+    """Pending -> Probing (start the background probe) -> Passed | Failed (its result). Never waits on it."""
+    pair = plan.pairs[state.pair] if state.pair < len(plan.pairs) else None
+    if pair is None or http is None:
+        return state
+    state = rollout_safety.crashed(state, last_co_restart_at=pair.memory.last_co_restart_at,
+                                   reason=pair.memory.last_co_restart_reason, now=now)
+    if state.phase == rollout_safety.PENDING:
+        if not (router_ips and token and rollout_safety.ready_to_probe(
+                state, pair_revision=pair.revision, pair_ready=pair.ready, routers_confirmed=routers_confirmed)):
+            return state
+        state = rollout_safety.start_probe(state, now)
+    if state.phase != rollout_safety.PROBING:
+        return state
+    task = _PROBES.get(key)
+    if task is None:  # just started, or the operator restarted while probing: (re)start it once a router is up
+        if router_ips and token:
+            headers = {"X-PDStack-Pair": str(state.pair), "X-PDStack-Admin-Token": token}
+            metrics_urls = [f"http://{ip}:{cfg.worker_port}/metrics" for ip in (pair.members or {}).values() if ip]
+            _PROBES[key] = asyncio.create_task(_canary_probe(http, f"http://{router_ips[0]}:{http.port}", headers,
+                                                             spec, metrics_urls))
+        return state
+    if not task.done():
+        return state
+    _PROBES.pop(key, None)
+    report, fires = task.result() if not task.cancelled() else ({"ok": False, "failure": {"detail": "cancelled"}}, 0)
+    msg = (stall or {}).get("message") or ""
+    pair_stall = msg if rollout_safety.stalled(stall) and (f"pair {state.pair}" in msg or "pair " not in msg) else None
+    return rollout_safety.finish_probe(state, report, now, watchdog_fires=fires, stall=pair_stall)
+
+
+async def _rollback_spec(kube: Kube, body: Mapping[str, Any], cr: Mapping[str, Any]) -> None:
+    """Patch the PDDeployment's spec back to a recorded revision's fields. The patch carries the
+    resourceVersion it was computed from (a concurrent spec edit is never overwritten); on 409 (a status
+    write or an edit in between) it is recomputed from a fresh read, a few times."""
+    raw = recorded_spec(cr)
+    if raw is None:
+        raise ValueError(f"ControllerRevision {cr['metadata']['name']} recorded no spec to restore")
+    url = path(API, KIND, body["metadata"]["namespace"], body["metadata"]["name"])
+    cur: Mapping[str, Any] | None = body
+    for attempt in range(ROLLBACK_CONFLICT_RETRIES + 1):
+        if cur is None:
+            raise ValueError("the PDDeployment is gone")
+        patch = {"metadata": {"resourceVersion": cur["metadata"]["resourceVersion"]},
+                 "spec": rollback_patch(cur.get("spec") or {}, raw)}
+        try:
+            await kube.request("PATCH", url, body=patch, query={"fieldManager": ROLLBACK_MANAGER},
+                               content_type="application/merge-patch+json")
+            return
+        except ApiError as e:
+            if e.status != 409 or attempt == ROLLBACK_CONFLICT_RETRIES:
+                raise
+            cur = await kube.get(url)
+
+
+def rollback_patch(current: Mapping[str, Any], recorded: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch of ``spec`` that restores a revision's fields (the others untouched)."""
+    return merge_patch(dict(current), restore_spec(current, recorded))
+
+
+def known_good_records(crs: Mapping[str, Mapping[str, Any]]) -> list[tuple[float, str]]:
+    """(known-good since, revision) of every recorded revision annotated known-good."""
+    out = []
+    for rev, c in crs.items():
+        t = parse_iso(((c.get("metadata") or {}).get("annotations") or {}).get(ANN_KNOWN_GOOD))
+        if t is not None and rev:
+            out.append((t, rev))
+    return out
+
+
+async def _known_good(kube: Kube, steps: Any, post: Post, body: Mapping[str, Any], log: logging.Logger, *, spec: Any,
+                      revision: str, plan: Plan, crs: Mapping[str, Mapping[str, Any]], previous: str | None,
+                      stall: Mapping[str, Any] | None, now: float) -> tuple[str | None, float | None]:
+    """(lastKnownGoodRevision, seconds until the soak ends). Recorded in status and as an annotation on
+    the revision's ControllerRevision (so a lost status can be rebuilt)."""
+    if previous is None:  # from the records
+        good = known_good_records(crs)
+        previous = max(good)[1] if good else None
+    left = rollout_safety.soak_left(revision=revision, pairs=plan.pairs, n_pairs=spec.pairs, stall=stall,
+                                    soak_s=spec.rollout.soak_s, now=now)
+    if left is None or left > 0:
+        return previous, left
+    cr = crs.get(revision)
+    if cr is not None and not ((cr.get("metadata") or {}).get("annotations") or {}).get(ANN_KNOWN_GOOD):
+        meta = cr["metadata"]
+        await steps.run(kube.request("PATCH", path("apps/v1", "ControllerRevision", meta["namespace"], meta["name"]),
+                                     body={"metadata": {"annotations": {ANN_KNOWN_GOOD: iso(now)}}},
+                                     query={"fieldManager": "pdstack-operator"},
+                                     content_type="application/merge-patch+json"))
+    if previous != revision:
+        msg = (f"revision {revision} is known-good: every pair served it for {spec.rollout.soak_s}s "
+               "with no stall")
+        log.info("%s/%s %s", body["metadata"]["namespace"], body["metadata"]["name"], msg)
+        await post("Normal", "KnownGood", msg)
+    return revision, None
+
+async def _canary_event(post: Post, body: Mapping[str, Any], log: logging.Logger, canary: Any,
+                        crs: Mapping[str, Mapping[str, Any]]) -> None:
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    tried = "; ".join(change_lines(crs, canary.from_revision, canary.revision))
+    if canary.phase == rollout_safety.PROBING:
+        etype, reason, msg = "Normal", "CanaryProbing", (f"pair {canary.pair} runs revision {canary.revision}: "
+                                                         "the agent probe starts")
+    elif canary.phase == rollout_safety.PASSED:
+        etype, reason, msg = "Normal", "CanaryPassed", (f"revision {canary.revision} passed its canary on pair "
+                                                        f"{canary.pair} ({canary.evidence}); rolling out to every pair")
+    elif canary.phase == rollout_safety.FAILED:
+        etype, reason, msg = "Warning", "CanaryFailed", (
+            f"revision {canary.revision} failed its canary on pair {canary.pair}: {canary.evidence}; pair "
+            f"{canary.pair} rolls back to {canary.from_revision} and the rollout stops; tried: {tried}")
+    else:
+        return
+    (log.warning if etype == "Warning" else log.info)("%s/%s %s", ns, name, msg)
+    await post(etype, reason, msg)
+
+
+async def _auto_rollback(kube: Kube, post: Post, body: Mapping[str, Any], log: logging.Logger, *, spec: Any,
+                         revision: str,
+                         crs: Mapping[str, Mapping[str, Any]], good: str | None, stall: Mapping[str, Any] | None,
+                         previous: Mapping[str, Any] | None, canary: Any, now: float) -> dict[str, Any] | None:
+    """Roll the spec back to the last known-good revision when a stall began soon after this revision
+    became current (``rollout.autoRollback``). Returns the new ``status.autoRollback`` (None: unchanged)."""
+    reverted = list((previous or {}).get("reverted") or [])
+    cr = crs.get(revision)
+    changed_at = parse_iso(((cr or {}).get("metadata") or {}).get("annotations", {}).get(ANN_CURRENT_SINCE))
+    target = good if good != revision else rollout_safety.rollback_target(known_good_records(crs), revision)
+    to = rollout_safety.auto_rollback(enabled=spec.rollout.auto_rollback, window_s=spec.rollout.rollback_window_s,
+                                      desired=revision, last_known_good=target, changed_at=changed_at, stall=stall,
+                                      reverted=reverted, canary=canary)
+    if to is None:
+        return None
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    changes = change_lines(crs, to, revision)
+    record = {"from": revision, "to": to, "time": iso(now), "reverted": (reverted + [revision])[-10:],
+              "changes": changes, "error": None}  # (a merge patch: None clears an earlier failure's error)
+    try:
+        if crs.get(to) is None:
+            raise ValueError(f"revision {to} is no longer recorded")
+        await _rollback_spec(kube, body, crs[to])
+    except (ApiError, ValueError) as e:  # not counted as done: the next reconcile tries again
+        msg = f"stall after revision {revision} became current, but rolling back to {to} failed: {e}"
+        log.error("%s/%s %s", ns, name, msg)
+        if (previous or {}).get("error") != str(e)[:300]:
+            await post("Warning", "AutoRollbackFailed", msg)
+        return dict(record, reverted=reverted[-10:], error=str(e)[:300])
+    msg = (f"stalled within {spec.rollout.rollback_window_s}s of revision {revision} becoming current "
+           f"({(stall or {}).get('message') or 'Stalled'}); rolled the spec back to last known-good revision {to}, "
+           f"reverting: {'; '.join(changes)}")
+    log.warning("%s/%s %s", ns, name, msg)
+    await post("Warning", "AutoRollback", msg)
+    return record
+
+
+@dataclass(frozen=True)
+class Safety:
+    """What one reconcile's rollout-safety step leaves for the status and the requeue."""
+
+    canary: dict[str, Any] | None  # status.canary
+    canary_failed: str | None  # the CanaryFailed message
+    last_known_good: str | None
+    auto_rollback: dict[str, Any] | None  # a new status.autoRollback (None: unchanged)
+    wait: float | None  # look again this soon (a probe running, a soak ending)
+
+
+async def rollout_safety_step(kube: Kube, steps: Any, post: Post, body: Mapping[str, Any], log: logging.Logger, *,
+                              spec: Any,
+                          revision: str, plan: Plan, crs: Mapping[str, Mapping[str, Any]], canary: Any, prior: Any,
+                          old_status: Mapping[str, Any], http: RouterLink | None, router_ips: list[str],
+                          token: str | None, routers_confirmed: bool, cfg: OperatorConfig, now: float) -> Safety:
+    """The canary's next step, known-good after the soak, auto-rollback on an early stall (canary.py decides)."""
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    stall = next((c for c in old_status.get("conditions") or [] if c.get("type") == "Stalled"), None)
+    cancel_probes(ns, name, keep=canary.revision if canary is not None and canary.holds_traffic_off else None)
+    wait: float | None = None
+    canary_failed = None
+    if canary is not None:
+        before = canary.phase
+        canary = await _advance_canary(canary, key=(ns, name, canary.revision), plan=plan, spec=spec, http=http,
+                                       router_ips=router_ips, token=token, routers_confirmed=routers_confirmed,
+                                       stall=stall, cfg=cfg, now=now)
+        if canary.phase in (rollout_safety.PENDING, rollout_safety.PROBING):
+            wait = CANARY_POLL_S
+        elif canary.phase != before:
+            wait = 0.05  # promote, or roll the canary pair back, at once
+        if canary.phase != before:
+            await _canary_event(post, body, log, canary, crs)
+        if canary.phase == rollout_safety.FAILED:
+            canary_failed = (f"revision {canary.revision} failed its canary on pair {canary.pair}: {canary.evidence}; "
+                             f"tried: {'; '.join(change_lines(crs, canary.from_revision, canary.revision))}")
+    serving = {p.revision for p in plan.pairs}  # the revision every pair runs (the spec's, or a canary's old one)
+    good, soak = await _known_good(kube, steps, post, body, log, spec=spec,
+                                   revision=serving.pop() if len(serving) == 1 else revision, plan=plan, crs=crs,
+                                   previous=old_status.get("lastKnownGoodRevision"), stall=stall, now=now)
+    auto = await _auto_rollback(kube, post, body, log, spec=spec, revision=revision, crs=crs, good=good, stall=stall,
+                                previous=old_status.get("autoRollback"), canary=canary, now=now)
+    return Safety(canary_record(canary, prior, revision), canary_failed, good, auto,
+                  min((w for w in (wait, soak) if w is not None), default=None))
+
+
+def cancel_probes(namespace: str, name: str, keep: str | None) -> None:
+    """A probe of a revision the spec no longer asks for is of no use: cancel it."""
+    for key in [k for k in _PROBES if k[:2] == (namespace, name) and k[2] != keep]:
+        _PROBES.pop(key).cancel()
+
+
+def canary_record(canary: Any, prior: Any, revision: str) -> dict[str, Any] | None:
+    """``status.canary``: the canary in progress, else the last one of the spec's revision (it passed and the
+    rollout finished), else none."""
+    if canary is None and prior is not None and prior.revision == revision:
+        canary = prior
+    return canary.to_status(iso) if canary is not None else None
