@@ -104,9 +104,9 @@ class _Agent:
                     if not line.startswith("data: "):
                         continue
                     data = line[6:].strip()
-                    if data == "[DONE]":
+                    if data == "[DONE]":  # read on to the body's end: an unfinished body closes the connection
                         finished = True
-                        break
+                        continue
                     ev = json.loads(data)
                     if "error" in ev:
                         raise _RequestFailed(f"error event in the stream: {_error_message(data)}")

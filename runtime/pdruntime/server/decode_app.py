@@ -25,7 +25,7 @@ from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import WireError
 from pdruntime.server.common import (SSE_DONE, GuardedStream, client_of, finish_reason_json, read_generate,
                                      request_id, sse)
-from pdruntime.server.faults import STALL_THIS_REQUEST, ConnectionStall
+from pdruntime.server.faults import STALL_THIS_REQUEST, ConnectionStall, connection_of
 from pdruntime.server.openai_format import OpenAIShape, logprob_entries
 from pdruntime.server.schemas import ApiError, GenerateRequest, error_body
 from pdruntime.server.worker_base import WorkerBase
@@ -250,7 +250,7 @@ class DecodeWorker(WorkerBase):
     async def generate(self, request: Request):
         greq = await read_generate(request)
         if self.stall_fault is not None and greq.bootstrap_room is not None:
-            STALL_THIS_REQUEST.set(self.stall_fault.admit(request.scope))
+            STALL_THIS_REQUEST.set(self.stall_fault.admit(connection_of(request.headers, request.scope)))
         return await self.run_generate(greq, client_of(request))
 
     async def run_generate(self, greq: GenerateRequest, client: str, shape: OpenAIShape | None = None,

@@ -474,7 +474,8 @@ class Router:
         conversation = oreq.user or request.headers.get("x-session-id")
         rid = uuid.uuid4().hex
         worker_body: dict[str, Any] = {"sampling_params": oreq.sampling_params(), **oreq.worker_input()}
-        headers = {"x-client-id": client, "x-request-id": rid}
+        headers = {"x-client-id": client, "x-request-id": rid,
+                   "x-pdstack-client-connection": f"{request.client.host}:{request.client.port}" if request.client else ""}
         live = LiveRequest(rid, client, conversation, t0, client_request_id=client_request_id(request.headers))
         self.live[rid] = live
         try:
