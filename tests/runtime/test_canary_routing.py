@@ -180,8 +180,14 @@ def test_a_topology_push_with_the_admin_token_header_can_take_the_canary_flag_of
     from concurrent.futures import ThreadPoolExecutor
 
     before = served(stack)
-    with ThreadPoolExecutor(8) as pool:  # concurrent: least-outstanding routing spreads them over both pairs
-        codes = list(pool.map(lambda _: chat(stack, model_id, max_tokens=16).status_code, range(8)))
+    for _, dec in stack.pairs:  # slower decode steps: the concurrent requests overlap even on a loaded machine
+        stack.hooks(dec, step_delay_s=0.05)
+    try:
+        with ThreadPoolExecutor(8) as pool:  # concurrent: least-outstanding routing spreads them over both pairs
+            codes = list(pool.map(lambda _: chat(stack, model_id, max_tokens=16).status_code, range(8)))
+    finally:
+        for _, dec in stack.pairs:
+            stack.hooks(dec, step_delay_s=0)
     assert codes == [200] * 8
     after = served(stack)
     assert after[1] > before[1] and after[0] > before[0]
