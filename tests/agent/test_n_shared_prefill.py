@@ -225,3 +225,26 @@ def test_unsupported_n_values_are_400s_naming_n(client, model_id):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model_id, prompt="x", max_tokens=2, n=2, extra_body={"best_of": 3})
     assert "best_of" in str(e.value)
+
+
+def test_generate_with_n_through_the_sglang_router_is_one_transfer_and_n_choices(pd_stack, tmp_path):
+    """SGLang's /generate carries n in sampling_params; SGLang's router sends it to both workers with one room."""
+    from test_sglang_router import SGLangRouter  # skips without sglang-router (tests/pd is on sys.path)
+
+    sgl = SGLangRouter(pd_stack, str(tmp_path))
+    try:
+        sgl.wait_workers()
+        before = _prefill_and_transfers(pd_stack)
+        body = {"text": "three ways to say hi", "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "n": N,
+                                                                    "ignore_eos": True}}
+        r = httpx.post(sgl.url + "/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        out = r.json()  # SGLang's shape for n > 1: a list, one entry per choice
+        assert [o["index"] for o in out] == [0, 1, 2]
+        assert all(o["meta_info"]["completion_tokens"] == 4 and o["meta_info"]["finish_reason"]["type"] == "length"
+                   for o in out)
+        _one_pd_request_since(pd_stack, before)
+        idle = pd_stack.wait_idle()
+        assert all(x["live"] == 0 and x["pool"]["free"] == x["pool"]["total"] for x in idle), idle
+    finally:
+        sgl.stop()
