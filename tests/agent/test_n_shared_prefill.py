@@ -248,3 +248,32 @@ def test_generate_with_n_through_the_sglang_router_is_one_transfer_and_n_choices
         assert all(x["live"] == 0 and x["pool"]["free"] == x["pool"]["total"] for x in idle), idle
     finally:
         sgl.stop()
+
+
+def test_engine_reserves_fork_pages_with_the_prompt_all_or_nothing(agent_tiny_model):
+    """Decode engine: reserve(fork_ids) holds each fork's copy page before the KV arrives; add_prefilled takes them
+    (no allocation after the transfer); too few pages reserve nothing; aborting every id frees every page."""
+    from pdruntime.engine import Engine, EngineConfig, OutOfBlocks, SamplingParams
+    from pdruntime.model import load_model
+
+    eng = Engine(load_model(agent_tiny_model), EngineConfig(num_blocks=8, block_size=4))
+    prompt = list(range(5, 19))  # 14 tokens: 4 pages (+ the decode slot, the same page), 3 shared with forks
+    with pytest.raises(OutOfBlocks):
+        eng.reserve("big", 30, ["big#1"])  # 8 + 1 pages of 8: none taken
+    eng.pool.assert_no_leaks()
+    pages = eng.reserve("r", len(prompt), ["r#1", "r#2"])
+    assert len(pages) == 4 and eng.pool.num_used == 6
+    eng.check_accounting()
+    p = SamplingParams(max_tokens=2, temperature=0.7, seed=1, ignore_eos=True)
+    eng.add_prefilled("r", prompt, 7, p, forks=[("r#1", p.for_choice(1)), ("r#2", p.for_choice(2))])
+    assert eng.pool.num_used == 6  # the forks' copies went into their reserved pages
+    assert eng.page_refs("r")[:3] == [3, 3, 3] and eng.page_refs("r#1") == [3, 3, 3, 1]
+    eng.check_accounting()
+    eng.step()
+    for rid in ("r", "r#1", "r#2"):
+        eng.abort(rid)
+    eng.pool.assert_no_leaks()
+    eng.reserve("s", len(prompt), ["s#1"])
+    for rid in ("s", "s#1"):  # a transfer that failed: the reserved forks are freed with their request
+        eng.abort(rid)
+    eng.pool.assert_no_leaks()
