@@ -277,3 +277,28 @@ def test_engine_reserves_fork_pages_with_the_prompt_all_or_nothing(agent_tiny_mo
     for rid in ("s", "s#1"):  # a transfer that failed: the reserved forks are freed with their request
         eng.abort(rid)
     eng.pool.assert_no_leaks()
+
+
+def test_choices_shape_n_streams_into_one_response():
+    """Pure: openai_format.Choices + OpenAIShape on interleaved events of 2 choices."""
+    from pdruntime.server.openai_format import Choices, OpenAIShape
+
+    def ev(i, delta, done, tokens):
+        return {"index": i, "delta": delta, "token_ids": [1], "meta_info": {
+            "prompt_tokens": 5, "completion_tokens": tokens, "finish_reason": {"type": "length"} if done else None}}
+
+    shape = OpenAIShape(True, "chatcmpl-x", "m", 0)
+    choices = Choices(2)
+    chunks = []
+    for e in (ev(1, "b", False, 1), ev(0, "a", False, 1), ev(0, "c", True, 2), ev(1, "d", True, 2)):
+        i, first = choices.see(e)
+        chunks += shape.stream_chunks(e, first=first, include_usage=True, choices=choices)
+    assert [c["choices"][0]["index"] for c in chunks[:-1]] == [1, 0, 0, 1]
+    assert [("role" in c["choices"][0]["delta"]) for c in chunks[:-1]] == [True, True, False, False]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, "length", "length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 4,
+                                                                   "total_tokens": 9}  # once, after the last choice
+    whole = shape.response([shape.choice(i, t, ev(i, "", True, 2)) for i, t in enumerate(("ac", "bd"))], choices.usage())
+    assert [(c["index"], c["message"]["content"]) for c in whole["choices"]] == [(0, "ac"), (1, "bd")]
+    with pytest.raises(ValueError, match="index"):
+        choices.see(ev(2, "x", False, 1))
