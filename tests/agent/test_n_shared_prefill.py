@@ -302,3 +302,37 @@ def test_choices_shape_n_streams_into_one_response():
     assert [(c["index"], c["message"]["content"]) for c in whole["choices"]] == [(0, "ac"), (1, "bd")]
     with pytest.raises(ValueError, match="index"):
         choices.see(ev(2, "x", False, 1))
+
+
+def test_a_decode_worker_that_ignores_n_fails_the_request_clearly():
+    """The router with a decode leg that streams choice 0 alone and ends (a worker that ignores
+    sampling_params.n): a 502 naming the unfinished choices (streamed: an error event), never a partial answer."""
+    import asyncio
+
+    from pdruntime.env import RuntimeEnv
+    from pdruntime.server.router_app import Router
+    from pdruntime.server.topology import Pair, Topology
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        if request.url.port == 9001 or request.url.path == "/abort_request":  # prefill, aborts
+            return httpx.Response(200, json={"text": "a", "meta_info": {"prompt_tokens": 3, "completion_tokens": 1}})
+        ev = {"delta": "a", "token_ids": [1], "meta_info": {"prompt_tokens": 3, "completion_tokens": 1,
+                                                             "finish_reason": {"type": "length"}}}
+        return httpx.Response(200, text=f"data: {json.dumps(ev)}\n\ndata: [DONE]\n\n",
+                              headers={"content-type": "text/event-stream"})
+
+    async def main() -> list[httpx.Response]:
+        pair = Pair(0, True, "http://127.0.0.1:9001", "127.0.0.1", 9002, "http://127.0.0.1:9003")
+        router = Router(RuntimeEnv.from_environ({}), topology=Topology(1, "r", (pair,)))
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(worker))
+        router.models = {"m": {"model_name": "m"}}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router.build_app()), base_url="http://r") as c:
+            body = {"model": "m", "prompt": "x", "max_tokens": 1}
+            return [await c.post("/v1/completions", json={**body, **kw})
+                    for kw in ({"n": 2}, {"n": 2, "stream": True}, {})]
+
+    whole, streamed, single = asyncio.run(main())
+    assert whole.status_code == 502 and "choices [1] of n=2 unfinished" in whole.text, whole.text
+    assert streamed.status_code == 200 and "choices [1] of n=2 unfinished" in streamed.text
+    assert "[DONE]" not in streamed.text
+    assert single.status_code == 200 and single.json()["choices"][0]["text"] == "a"  # n = 1: unchanged

@@ -424,6 +424,11 @@ class Router:
                     prompt_lps["v"] = ev.get("prompt_logprobs")
                 choices.see(ev)  # Legs checked the index
                 yield ev
+            if not choices.done:  # e.g. a decode worker that ignores sampling_params.n streams choice 0 alone
+                unfinished = [i for i, f in enumerate(choices.finished) if not f]
+                raise LegError(502, f"decode ended its stream with choices {unfinished} of n={oreq.n} unfinished (a "
+                               "decode worker must run choices 1..n-1 as forks of sampling_params.n)", leg="decode",
+                               retryable=False)
 
         def count(ev: dict) -> None:
             n = len(ev.get("token_ids") or ())
