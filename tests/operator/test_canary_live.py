@@ -98,7 +98,6 @@ def revisions_ever(c: Cluster, name: str, pair: int) -> set[str]:
 
 
 async def test_canary_catches_a_bad_knob_and_the_other_pair_never_gets_it(tmp_path):
-    pytest.importorskip("pdruntime.probe_agents", reason="the agent probe (rt11) is not on this branch yet")
     name = "can"
     canary = {"agents": 2, "rounds": 3, "roundTimeoutSeconds": 10, "maxTokens": 4}
     async with live_stack(tmp_path, name, rollout={"drainSeconds": 5, "canary": canary}) as (c, url):

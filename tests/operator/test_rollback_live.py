@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 
 
 async def test_a_stall_after_a_revision_change_rolls_back_to_last_known_good(tmp_path, monkeypatch):
-    pytest.importorskip("pdruntime.probe_agents", reason="the fault knob (rt11) is not on this branch yet")
+    pytest.importorskip("pdoperator.stall", reason="stall detection (stall11, condition Stalled) is not on this "
+                                                   "branch yet")
     monkeypatch.setenv("PDSTACK_OPERATOR_STALL_CHECK_S", "1")  # the stall sweep: every second, not every 15
     name = "auto"
     rollout = {"drainSeconds": 2, "soakSeconds": 2, "autoRollback": True, "rollbackWindowSeconds": 600}
