@@ -159,11 +159,10 @@ _PROCESS_POSTED: dict[tuple[str, str], tuple[str, ...]] = {}
 
 
 def forget_process_drift(namespace: str, name: str) -> None:
-    """Drop a deleted (or no longer ours) PDDeployment's last sweep and canary probes, so a namesake starts
-    afresh."""
+    """Drop a deleted (or no longer ours) PDDeployment's last sweep, so a namesake starts afresh."""
+    forget_probes(namespace, name)  # and its canary probes
     _PROCESS_CHECKED.pop((namespace, name), None)
     _PROCESS_POSTED.pop((namespace, name), None)
-    forget_probes(namespace, name)
 
 
 async def _process_drift(http: RouterLink, cfg: OperatorConfig, namespace: str, name: str, spec: Any,
