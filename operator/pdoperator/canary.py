@@ -24,6 +24,7 @@ once per revision (no flapping).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
@@ -173,6 +174,17 @@ def finish_probe(state: CanaryState, report: Any, now: float, *, watchdog_fires:
 def stalled(cond: Mapping[str, Any] | None) -> bool:
     """Condition ``Stalled`` is True because something is stuck (an invalid spec also sets it: not a stall)."""
     return bool(cond) and cond.get("status") == "True" and cond.get("reason") != "InvalidSpec"
+
+
+def pair_stall(cond: Mapping[str, Any] | None, pair: int) -> str | None:
+    """The Stalled condition's message when it concerns ``pair`` (it names the pair, or names none); another
+    pair's stall is not the canary revision's doing."""
+    if not stalled(cond):
+        return None
+    msg = str((cond or {}).get("message") or "")
+    if re.search(rf"\bpair {pair}\b", msg) or not re.search(r"\bpair \d+\b", msg):
+        return msg or "Stalled"
+    return None
 
 
 def soak_left(*, revision: str, pairs: Sequence[Any], n_pairs: int, stall: Mapping[str, Any] | None,

@@ -174,9 +174,8 @@ async def _advance_canary(state: Any, *, key: tuple[str, str, str], plan: Plan, 
         return state
     _PROBES.pop(key, None)
     report, fires = task.result() if not task.cancelled() else ({"ok": False, "failure": {"detail": "cancelled"}}, 0)
-    msg = (stall or {}).get("message") or ""
-    pair_stall = msg if rollout_safety.stalled(stall) and (f"pair {state.pair}" in msg or "pair " not in msg) else None
-    return rollout_safety.finish_probe(state, report, now, watchdog_fires=fires, stall=pair_stall)
+    return rollout_safety.finish_probe(state, report, now, watchdog_fires=fires,
+                                       stall=rollout_safety.pair_stall(stall, state.pair))
 
 
 async def _rollback_spec(kube: Kube, body: Mapping[str, Any], cr: Mapping[str, Any]) -> None:

@@ -194,3 +194,18 @@ def test_a_new_canary_records_when_it_began():
     got = c.plan_canary(SPEC, pairs=4, desired="new", current="old", prior=None, now=NOW)
     assert got == replace(PENDING, since=NOW)
     assert c.CanaryState.from_status(got.to_status(iso)) == got
+
+
+@pytest.mark.parametrize("cond,expect", [
+    (None, None),
+    (cond("False", NOW), None),
+    (cond("True", NOW, message="pair 1 stalled in decode/running: ..."), "pair 1 stalled in decode/running: ..."),
+    (cond("True", NOW, message="pair 0 stalled in decode/running; pair 1 stalled in router/x"),
+     "pair 0 stalled in decode/running; pair 1 stalled in router/x"),
+    (cond("True", NOW, message="pair 10 stalled in decode/running"), None),   # another pair
+    (cond("True", NOW, message="pair 0 stalled in decode/running"), None),
+    (cond("True", NOW, message="requests stuck"), "requests stuck"),          # names no pair: counts
+    (cond("True", NOW, reason="InvalidSpec", message="invalid spec: x"), None),
+])
+def test_a_stall_counts_against_the_canary_only_on_its_pair(cond, expect):
+    assert c.pair_stall(cond, 1) == expect
