@@ -33,6 +33,9 @@ async def _scenario(c) -> None:
     c.patch_spec(name, {"decode": {"resources": {"gpus": 4}, "env": [{"name": "X", "value": "1"}]}})
     await eventually(lambda: ready(c, name) and c.pdd(name)["status"]["currentRevision"] != rev, timeout=40,
                      what="rollout done")
+    # known-good after the 1 s soak: its ControllerRevision gets the pdstack.io/known-good-since annotation
+    await eventually(lambda: c.pdd(name)["status"].get("lastKnownGoodRevision") == c.pdd(name)["status"][
+        "currentRevision"], timeout=15, what="known-good")
     # co-restart
     victim = c.pair_pods(name, 0)["decode"]["metadata"]["name"]
     c.kubelet.restart_container(NS, victim)
