@@ -34,6 +34,7 @@ Post = Callable[[str, str, str], Awaitable[None]]  # (type, reason, message) -> 
 
 # (namespace, name, revision) -> the canary probe running in the background (never awaited by a reconcile)
 _PROBES: dict[tuple[str, str, str], asyncio.Task] = {}
+_NO_CANARY_LOGGED: set[tuple[str, str]] = set()  # (name, revision) a canary could not be run for, logged once
 
 ROLLBACK_MANAGER = "pdstack-rollback"  # the field manager of spec patches by a rollback
 ROLLBACK_CONFLICT_RETRIES = 3
@@ -41,9 +42,9 @@ CANARY_POLL_S = 1.0  # while a probe runs in the background, look at it this oft
 WATCHDOG_METRIC = "pdrt_watchdog_fired_total"
 
 
-async def plan_rollout(post: Post, log: logging.Logger, *, spec: Any, revision: str, raw_spec: Mapping[str, Any] | None,
-                       name: str, old_status: Mapping[str, Any], crs: Mapping[str, Mapping[str, Any]],
-                       now: float) -> tuple[Any, Any, dict[str, Any]]:
+async def plan_rollout(post: Post, log: logging.Logger, *, spec: Any, revision: str,
+                       raw_spec: Mapping[str, Any] | None, name: str, old_status: Mapping[str, Any],
+                       crs: Mapping[str, Mapping[str, Any]], now: float) -> tuple[Any, Any, dict[str, Any]]:
     """(the canary in status, the canary for this reconcile, revision -> spec its pods render from). During a
     canary the pairs that keep the old revision render from its recorded spec; without one, no canary."""
     specs: dict[str, Any] = {revision: spec}
@@ -55,8 +56,10 @@ async def plan_rollout(post: Post, log: logging.Logger, *, spec: Any, revision: 
     if canary is not None:
         old_spec = revision_spec_of(crs.get(canary.from_revision), raw_spec, name)
         if old_spec is None:
-            log.warning("%s: no canary for revision %s: revision %s recorded no spec (that still parses) to keep "
-                        "the other pairs on", name, revision, canary.from_revision)
+            if (name, revision) not in _NO_CANARY_LOGGED:
+                _NO_CANARY_LOGGED.add((name, revision))
+                log.warning("%s: no canary for revision %s: revision %s recorded no spec (that still parses) to "
+                            "keep the other pairs on", name, revision, canary.from_revision)
             canary = None
         else:
             specs[canary.from_revision] = old_spec
@@ -86,7 +89,7 @@ def revision_spec_of(cr: Mapping[str, Any] | None, current_raw: Mapping[str, Any
 
 
 def pod_drift(specs: Mapping[str, Any], owner: Owner, pods: list[dict[str, Any]],
-               policy: str) -> tuple[list[str], dict[int, str]]:
+              policy: str) -> tuple[list[str], dict[int, str]]:
     """Declared fields of live worker pods that another manager now owns (``kubectl edit``; managedFields).
     Returns (drift lines, pair -> what to undo under Revert). A pod is judged against the spec of its own
     revision; pods of a revision we cannot render are not judged."""
@@ -217,8 +220,8 @@ def known_good_records(crs: Mapping[str, Mapping[str, Any]]) -> list[tuple[float
     return out
 
 
-async def _known_good(kube: Kube, steps: Any, post: Post, body: Mapping[str, Any], log: logging.Logger, *, spec: Any,
-                      revision: str, plan: Plan, crs: Mapping[str, Mapping[str, Any]], previous: str | None,
+async def _known_good(kube: Kube, steps: Any, post: Post, body: Mapping[str, Any], log: logging.Logger, *,
+                      spec: Any, revision: str, plan: Plan, crs: Mapping[str, Mapping[str, Any]], previous: str | None,
                       stall: Mapping[str, Any] | None, now: float) -> tuple[str | None, float | None]:
     """(lastKnownGoodRevision, seconds until the soak ends). Recorded in status and as an annotation on
     the revision's ControllerRevision (so a lost status can be rebuilt)."""
@@ -243,6 +246,7 @@ async def _known_good(kube: Kube, steps: Any, post: Post, body: Mapping[str, Any
         await post("Normal", "KnownGood", msg)
     return revision, None
 
+
 async def _canary_event(post: Post, body: Mapping[str, Any], log: logging.Logger, canary: Any,
                         crs: Mapping[str, Mapping[str, Any]]) -> None:
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
@@ -264,9 +268,9 @@ async def _canary_event(post: Post, body: Mapping[str, Any], log: logging.Logger
 
 
 async def _auto_rollback(kube: Kube, post: Post, body: Mapping[str, Any], log: logging.Logger, *, spec: Any,
-                         revision: str,
-                         crs: Mapping[str, Mapping[str, Any]], good: str | None, stall: Mapping[str, Any] | None,
-                         previous: Mapping[str, Any] | None, canary: Any, now: float) -> dict[str, Any] | None:
+                         revision: str, crs: Mapping[str, Mapping[str, Any]], good: str | None,
+                         stall: Mapping[str, Any] | None, previous: Mapping[str, Any] | None, canary: Any,
+                         now: float) -> dict[str, Any] | None:
     """Roll the spec back to the last known-good revision when a stall began soon after this revision
     became current (``rollout.autoRollback``). Returns the new ``status.autoRollback`` (None: unchanged)."""
     reverted = list((previous or {}).get("reverted") or [])
@@ -312,10 +316,10 @@ class Safety:
 
 
 async def rollout_safety_step(kube: Kube, steps: Any, post: Post, body: Mapping[str, Any], log: logging.Logger, *,
-                              spec: Any,
-                          revision: str, plan: Plan, crs: Mapping[str, Mapping[str, Any]], canary: Any, prior: Any,
-                          old_status: Mapping[str, Any], http: RouterLink | None, router_ips: list[str],
-                          token: str | None, routers_confirmed: bool, cfg: OperatorConfig, now: float) -> Safety:
+                              spec: Any, revision: str, plan: Plan, crs: Mapping[str, Mapping[str, Any]],
+                              canary: Any, prior: Any, old_status: Mapping[str, Any], http: RouterLink | None,
+                              router_ips: list[str], token: str | None, routers_confirmed: bool, cfg: OperatorConfig,
+                              now: float) -> Safety:
     """The canary's next step, known-good after the soak, auto-rollback on an early stall (canary.py decides)."""
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     stall = next((c for c in old_status.get("conditions") or [] if c.get("type") == "Stalled"), None)
