@@ -15,6 +15,8 @@ import aiohttp
 from .pairs import RouterView
 from .render import group_of
 
+DEBUG_TIMEOUT_S = 5.0  # a router's /debug/requests waits up to 2 s (in parallel) for each worker's rows
+
 
 def router_pods_ready(pods: Sequence[Mapping[str, Any]]) -> list[str]:
     """IPs of running, ready, not-terminating router pods (pure)."""
@@ -70,6 +72,18 @@ class RouterLink:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return None
 
+    async def debug_requests(self, ip: str, token: str | None) -> dict[str, Any] | None:
+        """The router's ``/debug/requests`` (admin-guarded, as ``/config``): its live requests merged with its
+        workers' rows; None when unreadable."""
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            async with self._http().get(f"http://{ip}:{self.port}/debug/requests", headers=headers,
+                                        timeout=aiohttp.ClientTimeout(total=DEBUG_TIMEOUT_S)) as r:
+                body = await r.json() if r.status == 200 else None
+                return body if isinstance(body, dict) else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+
     async def get_json(self, url: str) -> dict[str, Any] | None:
         """GET ``url`` as JSON (a worker's ``/config``); None when unreachable or not a 200 JSON object."""
         try:
@@ -77,6 +91,14 @@ class RouterLink:
                 body = await r.json() if r.status == 200 else None
                 return body if isinstance(body, dict) else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+
+    async def get_text(self, url: str) -> str | None:
+        """GET ``url`` as text (a worker's ``/metrics``); None when unreachable or not a 200."""
+        try:
+            async with self._http().get(url) as r:
+                return await r.text() if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError):
             return None
 
     async def push(self, ip: str, doc: Mapping[str, Any], token: str) -> int | None:
