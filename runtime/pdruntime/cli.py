@@ -1,7 +1,8 @@
 """``pdrt``: the runtime's command line.
 
-``pdrt generate "PROMPT"`` runs the engine in-process and prints the completion; ``serve``, ``up``
-and ``chat`` come from ``pdruntime.server.commands`` when that module is present.
+``pdrt generate "PROMPT"`` runs the engine in-process and prints the completion; ``pdrt probe agents URL``
+runs the multi-round agent probe against a router (stdlib + httpx only); ``serve``, ``up`` and ``chat`` come
+from ``pdruntime.server.commands`` when that module is present.
 """
 
 from __future__ import annotations
@@ -84,10 +85,98 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
 
 
+def _at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; accepted: an integer >= {lo}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"{value} is out of range; accepted: an integer >= {lo}")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; accepted: seconds > 0") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not accepted; accepted: seconds > 0")
+    return value
+
+
+def _router_url(text: str) -> str:
+    if not text.startswith(("http://", "https://")) or len(text.split("://", 1)[1].strip("/")) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not accepted; accepted: the router's http(s) URL, e.g. "
+                                         "http://127.0.0.1:8000")
+    return text
+
+
+def _add_probe(subparsers) -> None:
+    p = subparsers.add_parser("probe", help="probe a running router with workload-shaped traffic")
+    kinds = p.add_subparsers(dest="probe", required=True, metavar="{agents}")
+    a = kinds.add_parser("agents", help="N agents x R rounds of growing, tool-call-shaped context over keep-alive "
+                         "connections; exit 1 on any hang or error",
+                         description="Multi-round agent probe (pdruntime.probe_agents). Prints one line per round and, "
+                         "on a hang, which round, which stage and how old (from the router's /debug/requests). "
+                         "Exit status: 0 every round completed, 1 a hang or an error, 2 bad usage.")
+    a.add_argument("url", type=_router_url, help="the router's URL, e.g. http://127.0.0.1:8000")
+    a.add_argument("--agents", type=_at_least(1), default=8, help="concurrent agents, one connection each (default 8)")
+    a.add_argument("--rounds", type=_at_least(1), default=10, help="rounds per agent (default 10)")
+    a.add_argument("--round-timeout", type=_seconds, default=60.0, dest="round_timeout",
+                   help="seconds a round may take before it counts as a hang (default 60)")
+    a.add_argument("--max-tokens", type=_at_least(1), default=16, help="tokens per answer (default 16)")
+    a.add_argument("--model", default=None, help="model id (default: the router's first model)")
+    a.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer <key>'")
+    a.add_argument("--pair", type=_at_least(0), default=None,
+                   help="pin every request to group K (X-PDStack-Pair), canary or not; needs --admin-token-file unless "
+                        "the router has no admin token and this is a loopback client")
+    a.add_argument("--admin-token-file", default=None,
+                   help="file holding the router's admin token (sent as X-PDStack-Admin-Token: pinning and "
+                        "/debug/requests need it)")
+    a.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    a.set_defaults(func=cmd_probe_agents)
+
+
+def cmd_probe_agents(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from pdruntime.probe_agents import ADMIN_TOKEN_HEADER, PIN_HEADER, format_table, run_agents_probe
+
+    headers: dict[str, str] = {}
+    if args.admin_token_file:
+        try:
+            with open(args.admin_token_file, encoding="utf-8") as fh:
+                token = fh.read().strip()
+        except OSError as exc:
+            print(f"pdrt probe agents: error: --admin-token-file {args.admin_token_file!r} cannot be read: {exc}",
+                  file=sys.stderr)
+            return 2
+        if not token:
+            print(f"pdrt probe agents: error: --admin-token-file {args.admin_token_file!r} is empty; accepted: a file "
+                  "holding the router's admin token", file=sys.stderr)
+            return 2
+        headers[ADMIN_TOKEN_HEADER] = token
+    if args.pair is not None:
+        headers[PIN_HEADER] = str(args.pair)
+    report = asyncio.run(run_agents_probe(args.url, agents=args.agents, rounds=args.rounds,
+                                          round_timeout_s=args.round_timeout, max_tokens=args.max_tokens,
+                                          headers=headers, model=args.model, api_key=args.api_key))
+    if args.output == "json":
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(format_table(report, args.agents))
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdrt", description="pdstack runtime: engine, PD workers, router")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_probe(sub)
     try:
         from pdruntime.server import commands
     except ImportError as exc:

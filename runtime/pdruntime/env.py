@@ -111,6 +111,23 @@ def _opt_str(env: Mapping[str, str], name: str) -> str | None:
     return raw if raw not in (None, "") else None
 
 
+# ---- test-only fault knobs ---------------------------------------------------------------------------
+# They make a healthy process misbehave on purpose, so that tests (and a canary rollout under test) can
+# show that pdstack catches the fault. Never set them in production; a process with one on logs a WARNING
+# at start-up, and /config reports them with the rest of the PDRT_* env.
+FAULT_KNOBS = {
+    # decode: every PD request after the N-th on one incoming HTTP connection stalls after its KV arrives (no
+    # token, no watchdog) until it is aborted or its client goes away; one-shot requests on fresh connections
+    # pass, multi-round agents on keep-alive connections hang from round N+1
+    "FAULT_DECODE_STALL_AFTER": "fault_decode_stall_after",
+}
+
+
+def _fault_knobs(env: Mapping[str, str]) -> dict[str, Any]:
+    """Unset = off (0); set, an integer >= 1."""
+    return {"fault_decode_stall_after": _int(env, "FAULT_DECODE_STALL_AFTER", 0, lo=1, hi=1 << 30)}
+
+
 @dataclass(frozen=True)
 class RuntimeEnv:
     """Effective PDRT_* configuration of one runtime process."""
@@ -147,6 +164,9 @@ class RuntimeEnv:
     # test-only: enables POST /debug/test on workers (advance the watchdog clock, stall transfers)
     test_hooks: bool = False
 
+    # test-only fault knob (PDRT_FAULT_DECODE_STALL_AFTER, see FAULT_KNOBS): 0 = off
+    fault_decode_stall_after: int = 0
+
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
@@ -178,6 +198,7 @@ class RuntimeEnv:
             parent_pid=_int(env, "PARENT_PID", d.parent_pid, lo=0, hi=(1 << 31) - 1),
             report_env=parse_allow_list(env.get(PREFIX + "REPORT_ENV")),
             test_hooks=_choice(env, "TEST_HOOKS", "0", ("0", "1")) == "1",
+            **_fault_knobs(env),
         )
 
     def replace(self, **changes: Any) -> "RuntimeEnv":

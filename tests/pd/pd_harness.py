@@ -209,3 +209,45 @@ def stop_up(proc: subprocess.Popen, timeout: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
+
+
+@dataclass
+class PairsStack(Stack):
+    """A router in front of several PD pairs (``prefill``/``decode``: pair 0's; ``pairs[i]``: pair i's)."""
+
+    pairs: list[tuple[Proc, Proc]] = field(default_factory=list)
+
+
+def start_pairs(tmp_dir: str, model: str, pairs: list[dict], *, router_flags: list[str] = ()) -> PairsStack:
+    """Router + one PD pair per entry of ``pairs``, routed by a topology file. Each entry may set ``canary``
+    (bool, the topology flag) and ``decode_env`` (extra env for that pair's decode worker)."""
+    import yaml
+
+    env = base_env()
+    procs: list[Proc] = []
+    workers: list[tuple[Proc, Proc]] = []
+    topo = []
+    for i, spec in enumerate(pairs):
+        pp, dp, bp = free_port(), free_port(), free_port()
+        pre = spawn(f"prefill{i}", ["--role", "prefill", "--port", str(pp), "--bootstrap-port", str(bp), "--model",
+                                    model, *WORKER_FLAGS], env, tmp_dir, pp)
+        dec = spawn(f"decode{i}", ["--role", "decode", "--port", str(dp), "--model", model, *WORKER_FLAGS],
+                    {**env, **spec.get("decode_env", {})}, tmp_dir, dp)
+        procs += [pre, dec]
+        workers.append((pre, dec))
+        topo.append({"index": i, "canary": bool(spec.get("canary", False)),
+                     "prefill": {"url": pre.url, "bootstrap_port": bp}, "decode": {"url": dec.url}})
+    path = os.path.join(tmp_dir, "topology.yaml")
+    with open(path, "w") as fh:
+        yaml.safe_dump({"version": 1, "revision": "test", "pairs": topo}, fh)
+    rp = free_port()
+    router = spawn("router", ["--role", "router", "--port", str(rp), "--topology-file", path, *router_flags], env,
+                   tmp_dir, rp)
+    procs.append(router)
+    stack = PairsStack(router, workers[0][0], workers[0][1], 0, model, procs, workers)
+    try:
+        wait_healthy(procs)  # the router's /health needs a ready non-canary pair
+    except BaseException:
+        stack.stop()
+        raise
+    return stack

@@ -38,6 +38,7 @@ class DecodeRequest:
     bytes_received: int = 0
     kv_stats: Any = None  # transfer.TransferStats of the bulk phase (live; /debug/requests)
     completion_tokens: int = 0
+    last_token_at: float | None = None  # watchdog clock seconds of the last generated token (idle_s in /debug)
     failure: str | None = None
 
 

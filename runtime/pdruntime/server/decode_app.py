@@ -25,6 +25,7 @@ from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import WireError
 from pdruntime.server.common import (SSE_DONE, GuardedStream, client_of, finish_reason_json, read_generate,
                                      request_id, sse)
+from pdruntime.server.faults import STALL_THIS_REQUEST, ConnectionStall, connection_of
 from pdruntime.server.openai_format import OpenAIShape, logprob_entries
 from pdruntime.server.schemas import ApiError, GenerateRequest, error_body
 from pdruntime.server.worker_base import WorkerBase
@@ -60,6 +61,11 @@ class DecodeWorker(WorkerBase):
         self.pages_freed = asyncio.Event()
         self.layout = None
         self.model_sha = self.loaded.info.sha256 or ""
+        self.stall_fault = ConnectionStall(self.env.fault_decode_stall_after) if self.env.fault_decode_stall_after else None
+        if self.stall_fault is not None:
+            log.warning("TEST-ONLY FAULT KNOB ON: PDRT_FAULT_DECODE_STALL_AFTER=%d: every PD request after the %d-th on "
+                        "one connection stalls in decode (never in production)", self.stall_fault.after,
+                        self.stall_fault.after)
 
     async def start_role(self) -> None:
         tp = self.engine.tp_size  # one wire shard per tensor-parallel rank; every rank's cache has rank 0's shape
@@ -70,6 +76,10 @@ class DecodeWorker(WorkerBase):
     def role_config(self) -> dict:
         return {"watchdog": {"decode_transfer_timeout_s": self.env.decode_transfer_timeout_s,
                              "tick_s": self.env.watchdog_tick_s}}
+
+    def progress(self, req: DecodeRequest) -> tuple[int, float]:
+        at = super().progress(req)[1]
+        return req.completion_tokens, max(at, req.last_token_at or at)
 
     def debug_extra(self, req: DecodeRequest) -> dict:
         return {"completion_tokens": req.completion_tokens, **(req.kv_stats.row() if req.kv_stats is not None else {})}
@@ -177,6 +187,9 @@ class DecodeWorker(WorkerBase):
             self.metrics.transfer_bytes.labels(self.role).observe(nbytes)
             self.metrics.transfer_bytes_total.labels(self.role).inc(nbytes)
             self.metrics.transfer_wire_seconds.labels(self.role).observe(stats.seconds)
+            if STALL_THIS_REQUEST.get():  # test-only fault knob: KV held, no token ever, no watchdog armed
+                self.queues.move(req.rid, "running")
+                await asyncio.Event().wait()  # until _fail (abort, client gone) cancels this task
             self.runner.set_sink(req.rid, lambda out, r=req: self._on_output(r, out))
             early = self._early_first_token(req, header.first_token_id)
             if early is not None:  # queued before the engine can report anything for this request
@@ -235,7 +248,10 @@ class DecodeWorker(WorkerBase):
 
     # ---- HTTP ----------------------------------------------------------------------------------
     async def generate(self, request: Request):
-        return await self.run_generate(await read_generate(request), client_of(request))
+        greq = await read_generate(request)
+        if self.stall_fault is not None and greq.bootstrap_room is not None:
+            STALL_THIS_REQUEST.set(self.stall_fault.admit(connection_of(request.headers, request.scope)))
+        return await self.run_generate(greq, client_of(request))
 
     async def run_generate(self, greq: GenerateRequest, client: str, shape: OpenAIShape | None = None,
                            include_usage: bool = False):
@@ -278,6 +294,7 @@ class DecodeWorker(WorkerBase):
                         self.metrics.itl.labels(self.role).observe(ts - last)
                     last = ts
                     req.completion_tokens += len(item.new_token_ids)
+                    req.last_token_at = self.clock.now()
                     self.metrics.tokens.labels(self.role, client_label).inc(len(item.new_token_ids))
                 text += item.text_delta
                 reason = item.finish_reason if item.finished else None

@@ -55,6 +55,9 @@ class Metrics:
         self.tokens = Counter("pdrt_generated_tokens_total", "Tokens generated, by role and client",
                               ["role", "client"], registry=r)
         self.live = Gauge("pdrt_live_requests", "Requests live in this server (any stage)", ["role"], registry=r)
+        self.oldest_age = Gauge("pdrt_oldest_live_request_age_seconds", "Age of the oldest live request per stage, "
+                                "seconds, computed at scrape time (no series for a stage with none)", ["role", "stage"],
+                                registry=r)
         # workers
         self.pool_blocks = Gauge("pdrt_kv_pool_blocks", "KV pool blocks by state (free, used, total)",
                                  ["role", "state"], registry=r)
@@ -114,6 +117,12 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def set_oldest_age(self, by_stage: dict[str, float]) -> None:
+        """Scrape time: the oldest live request's age per stage; stages with none have no series."""
+        self.oldest_age.clear()
+        for stage, age in by_stage.items():
+            self.oldest_age.labels(self.role, stage).set(round(age, 3))
 
     def update_pool(self, stats: dict) -> None:
         total = stats.get("blocks_total")

@@ -51,6 +51,30 @@ def _bearer(headers: Any) -> str | None:
     return None
 
 
+ADMIN_TOKEN_HEADER = "x-pdstack-admin-token"  # the admin token where Authorization cannot carry it (pods/proxy)
+PIN_HEADER = "x-pdstack-pair"  # pin a request to one group (canary probes); needs admin credentials
+MAX_CLIENT_REQUEST_ID = 128  # characters of a client's X-Request-Id kept in /debug/requests
+
+
+def _admin_token(headers: Any) -> str | None:
+    """The admin token a request carries: X-PDStack-Admin-Token, else 'Authorization: Bearer'."""
+    return (headers.get(ADMIN_TOKEN_HEADER) or "").strip() or _bearer(headers)
+
+
+def _same_secret(given: str, expected: str) -> bool:
+    """Constant-time comparison (digests of equal length)."""
+    return hmac.compare_digest(hashlib.sha256(given.encode()).digest(), hashlib.sha256(expected.encode()).digest())
+
+
+def client_request_id(headers: Any) -> str | None:
+    """The client's own X-Request-Id, shown in /debug/requests so that a client (the agent probe) can find its
+    request there; printable ASCII, truncated. Not the router's id (that stays unique per PD request)."""
+    raw = headers.get("x-request-id")
+    if not raw:
+        return None
+    return "".join(c for c in raw[:MAX_CLIENT_REQUEST_ID] if 32 < ord(c) < 127) or None
+
+
 def key_name(key: str) -> str:
     """The attribution name of an API key without a name: a hash prefix, never the key."""
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
@@ -137,6 +161,16 @@ class LiveRequest:
     pair: int | None = None
     tokens: int = 0
     attempts: int = 0
+    client_request_id: str | None = None  # the client's X-Request-Id
+    pinned: int | None = None  # the group X-PDStack-Pair pinned it to
+    progressed_at: float = 0.0  # time.monotonic() of its last progress: arrival, a stage change, a token
+
+    def __post_init__(self) -> None:
+        self.progressed_at = self.progressed_at or self.started
+
+    def advance(self, stage: str) -> None:
+        self.stage = stage
+        self.progressed_at = time.monotonic()
 
 
 class Router:
@@ -257,9 +291,10 @@ class Router:
         it: a first token, a leg error, our deadline, the client leaving (cancellation), or a bug."""
         tried: set[int] = set()
         last: LegError | None = None
-        while len(tried) < MAX_ATTEMPTS:
+        pinned = live.pinned
+        while len(tried) < (MAX_ATTEMPTS if pinned is None else 1):  # a pinned request is never retried elsewhere
             now = time.monotonic()
-            state = self.picker.choose(now, live.conversation, exclude=tried | self.stale_pairs())
+            state = self.picker.choose(now, live.conversation, exclude=tried | self.stale_pairs(), group=pinned)
             if state is None:
                 break
             if tried:
@@ -267,7 +302,7 @@ class Router:
             tried.add(state.pair.index)
             live.pair = state.pair.index
             live.attempts += 1
-            live.stage = "waiting_first_token"
+            live.advance("waiting_first_token")
             state.outstanding += 1
             trial = state.breaker.on_dispatch(now)
             self.metrics.pair_outstanding.labels(state.pair.key).set(state.outstanding)
@@ -290,16 +325,25 @@ class Router:
                 self.metrics.circuit_open.labels(state.pair.key).set(int(state.breaker.state(time.monotonic()) != "closed"))
                 if outcome is not Outcome.SUCCESS:
                     self._release(state)
+        if last is not None and pinned is not None:
+            raise ApiError(502, f"pinned group {pinned} failed ({last.leg} leg: {last.message}); a pinned request is not "
+                           "retried on another group", type="server_error", code="upstream_failed")
         if last is not None:
             raise ApiError(502, f"every PD pair tried failed; last: {last.leg} leg: {last.message}", type="server_error",
                            code="upstream_failed")
+        if pinned is not None:
+            reason = self.picker.unroutable(time.monotonic(), pinned, self.stale_pairs())
+            raise ApiError(503, f"group {pinned} (X-PDStack-Pair) is not routable: {reason}", type="server_error",
+                           code="pinned_group_unavailable")
         raise self._no_pair_error()
 
     def _no_pair_error(self) -> ApiError:
         now = time.monotonic()
         at = self.picker.reopens_at(now)
         if at is None:
-            return ApiError(503, "no ready PD pair (the topology has none ready)", type="server_error",
+            canaries = sorted({p.group_id for p in self.topology.pairs if p.canary and p.ready})
+            note = f"; canary groups {', '.join(map(str, canaries))} take pinned requests only" if canaries else ""
+            return ApiError(503, f"no ready PD pair (the topology has none ready{note})", type="server_error",
                             code="no_ready_pair")
         wait = max(1, int(at - now + 0.999))
         return ApiError(503, f"no ready PD pair: every ready pair's circuit breaker is open after failures; the next "
@@ -313,6 +357,7 @@ class Router:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
+        live.pinned = self.pinned_group(request)
         dispatch = asyncio.create_task(self._dispatch(live, body, headers, deadline))
         watcher = asyncio.create_task(gone())
         try:
@@ -346,19 +391,47 @@ class Router:
         return name
 
     def require_admin(self, request: Request) -> None:
-        """/config and /debug/*: the admin token when one is configured, else loopback clients only."""
+        """/config and /debug/*: the admin token when one is configured (as 'Authorization: Bearer' or as
+        X-PDStack-Admin-Token, which survives the API server's pods/proxy), else loopback clients only."""
         if self.cfg.admin_token is not None:
-            token = _bearer(request.headers) or ""
-            if not hmac.compare_digest(hashlib.sha256(token.encode()).digest(),
-                                       hashlib.sha256(self.cfg.admin_token.encode()).digest()):
+            if not _same_secret(_admin_token(request.headers) or "", self.cfg.admin_token):
                 raise ApiError(401, f"{request.url.path} needs the admin token; accepted: 'Authorization: Bearer "
-                               "<admin token>' (the router's --admin-token-file)", type="authentication_error",
+                               "<admin token>' or 'X-PDStack-Admin-Token: <admin token>' (the router's "
+                               "--admin-token-file)", type="authentication_error",
                                code="admin_token_required", headers={"WWW-Authenticate": "Bearer"})
         elif not _is_loopback(request.client.host if request.client else None):
             raise ApiError(403, f"{request.url.path} is served only to loopback clients when the router has no admin "
                            "token; accepted: a request from 127.0.0.1/::1, or start the router with --admin-token-file "
                            "and send 'Authorization: Bearer <admin token>'", type="permission_error",
                            code="admin_only")
+
+    def pinned_group(self, request: Request) -> int | None:
+        """The group an ``X-PDStack-Pair`` header pins this request to (None: normal routing). Pinning reaches canary
+        groups, so it needs admin credentials: X-PDStack-Admin-Token (the Authorization header carries the API
+        key), or a loopback client when the router has no admin token. 403 otherwise, 400 for a bad value."""
+        raw = request.headers.get(PIN_HEADER)
+        if raw is None:
+            return None
+        if self.cfg.admin_token is not None:
+            given = (request.headers.get(ADMIN_TOKEN_HEADER) or "").strip()
+            if not given:
+                raise ApiError(403, "X-PDStack-Pair pins a request to one group and needs admin credentials; accepted: "
+                               "an 'X-PDStack-Admin-Token: <admin token>' header (the router's --admin-token-file)",
+                               type="permission_error", code="pin_not_allowed")
+            if not _same_secret(given, self.cfg.admin_token):
+                raise ApiError(403, "X-PDStack-Admin-Token does not match the router's admin token; X-PDStack-Pair "
+                               "needs the token from the router's --admin-token-file", type="permission_error",
+                               code="pin_not_allowed")
+        elif not _is_loopback(request.client.host if request.client else None):
+            raise ApiError(403, "X-PDStack-Pair is accepted only from loopback clients when the router has no admin "
+                           "token; accepted: a request from 127.0.0.1/::1, or start the router with --admin-token-file "
+                           "and send 'X-PDStack-Admin-Token: <admin token>'", type="permission_error",
+                           code="pin_not_allowed")
+        value = raw.strip()
+        if not value.isdigit():
+            raise ApiError(400, f"X-PDStack-Pair {raw[:32]!r} is not accepted; accepted: a group index, an integer >= 0",
+                           param="X-PDStack-Pair")
+        return int(value)
 
     def count_rejection(self, client: str, status: int) -> None:
         """A request the router answered itself with an error (before or instead of any worker)."""
@@ -401,8 +474,9 @@ class Router:
         conversation = oreq.user or request.headers.get("x-session-id")
         rid = uuid.uuid4().hex
         worker_body: dict[str, Any] = {"sampling_params": oreq.sampling_params(), **oreq.worker_input()}
-        headers = {"x-client-id": client, "x-request-id": rid}
-        live = LiveRequest(rid, client, conversation, t0)
+        headers = {"x-client-id": client, "x-request-id": rid,
+                   "x-pdstack-client-connection": f"{request.client.host}:{request.client.port}" if request.client else ""}
+        live = LiveRequest(rid, client, conversation, t0, client_request_id=client_request_id(request.headers))
         self.live[rid] = live
         try:
             legs, state, first = await self._dispatch_unless_gone(request, live, worker_body, headers, deadline)
@@ -415,7 +489,7 @@ class Router:
             else:
                 self.count_rejection(client, 500)
             raise
-        live.stage = "streaming"
+        live.advance("streaming")
         self.metrics.ttft.labels("router").observe(time.monotonic() - t0)
         shape = OpenAIShape(chat, ("chatcmpl-" if chat else "cmpl-") + rid, model, int(time.time()),
                             tool_parser=parser if chat and oreq.tools and oreq.tool_choice != "none" else None,
@@ -440,6 +514,7 @@ class Router:
                     self.metrics.itl.labels("router").observe(now - last_tok[0])
                 last_tok[0] = now
                 live.tokens += n
+                live.progressed_at = now
                 self.metrics.tokens.labels("router", client_label).inc(n)
 
         async def finish(completed: bool) -> None:
@@ -505,7 +580,9 @@ class Router:
     async def debug_requests(self) -> dict:
         now = time.monotonic()
         own = [{"id": r.rid, "client": r.client, "conversation": r.conversation, "stage": r.stage, "pair": r.pair,
-                "age_s": round(now - r.started, 3), "tokens": r.tokens, "attempts": r.attempts} for r in self.live.values()]
+                "age_s": round(now - r.started, 3), "tokens": r.tokens, "idle_s": round(now - r.progressed_at, 3),
+                "attempts": r.attempts, "client_request_id": r.client_request_id, "pinned": r.pinned}
+               for r in self.live.values()]
 
         async def fetch(pair_index: int, role: str, url: str) -> dict:
             try:
@@ -528,6 +605,14 @@ class Router:
             verdict += f"; unreachable workers: {', '.join(unreachable)}"
         return {"role": "router", "live": len(own), "requests": own, "workers": workers, "live_total": total,
                 "verdict": verdict}
+
+    def oldest_by_stage(self) -> dict[str, float]:
+        """Age in seconds of the oldest live request per router stage (stages with none are absent)."""
+        now = time.monotonic()
+        out: dict[str, float] = {}
+        for r in self.live.values():
+            out[r.stage] = max(out.get(r.stage, 0.0), now - r.started)
+        return out
 
     def _inflight_by_pair(self) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -614,6 +699,7 @@ class Router:
         @app.get("/metrics")
         async def metrics():
             self.metrics.live.labels("router").set(len(self.live))
+            self.metrics.set_oldest_age(self.oldest_by_stage())
             stale = self.stale_pairs()
             for p in self.topology.pairs:
                 self.metrics.pair_stale.labels(p.key).set(int(p.index in stale))
@@ -630,7 +716,8 @@ class Router:
                 doc = await request.json()
             except ValueError:
                 doc = None
-            status, body = self.topology_source.push(doc, request.headers.get("authorization"))
+            token = (request.headers.get(ADMIN_TOKEN_HEADER) or "").strip()
+            status, body = self.topology_source.push(doc, f"Bearer {token}" if token else request.headers.get("authorization"))
             return JSONResponse(body, status_code=status)
 
         @app.get("/debug/requests")

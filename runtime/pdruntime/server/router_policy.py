@@ -1,4 +1,5 @@
-"""Pure routing decisions: pair choice (least outstanding, sticky by conversation) and circuit breakers."""
+"""Pure routing decisions: pair choice (least outstanding, sticky by conversation), pinning to one group
+(``X-PDStack-Pair``: canary probes), and circuit breakers. Canary pairs take pinned requests only."""
 
 from __future__ import annotations
 
@@ -136,18 +137,45 @@ class PairPicker:
             load[s.pair.decode_url] = load.get(s.pair.decode_url, 0) + s.outstanding
         return load
 
-    def eligible(self, now: float, exclude: set[int] = frozenset()) -> list[PairState]:
-        return [s for s in self.states.values() if s.pair.ready and s.pair.index not in exclude and s.breaker.allows(now)]
+    def eligible(self, now: float, exclude: set[int] = frozenset(), group: int | None = None) -> list[PairState]:
+        """Pairs a request may go to now. Normal traffic (``group`` None): ready, not canary. Pinned: the ready
+        pairs of that group, canary or not."""
+        return [s for s in self.states.values() if s.pair.ready and s.pair.index not in exclude and s.breaker.allows(now)
+                and (s.pair.group_id == group if group is not None else not s.pair.canary)]
 
     def reopens_at(self, now: float) -> float | None:
         """The earliest time a ready pair that is excluded by its breaker becomes eligible (None: none waits)."""
-        times = [t for s in self.states.values() if s.pair.ready and (t := s.breaker.reopens_at(now)) is not None]
+        times = [t for s in self.states.values() if s.pair.ready and not s.pair.canary
+                 and (t := s.breaker.reopens_at(now)) is not None]
         return min(times) if times else None
 
-    def choose(self, now: float, key: str | None, exclude: set[int] = frozenset()) -> PairState | None:
-        cands = self.eligible(now, exclude)
+    def groups(self) -> list[int]:
+        return sorted({s.pair.group_id for s in self.states.values()})
+
+    def unroutable(self, now: float, group: int, stale: set[int] = frozenset()) -> str:
+        """Why a request pinned to ``group`` has no pair now (for its 503)."""
+        members = [s for s in self.states.values() if s.pair.group_id == group]
+        if not members:
+            return f"the topology has no group {group} (groups: {', '.join(map(str, self.groups())) or 'none'})"
+        if all(s.pair.draining for s in members):
+            return f"group {group} is draining"
+        if not any(s.pair.ready for s in members):
+            return f"group {group} is not ready"
+        if all(s.pair.index in stale for s in members if s.pair.ready):
+            return f"group {group}'s workers stopped answering /health (stale)"
+        return f"group {group}'s circuit breaker is open after failures"
+
+    def choose(self, now: float, key: str | None, exclude: set[int] = frozenset(),
+               group: int | None = None) -> PairState | None:
+        """Normal traffic: sticky by ``key``, else least loaded, never a canary pair. ``group``: only that group's
+        pairs (pinned requests), least loaded, and the sticky table is left alone."""
+        cands = self.eligible(now, exclude, group)
         if not cands:
             return None
+        if group is not None:
+            load = self.worker_loads()
+            return min(cands, key=lambda s: (load[s.pair.prefill_url] + load[s.pair.decode_url], s.outstanding,
+                                             s.pair.index))
         if key is not None:
             idx = self.sticky.get(key)
             if idx is not None:

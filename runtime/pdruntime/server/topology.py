@@ -10,6 +10,7 @@ Source: CLI flags or a YAML file (written by the operator into the router Config
       - index: 0
         ready: true
         draining: false  # true: finish in-flight requests, take no new ones (pods go after the router confirms)
+        canary: false    # true: no normal traffic; only requests pinned to its group (X-PDStack-Pair) reach it
         prefill: {url: "http://10.0.0.11:8000", bootstrap_host: "10.0.0.11", bootstrap_port: 8998}
         decode:  {url: "http://10.0.0.12:8000"}
 """
@@ -43,6 +44,7 @@ class Pair:
     decode_url: str
     draining: bool = False  # no new requests; in-flight ones finish (a draining pair is never ready)
     group: int | None = None  # the P:D group this (prefill, decode) combination belongs to; None = its own
+    canary: bool = False  # only pinned requests (X-PDStack-Pair: <group>) reach it, never normal traffic
 
     @property
     def group_id(self) -> int:
@@ -68,7 +70,7 @@ class Topology:
 
     def as_dict(self) -> dict:
         return {"version": self.version, "generation": self.generation, "revision": self.revision, "pairs": [
-            {"index": p.index, "ready": p.ready, "draining": p.draining,
+            {"index": p.index, "ready": p.ready, "draining": p.draining, "canary": p.canary,
              **({"group": p.group} if p.group is not None else {}),
              "prefill": {"url": p.prefill_url, "bootstrap_host": p.bootstrap_host, "bootstrap_port": p.bootstrap_port},
              "decode": {"url": p.decode_url}} for p in self.pairs]}
@@ -109,6 +111,9 @@ def parse_topology(doc: Any) -> Topology:
         draining = rp.get("draining", False)
         if not isinstance(draining, bool):
             raise TopologyError(f"{where}.draining: {draining!r} is not accepted; accepted: true or false")
+        canary = rp.get("canary", False)
+        if not isinstance(canary, bool):
+            raise TopologyError(f"{where}.canary: {canary!r} is not accepted; accepted: true or false")
         pre = rp.get("prefill")
         dec = rp.get("decode")
         if not isinstance(pre, dict) or not isinstance(dec, dict):
@@ -125,7 +130,7 @@ def parse_topology(doc: Any) -> Topology:
             raise TopologyError(f"{where}.group: {group!r} is not accepted; accepted: an integer >= 0 (the P:D "
                                 "group of this prefill/decode combination)")
         pairs.append(Pair(index, ready and not draining, purl, str(bhost), bport,
-                          _url(dec.get("url"), f"{where}.decode.url"), draining, group))
+                          _url(dec.get("url"), f"{where}.decode.url"), draining, group, canary))
     return Topology(1, revision, tuple(pairs), generation)
 
 

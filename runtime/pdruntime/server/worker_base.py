@@ -107,12 +107,31 @@ class WorkerBase:
 
     # ---- views -----------------------------------------------------------------------------
     def debug_rows(self) -> list[dict]:
-        """One row per live request: id, room, client, stage, transfer state, ages in seconds."""
+        """One row per live request: id, room, client, stage, transfer state, ages in seconds, tokens generated
+        so far and ``idle_s`` (seconds since its last progress: what a stall detector reads)."""
         now = self.clock.now()
-        return [{"id": r.rid, "room": r.room, "client": r.client, "stage": stage, "state": r.status.state.label,
-                 "age_s": round(now - r.created_at, 3), "in_state_s": round(now - r.status.since(), 3),
-                 "prompt_tokens": len(r.prompt_ids), **self.debug_extra(r)}
-                for stage, r in self.queues.items()]
+        rows = []
+        for stage, r in self.queues.items():
+            tokens, progressed_at = self.progress(r)
+            rows.append({"id": r.rid, "room": r.room, "client": r.client, "stage": stage,
+                         "state": r.status.state.label, "age_s": round(now - r.created_at, 3),
+                         "in_state_s": round(now - r.status.since(), 3), "tokens": tokens,
+                         "idle_s": round(now - progressed_at, 3), "prompt_tokens": len(r.prompt_ids),
+                         **self.debug_extra(r)})
+        return rows
+
+    def progress(self, req: Any) -> tuple[int, float]:
+        """(tokens generated so far, watchdog-clock time of its last progress): arrival or a transfer-state change
+        (every stage change comes with one); decode adds its last generated token."""
+        return 0, max(req.created_at, req.status.since())
+
+    def oldest_by_stage(self) -> dict[str, float]:
+        """Age in seconds of the oldest live request per stage (stages with none are absent)."""
+        now = self.clock.now()
+        out: dict[str, float] = {}
+        for stage, r in self.queues.items():
+            out[stage] = max(out.get(stage, 0.0), now - r.created_at)
+        return out
 
     def debug_extra(self, req: Any) -> dict:
         return {}
@@ -175,6 +194,7 @@ class WorkerBase:
             for q, n in counts.items():
                 gauge.labels(q).set(n)
             self.metrics.live.labels(self.role).set(sum(counts.values()))
+            self.metrics.set_oldest_age(self.oldest_by_stage())
             return metrics_response(self.metrics.render())
 
         @app.get("/config")
