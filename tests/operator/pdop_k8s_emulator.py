@@ -51,6 +51,7 @@ import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
+import yarl
 from kmock._internal import dicts as kmock_dicts
 from kmock._internal.k8s import KubernetesError
 
@@ -736,7 +737,8 @@ class PDEmulator(kmock.KubernetesEmulator):
                          for p in c.get("ports") or [] if p.get("containerPort")), "80")
         raw = request._raw_request
         sub_path = request.subresource[len("proxy"):] or "/"
-        url = f"{scheme}://{ip}:{port}{sub_path}" + (f"?{raw.query_string}" if raw.query_string else "")
+        query = raw.rel_url.raw_query_string
+        url = yarl.URL(f"{scheme}://{ip}:{port}{sub_path}" + (f"?{query}" if query else ""), encoded=True)
         hop = {"authorization", "host", "connection", "keep-alive", "transfer-encoding", "upgrade", "proxy-authorization",
                "te", "trailer", "content-length"}
         headers = {k: v for k, v in raw.headers.items() if k.lower() not in hop}
