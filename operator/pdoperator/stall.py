@@ -210,7 +210,8 @@ def evaluate(prev: Observation | None, cur: Observation, stall_s: float) -> Evid
         evidence += f"; unreachable: {', '.join(cur.unreachable)}"
     if not stuck:
         return Evidence(stalled=False, reason=f"pair {cur.pair}: {len(rows)} live, progressing ({evidence})", **base)
-    held, kind, r = max(stuck, key=lambda s: (s[0], s[2].role != "router"))
+    # a worker's row says where the request is stuck (the router's mirrors it): named first, longest held
+    held, kind, r = max(stuck, key=lambda s: (s[2].role != "router", s[0]))
     idle = round(cur.at - r.progressed_at, 3)
     who = f"request {r.id}" + (f" (client {r.client})" if r.client else "")
     tokens = f"{r.tokens} tokens" if r.tokens is not None else "no token count"
