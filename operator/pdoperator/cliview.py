@@ -46,7 +46,8 @@ def _emit(report: Any, fmt: str, table: str, out: TextIO) -> None:
 
 
 # ---------------------------------------------------------------- status
-def status_report(obj: Mapping[str, Any], pods: Sequence[Mapping[str, Any]], drift: Mapping[str, Any]) -> dict[str, Any]:
+def status_report(obj: Mapping[str, Any], pods: Sequence[Mapping[str, Any]],
+                  drift: Mapping[str, Any]) -> dict[str, Any]:
     """A PDDeployment and its worker pods as one report (pure). ``drift``: :func:`cli.drift_report`."""
     meta, st = obj.get("metadata") or {}, obj.get("status") or {}
     by_group: dict[int, list[dict[str, Any]]] = {}

@@ -739,8 +739,8 @@ class PDEmulator(kmock.KubernetesEmulator):
         sub_path = request.subresource[len("proxy"):] or "/"
         query = raw.rel_url.raw_query_string
         url = yarl.URL(f"{scheme}://{ip}:{port}{sub_path}" + (f"?{query}" if query else ""), encoded=True)
-        hop = {"authorization", "host", "connection", "keep-alive", "transfer-encoding", "upgrade", "proxy-authorization",
-               "te", "trailer", "content-length"}
+        hop = {"authorization", "host", "connection", "keep-alive", "transfer-encoding", "upgrade",
+               "proxy-authorization", "te", "trailer", "content-length"}
         headers = {k: v for k, v in raw.headers.items() if k.lower() not in hop}
         headers["X-Forwarded-For"] = raw.remote or ""
         try:
@@ -748,7 +748,8 @@ class PDEmulator(kmock.KubernetesEmulator):
                 async with http.request(method, url, headers=headers, data=await raw.read() or None,
                                         allow_redirects=False, timeout=aiohttp.ClientTimeout(total=60)) as r:
                     body = await r.read()
-                    keep = {k: v for k, v in r.headers.items() if k.lower() not in hop and k.lower() != "content-encoding"}
+                    keep = {k: v for k, v in r.headers.items()
+                            if k.lower() not in hop and k.lower() != "content-encoding"}
                     return aiohttp.web.Response(status=r.status, body=body, headers=keep)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise _error(503, "ServiceUnavailable", f"error trying to reach service: {e}") from None

@@ -50,7 +50,8 @@ def pod(name: str, ip: str | None, *, port: int | None = None, labels: dict[str,
     ctr: dict[str, Any] = {"name": "c", "image": "i"}
     if port:
         ctr["ports"] = [{"containerPort": port}]
-    status: dict[str, Any] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    status: dict[str, Any] = {"phase": "Running",
+                              "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
     if ip:
         status["podIP"] = ip
     return {"metadata": {"name": name, "labels": labels or {}}, "spec": {"containers": [ctr], "nodeName": "n"},
@@ -81,7 +82,8 @@ async def echo_server(host: str) -> tuple[aiohttp.web.AppRunner, int]:
         if request.path == "/deny":
             return aiohttp.web.json_response({"error": "needs the admin token"}, status=401)
         return aiohttp.web.json_response({"method": request.method, "path": request.path,
-                                          "query": request.rel_url.raw_query_string, "body": (await request.read()).decode(),
+                                          "query": request.rel_url.raw_query_string,
+                                          "body": (await request.read()).decode(),
                                           "headers": {k.lower(): v for k, v in request.headers.items()}}, status=207)
     app = aiohttp.web.Application()
     app.router.add_route("*", "/{tail:.*}", echo)

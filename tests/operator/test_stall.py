@@ -39,13 +39,16 @@ CASES = [
      obs(0, row("prefill", "waiting", 55, idle=1)), obs(10, row("prefill", "inflight", 65, idle=2)), True,
      "prefill/inflight"),
     ("request stuck in KV transfer on decode",
-     obs(0, row("decode", "transfer", 30, tokens=0, idle=30)), obs(31, row("decode", "transfer", 61, tokens=0, idle=61)),
+     obs(0, row("decode", "transfer", 30, tokens=0, idle=30)),
+     obs(31, row("decode", "transfer", 61, tokens=0, idle=61)),
      True, "decode/transfer"),
     ("router waiting for a first token too long",
      None, obs(10, row("router", "waiting_first_token", 70, tokens=0, idle=1)), True, "router/waiting_first_token"),
     ("the worker's row names the stage; the router's row mirrors it",
-     obs(0, row("router", "waiting_first_token", 65, tokens=0, idle=60), row("decode", "running", 61, tokens=0, idle=60)),
-     obs(5, row("router", "waiting_first_token", 70, tokens=0, idle=65), row("decode", "running", 66, tokens=0, idle=65)),
+     obs(0, row("router", "waiting_first_token", 65, tokens=0, idle=60),
+         row("decode", "running", 61, tokens=0, idle=60)),
+     obs(5, row("router", "waiting_first_token", 70, tokens=0, idle=65),
+         row("decode", "running", 66, tokens=0, idle=65)),
      True, "decode/running"),
     ("recovery: the stuck request finished", obs(0, row("decode", "running", 100, tokens=40, idle=65)), obs(10), False,
      None),
@@ -105,7 +108,8 @@ def test_missing_idle_s_falls_back_to_tokens_unchanged_across_observations():
 
 def test_unreachable_worker_is_named():
     e = evaluate(obs(0, row("router", "streaming", 30, tokens=4, idle=30), unreachable=["decode http://10.0.0.2:8000"]),
-                 obs(40, row("router", "streaming", 70, tokens=4, idle=70), unreachable=["decode http://10.0.0.2:8000"]),
+                 obs(40, row("router", "streaming", 70, tokens=4, idle=70),
+                     unreachable=["decode http://10.0.0.2:8000"]),
                  S)
     assert e.stalled and "unreachable: decode http://10.0.0.2:8000" in e.reason
 
@@ -153,7 +157,8 @@ def test_status_condition_and_stalls_list():
     # the same episode later: since and lastTransitionTime kept
     later = with_stalls(dict(base), st, [stuck, fine], 1030.0)
     lc = next(c for c in later["conditions"] if c["type"] == "Stalled")
-    assert lc["lastTransitionTime"] == cond["lastTransitionTime"] and later["stalls"][0]["since"] == st["stalls"][0]["since"]
+    assert lc["lastTransitionTime"] == cond["lastTransitionTime"]
+    assert later["stalls"][0]["since"] == st["stalls"][0]["since"]
     # no look this time (router did not answer): what was known stays
     assert with_stalls(dict(base), st, None, 1040.0)["stalls"] == st["stalls"]
     # recovered

@@ -45,7 +45,8 @@ def stalled_pair() -> float | None:
 
 
 @contextlib.asynccontextmanager
-async def stack(tmp_path: Any, decode_env: list[dict[str, str]] | None = None) -> AsyncIterator[tuple[Cluster, str, Any]]:
+async def stack(tmp_path: Any,
+                decode_env: list[dict[str, str]] | None = None) -> AsyncIterator[tuple[Cluster, str, Any]]:
     """One pair of real workers and a real router under the real operator; yields (cluster, router URL, kubelet)."""
     from pdruntime.model.testing import write_tiny_checkpoint
 
@@ -175,7 +176,8 @@ async def test_decode_stalling_a_keep_alive_round_is_stalled_until_aborted(tmp_p
         async with httpx.AsyncClient(timeout=300) as http:  # one keep-alive connection, as an agent's
             first = await http.post(url + "/v1/completions", json=req, headers={"X-Client-Id": "agent-3"})
             assert first.status_code == 200, first.text  # round 1 passes
-            second = asyncio.create_task(http.post(url + "/v1/completions", json=req, headers={"X-Client-Id": "agent-3"}))
+            second = asyncio.create_task(http.post(url + "/v1/completions", json=req,
+                                                   headers={"X-Client-Id": "agent-3"}))
             try:
                 cond = await wait_stalled(c)
                 msg = cond["message"]
