@@ -23,7 +23,7 @@ from typing import Any, Awaitable, Callable, Mapping
 
 import yaml
 
-from . import drift, metrics, stall
+from . import drift, metrics
 from .config import OperatorConfig
 from .kube import ApiError, Kube, object_path, path
 from .pairs import (CoRestart, CreatePods, DeletePods, DrainPair, ForceDelete, Plan, RolloutPair, plan_pairs,
@@ -36,6 +36,7 @@ from .revisions import controller_revision, prune_history, revision_hash
 from .routerlink import RouterLink, router_pods_ready
 from .spec import GROUP, KIND, VERSION, SpecError, parse_spec
 from .status import Facts, build_status, invalid_status, iso, memory_from_status, same_status, with_stalls
+from . import stall
 
 API = f"{GROUP}/{VERSION}"
 STATUS_CONFLICT_RETRIES = 3
@@ -140,7 +141,6 @@ def forget_process_drift(namespace: str, name: str) -> None:
     """Drop a deleted (or no longer ours) PDDeployment's last sweep, so a namesake starts afresh."""
     _PROCESS_CHECKED.pop((namespace, name), None)
     _PROCESS_POSTED.pop((namespace, name), None)
-    _STALL_SEEN.pop((namespace, name), None)
 
 
 async def _process_drift(http: RouterLink, cfg: OperatorConfig, namespace: str, name: str, spec: Any,
@@ -312,6 +312,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     if body is None or body["metadata"].get("deletionTimestamp"):
         metrics.forget(namespace, name)
         forget_process_drift(namespace, name)
+        _STALL_SEEN.pop((namespace, name), None)
         return None
     now = time.time() if now is None else now
     meta = body["metadata"]
