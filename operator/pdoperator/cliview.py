@@ -90,7 +90,7 @@ def status_report(obj: Mapping[str, Any], pods: Sequence[Mapping[str, Any]],
 
 def format_status(r: Mapping[str, Any]) -> str:
     rev = r["revisions"]
-    lines = [f"{KIND} {r['namespace']}/{r['name']}: phase {r['phase']}, {r['readyPairs']}/{r['pairs']} pairs ready, "
+    lines = [f"{KIND} {r['namespace']}/{r['name']}: phase {r['phase']}, ready pairs {r['readyPairs']}/{r['pairs']}, "
              f"topology version {r['topologyVersion'] if r['topologyVersion'] is not None else '-'}",
              f"revisions: current {rev['current'] or '-'}, update {rev['update'] or '-'}, "
              f"last known-good {rev['lastKnownGood'] or '-'}", ""]

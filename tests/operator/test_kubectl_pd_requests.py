@@ -225,7 +225,7 @@ async def test_status_table_and_json(capsys):
         rc, text = await kpd("status", "llm")
         assert rc == 0, capsys.readouterr().err
         lines = text.splitlines()
-        assert lines[0] == "PDDeployment default/llm: phase Progressing, 1/2 pairs ready, topology version 7"
+        assert lines[0] == "PDDeployment default/llm: phase Progressing, ready pairs 1/2, topology version 7"
         assert lines[1] == "revisions: current aaa111, update bbb222, last known-good -"
         assert lines[3].split() == ["GROUP", "PHASE", "READY", "REVISION", "RESTARTS", "PODS"]
         assert lines[4].split(None, 5) == ["0", "Ready", "yes", "aaa111", "0",
