@@ -169,6 +169,32 @@ def test_the_admin_token_header_opens_debug_and_config(stack):
     assert [p["canary"] for p in cfg.json()["topology"]["pairs"]] == [False, True]
 
 
+def push(stack, pairs: list[dict]) -> None:
+    admin = {"X-PDStack-Admin-Token": ADMIN}
+    cfg = httpx.get(stack.router.url + "/config", headers=admin, timeout=10).json()
+    doc = {**cfg["topology"], "generation": cfg["topology_version"] + 1, "pairs": pairs}
+    r = httpx.post(stack.router.url + "/admin/topology", json=doc, headers=admin, timeout=10)
+    assert r.status_code == 200, r.text
+
+
+def test_a_pinned_request_whose_group_fails_is_not_retried_on_another_pair(stack, model_id):
+    from pd_harness import free_port
+
+    admin = {"X-PDStack-Admin-Token": ADMIN}
+    original = httpx.get(stack.router.url + "/config", headers=admin, timeout=10).json()["topology"]["pairs"]
+    dead = {**original[0], "index": 2, "canary": True, "decode": {"url": f"http://127.0.0.1:{free_port()}"}}
+    push(stack, original + [dead])  # group 2: pair 0's prefill with a decode worker that is not there
+    try:
+        before = served(stack)
+        r = chat(stack, model_id, {**admin, "X-PDStack-Pair": "2"})
+        assert r.status_code == 502, r.text
+        msg = r.json()["error"]["message"]
+        assert msg.startswith("pinned group 2 failed (decode leg:") and "not retried on another group" in msg
+        assert served(stack) == before  # no other pair's decode worker saw it
+    finally:
+        push(stack, original)
+
+
 def test_a_topology_push_with_the_admin_token_header_can_take_the_canary_flag_off(stack, model_id):
     """The operator promotes a canary by pushing a topology without the flag: normal traffic then reaches it."""
     admin = {"X-PDStack-Admin-Token": ADMIN}
@@ -180,8 +206,14 @@ def test_a_topology_push_with_the_admin_token_header_can_take_the_canary_flag_of
     from concurrent.futures import ThreadPoolExecutor
 
     before = served(stack)
-    with ThreadPoolExecutor(8) as pool:  # concurrent: least-outstanding routing spreads them over both pairs
-        codes = list(pool.map(lambda _: chat(stack, model_id, max_tokens=16).status_code, range(8)))
+    for _, dec in stack.pairs:  # slower decode steps: the concurrent requests overlap even on a loaded machine
+        stack.hooks(dec, step_delay_s=0.05)
+    try:
+        with ThreadPoolExecutor(8) as pool:  # concurrent: least-outstanding routing spreads them over both pairs
+            codes = list(pool.map(lambda _: chat(stack, model_id, max_tokens=16).status_code, range(8)))
+    finally:
+        for _, dec in stack.pairs:
+            stack.hooks(dec, step_delay_s=0)
     assert codes == [200] * 8
     after = served(stack)
     assert after[1] > before[1] and after[0] > before[0]

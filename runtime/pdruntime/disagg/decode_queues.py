@@ -37,9 +37,22 @@ class DecodeRequest:
     in_engine: bool = False
     bytes_received: int = 0
     kv_stats: Any = None  # transfer.TransferStats of the bulk phase (live; /debug/requests)
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # all choices together
     last_token_at: float | None = None  # watchdog clock seconds of the last generated token (idle_s in /debug)
     failure: str | None = None
+    # n > 1: choices 1..n-1 are engine forks of this prompt, [(engine request id, SamplingParams)]; choice 0 is
+    # the request itself (engine id ``rid``), whose first token prefill sampled
+    forks: list = field(default_factory=list)
+    open_ids: set = field(default_factory=set)  # engine ids of the choices still generating
+    page_refs: list | None = None  # at the fork: holders of each of the prompt's pages (shared: n)
+
+    @property
+    def n(self) -> int:
+        return 1 + len(self.forks)
+
+    def engine_ids(self) -> list[str]:
+        """The engine request id of each choice, by choice index."""
+        return [self.rid] + [fid for fid, _ in self.forks]
 
 
 class DecodeQueues(StageTable[DecodeRequest]):

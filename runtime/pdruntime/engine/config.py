@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -153,6 +153,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+    def for_choice(self, index: int) -> "SamplingParams":
+        """The params of choice ``index`` of an n > 1 request: the same, seeded ``seed + index`` when seeded (so
+        choice i equals a lone request with that seed, in PD and monolithic runs alike); unseeded stays unseeded
+        (the engine draws each fork its own seed)."""
+        if index == 0 or self.seed is None:
+            return self
+        return replace(self, seed=(self.seed + index) % SEED_LIMIT)
 
 
 @dataclass(frozen=True)

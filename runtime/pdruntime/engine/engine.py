@@ -225,23 +225,33 @@ class Engine:
         seq.status = Status.FINISHED
         del self._seqs[request_id]
 
-    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
-        """Decode side of PD: allocate pages for `num_tokens` tokens of incoming KV plus one decode slot."""
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequest(f"request_id={request_id!r} is invalid; accepted: a non-empty string")
-        if request_id in self._seqs:
-            raise InvalidRequest(f"request_id {request_id!r} is already live; accepted: a unique id")
+    def reserve(self, request_id: str, num_tokens: int, fork_ids: tuple[str, ...] | list[str] = ()) -> list[int]:
+        """Decode side of PD: allocate pages for `num_tokens` tokens of incoming KV plus one decode slot.
+
+        ``fork_ids`` (n > 1): ids of the forks add_prefilled will start off this prompt; each is reserved too,
+        holding the one page it copies (the page with the last prompt position), so that the forks cannot run
+        out of pages after the KV arrived. All pages or none (OutOfBlocks). Returns the prompt's pages."""
+        for rid in (request_id, *fork_ids):
+            if not isinstance(rid, str) or not rid:
+                raise InvalidRequest(f"request_id={rid!r} is invalid; accepted: a non-empty string")
+            if rid in self._seqs:
+                raise InvalidRequest(f"request_id {rid!r} is already live; accepted: a unique id")
+        if len(set(fork_ids)) != len(fork_ids) or request_id in fork_ids:
+            raise InvalidRequest(f"fork ids {list(fork_ids)} must be unique; accepted: unique ids")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
             raise InvalidRequest(f"num_tokens={num_tokens!r} is invalid; accepted: an integer >= 1")
         if num_tokens + 1 > self.max_model_len:
             raise InvalidRequest(f"{num_tokens} tokens leave no room to decode within the context limit of "
                                  f"{self.max_model_len} tokens")
+        if fork_ids and self.tp_size > 1:
+            raise InvalidRequest("forks (n > 1) need a single-rank engine; accepted: n = 1 here")
         n = -(-(num_tokens + 1) // self.config.block_size)
-        blocks = self.pool.allocate(n)  # raises OutOfBlocks
-        seq = Sequence(request_id=request_id, prompt_ids=[], params=SamplingParams(max_tokens=1),
-                       arrival=next(self._arrivals), status=Status.RESERVED, blocks=blocks)
-        self._seqs[request_id] = seq
-        return list(blocks)
+        blocks = self.pool.allocate(n + len(fork_ids))  # raises OutOfBlocks
+        for i, rid in enumerate((request_id, *fork_ids)):
+            own = blocks[:n] if i == 0 else [blocks[n + i - 1]]
+            self._seqs[rid] = Sequence(request_id=rid, prompt_ids=[], params=SamplingParams(max_tokens=1),
+                                       arrival=next(self._arrivals), status=Status.RESERVED, blocks=own)
+        return list(blocks[:n])
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
                       params: SamplingParams, first_logprobs: Any = None,
@@ -262,7 +272,9 @@ class Engine:
                 raise InvalidRequest(f"first_token_id={first_token_id} is outside the vocabulary")
             if -(-len(ids) // self.config.block_size) > len(seq.blocks):
                 raise InvalidRequest(f"prompt of {len(ids)} tokens does not fit the {len(seq.blocks)} reserved pages")
-        except InvalidRequest:
+            if forks:
+                self._check_forks(ids, forks)  # before anything changes: forks start all together or not at all
+        except (InvalidRequest, OutOfBlocks):
             self._seqs[request_id] = seq  # still reserved; caller may abort()
             raise
         new = self._new_seq(request_id, ids, params, False)
@@ -406,19 +418,38 @@ class Engine:
                 out.append(None)
         return out
 
-    def _fork_prefilled(self, parent: Sequence, ids: list[int], forks: list[tuple[str, SamplingParams]]) -> list[Sequence]:
-        """Children of a transferred prompt: pages before the one holding the last prompt position shared, that
-        page (and any after it up to the prompt's end) copied; each child prefills that one last position."""
+    def _check_forks(self, ids: list[int], forks: list[tuple[str, SamplingParams]]) -> None:
+        """Raise InvalidRequest / OutOfBlocks unless every fork of a transferred prompt can start now: unique ids,
+        each either not live or reserve()d with its parent (then holding its page), and pages for the rest."""
         if self.tp_size > 1:
             raise InvalidRequest("forks (n > 1) need a single-rank engine; accepted: n = 1 here")
+        fork_ids = [rid for rid, _ in forks]
+        if len(set(fork_ids)) != len(fork_ids):
+            raise InvalidRequest(f"fork ids {fork_ids} must be unique; accepted: unique ids")
+        missing = 0
+        for rid, p in forks:
+            held = self._seqs.get(rid)
+            if held is not None and held.status is not Status.RESERVED:
+                raise InvalidRequest(f"fork id {rid!r} is already live; accepted: unique ids")
+            if not isinstance(p, SamplingParams):
+                raise InvalidRequest(f"fork {rid!r}: params must be SamplingParams, got {type(p).__name__}")
+            if len(ids) + p.max_tokens > self.max_model_len:
+                raise InvalidRequest(f"fork {rid!r}: prompt + max_tokens exceeds {self.max_model_len} tokens")
+            missing += 1 if held is None else 0
+        if not self.pool.can_allocate(missing):
+            raise OutOfBlocks(f"forks need {missing} KV blocks, {self.pool.num_free} of {self.pool.num_total} free")
+
+    def _fork_prefilled(self, parent: Sequence, ids: list[int], forks: list[tuple[str, SamplingParams]]) -> list[Sequence]:
+        """Children of a transferred prompt (checked by _check_forks): pages before the one holding the last
+        prompt position shared, that page copied (into the page reserve()d for the fork, else a new one);
+        each child prefills that one last position for the logits of its own first token."""
         bs = self.config.block_size
-        k, end = (len(ids) - 1) // bs, -(-len(ids) // bs)
+        k, end = (len(ids) - 1) // bs, -(-len(ids) // bs)  # end - k == 1: only the last prompt page is copied
         children = []
         for rid, p in forks:
-            if rid in self._seqs:
-                raise InvalidRequest(f"fork id {rid!r} is already live; accepted: unique ids")
+            held = self._seqs.pop(rid, None)  # RESERVED with the parent: its page is the copy's
             c = self._new_seq(rid, ids, p, False)
-            own = self.pool.allocate(end - k)  # raises OutOfBlocks (the caller aborts the request)
+            own = held.blocks if held is not None else self.pool.allocate(end - k)
             c.blocks = self.pool.share(parent.blocks[:k]) + own
             for src, dst in zip(parent.blocks[k:end], own):
                 for layer in range(len(self.kv.k)):
@@ -637,6 +668,10 @@ class Engine:
             self.model.shutdown()
 
     # -- introspection ---------------------------------------------------------------------------
+    def page_refs(self, request_id: str) -> list[int]:
+        """How many sequences hold each of a request's KV pages, in page order (a page shared by n forks: n)."""
+        return [self.pool.refs(b) for b in self._get(request_id).blocks]
+
     def _get(self, request_id: str) -> Sequence:
         seq = self._seqs.get(request_id)
         if seq is None:

@@ -7,6 +7,13 @@
 
 Without bootstrap fields the worker runs the request monolithically (prefill + decode here); the
 benchmark uses that to compare PD against the same engine undisaggregated.
+
+n > 1 (``sampling_params.n``): one request, one prefill, one KV transfer. Choice 0 is the request itself and
+continues from the first token prefill sampled (seed s); choices 1..n-1 are engine forks (seeds s+1, ...) that
+share the transferred prompt pages (reference-counted; the page holding the last prompt position is copied,
+copy on write) and each recompute that one position here for the logits of their own first token, which they
+sample with their own seed, grammar and logprobs. Their copied pages are reserved with the prompt's, before the
+transfer. Events carry ``"index"``; the request ends when every choice has, and failing or aborting it ends all.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from pdruntime.disagg.wire import WireError
 from pdruntime.server.common import (SSE_DONE, GuardedStream, client_of, finish_reason_json, read_generate,
                                      request_id, sse)
 from pdruntime.server.faults import STALL_THIS_REQUEST, ConnectionStall, connection_of
-from pdruntime.server.openai_format import OpenAIShape, logprob_entries
+from pdruntime.server.openai_format import Choices, OpenAIShape, logprob_entries
 from pdruntime.server.schemas import ApiError, GenerateRequest, error_body
 from pdruntime.server.worker_base import WorkerBase
 
@@ -66,6 +73,7 @@ class DecodeWorker(WorkerBase):
             log.warning("TEST-ONLY FAULT KNOB ON: PDRT_FAULT_DECODE_STALL_AFTER=%d: every PD request after the %d-th on "
                         "one connection stalls in decode (never in production)", self.stall_fault.after,
                         self.stall_fault.after)
+        self.fork_owner: dict[str, str] = {}  # engine id of a fork (choice >= 1) -> its request's rid
 
     async def start_role(self) -> None:
         tp = self.engine.tp_size  # one wire shard per tensor-parallel rank; every rank's cache has rank 0's shape
@@ -82,7 +90,17 @@ class DecodeWorker(WorkerBase):
         return req.completion_tokens, max(at, req.last_token_at or at)
 
     def debug_extra(self, req: DecodeRequest) -> dict:
-        return {"completion_tokens": req.completion_tokens, **(req.kv_stats.row() if req.kv_stats is not None else {})}
+        forks = {"n": req.n, "choices_open": len(req.open_ids), "prompt_page_refs": req.page_refs} if req.forks else {}
+        return {"completion_tokens": req.completion_tokens, **forks,
+                **(req.kv_stats.row() if req.kv_stats is not None else {})}
+
+    def _on_engine_error(self, rid: str, message: str, status: int) -> None:
+        super()._on_engine_error(self.fork_owner.get(rid, rid), message, status)  # a fork fails its whole request
+
+    def _forget(self, req: DecodeRequest) -> None:
+        self.queues.remove(req.rid)
+        for fid, _ in req.forks:
+            self.fork_owner.pop(fid, None)
 
     # ---- failure and cleanup (idempotent) ----------------------------------------------------
     def _fail(self, req: DecodeRequest, reason: str, *, cause: str = "peer_failure", status: int = 502) -> None:
@@ -98,15 +116,17 @@ class DecodeWorker(WorkerBase):
             req.writer.close()
         if req.task is not None and req.task is not asyncio.current_task():
             req.task.cancel()
-        def free_pages(rid: str = req.rid) -> None:
+        def free_pages(ids: list[str] = req.engine_ids()) -> None:
             if self.runner is not None:
                 # always: a reserve() may be queued on the engine thread but not yet answered; the engine runs
-                # commands in order, so this abort lands after it and frees those pages (unknown ids: no-op)
-                self.runner.call(lambda e: e.abort(rid))
-                self.runner.drop_sink(rid)
+                # commands in order, so this abort lands after it and frees those pages (unknown ids: no-op).
+                # Every choice's: n > 1 forks end with their request
+                self.runner.call(lambda e: [e.abort(rid) for rid in ids])
+                for rid in ids:
+                    self.runner.drop_sink(rid)
             self._pages_freed()
 
-        self.queues.remove(req.rid)
+        self._forget(req)
         if req.writer is not None:  # a KV receive may still be writing into the pages: free them after it stops
             req.writer.after_io(free_pages)
         else:
@@ -128,7 +148,8 @@ class DecodeWorker(WorkerBase):
         while True:
             event = self.pages_freed
             try:
-                return await self.runner.call(lambda e, r=req: e.reserve(r.rid, len(r.prompt_ids)))
+                return await self.runner.call(lambda e, r=req: e.reserve(r.rid, len(r.prompt_ids),
+                                                                         [fid for fid, _ in r.forks]))
             except OutOfBlocks as exc:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -190,11 +211,11 @@ class DecodeWorker(WorkerBase):
             if STALL_THIS_REQUEST.get():  # test-only fault knob: KV held, no token ever, no watchdog armed
                 self.queues.move(req.rid, "running")
                 await asyncio.Event().wait()  # until _fail (abort, client gone) cancels this task
-            self.runner.set_sink(req.rid, lambda out, r=req: self._on_output(r, out))
+            self._set_sinks(req)
             early = self._early_first_token(req, header.first_token_id)
             if early is not None:  # queued before the engine can report anything for this request
                 req.outputs.put_nowait(early)
-            await self.runner.call(lambda e, r=req, f=header.first_token_id: e.add_prefilled(r.rid, r.prompt_ids, f, r.params))
+            req.page_refs = await self.runner.call(lambda e, r=req, f=header.first_token_id: _admit_prefilled(e, r, f))
             req.in_engine = True
             self.queues.move(req.rid, "running")
             # the engine reports the first token (sampled by prefill) with its first decode step
@@ -228,12 +249,17 @@ class DecodeWorker(WorkerBase):
             return None
         return EarlyToken(first, text)
 
+    def _set_sinks(self, req: DecodeRequest) -> None:
+        req.open_ids = set(req.engine_ids())
+        for rid in req.engine_ids():
+            self.runner.set_sink(rid, lambda out, r=req: self._on_output(r, out))
+
     async def _monolithic(self, req: DecodeRequest) -> None:
         try:
-            self.runner.set_sink(req.rid, lambda out, r=req: self._on_output(r, out))
+            self._set_sinks(req)
             req.in_engine = True
             self.queues.move(req.rid, "running")
-            await self.runner.call(lambda e, r=req: e.add_request(r.rid, r.prompt_ids, r.params))
+            await self.runner.call(lambda e, r=req: e.add_request(r.rid, r.prompt_ids, r.params, forks=r.forks))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -242,8 +268,10 @@ class DecodeWorker(WorkerBase):
     def _on_output(self, req: DecodeRequest, out: Any) -> None:
         req.outputs.put_nowait(out)
         if out.finished:
-            self.runner.drop_sink(req.rid)
-            self.queues.remove(req.rid)
+            self.runner.drop_sink(out.request_id)
+            req.open_ids.discard(out.request_id)
+            if not req.open_ids:  # the last choice
+                self._forget(req)
             self._pages_freed()
 
     # ---- HTTP ----------------------------------------------------------------------------------
@@ -261,27 +289,39 @@ class DecodeWorker(WorkerBase):
         pd = greq.bootstrap_room is not None
         if pd and (not greq.bootstrap_host or not greq.bootstrap_port):
             raise ApiError(400, "bootstrap_room needs bootstrap_host and bootstrap_port", param="bootstrap_host")
+        n = greq.sampling_params.n
+        if n > 1 and self.engine.tp_size > 1:
+            raise ApiError(400, f"n={n}: parallel sampling forks sequences in one engine, and this decode engine runs "
+                           f"tensor_parallel_size={self.engine.tp_size}; accepted: n = 1 here", param="n",
+                           code="unsupported_parameter")
         now = self.clock.now()
-        req = DecodeRequest(rid=request_id(greq), room=int(greq.bootstrap_room or 0), client=client,
+        rid = request_id(greq)
+        req = DecodeRequest(rid=rid, room=int(greq.bootstrap_room or 0), client=client,
                             prompt_ids=prompt, params=params, bootstrap_host=greq.bootstrap_host or "",
-                            bootstrap_port=int(greq.bootstrap_port or 0), created_at=now, status=TransferStatus(now))
+                            bootstrap_port=int(greq.bootstrap_port or 0), created_at=now, status=TransferStatus(now),
+                            forks=[(f"{rid}#{i}", params.for_choice(i)) for i in range(1, n)])
         try:
             self.queues.put(req.rid, req, "prealloc")
         except KeyError as exc:
             raise ApiError(409, str(exc), param="rid", code="duplicate_request") from None
+        self.fork_owner.update((fid, rid) for fid, _ in req.forks)
         req.task = asyncio.get_running_loop().create_task(self._pull(req) if pd else self._monolithic(req))
         t_arrival = time.monotonic()
         client_label = self.metrics.clients.label(req.client)
 
+        choice_of = {eid: i for i, eid in enumerate(req.engine_ids())}
+
         async def events() -> AsyncIterator[dict]:
-            text = ""
+            texts, tokens = [""] * req.n, [0] * req.n  # per choice
+            open_ = req.n
             last = None
             early: EarlyToken | None = None
             while True:
                 item = await req.outputs.get()
                 if isinstance(item, DecodeFailed):
                     raise item
-                if early is not None:  # the engine's first report repeats the early token: drop it once
+                i = choice_of[getattr(item, "request_id", req.rid)]  # the early token is choice 0's
+                if i == 0 and early is not None:  # the engine's first report repeats the early token: drop it once
                     item = _without_early(item, early)
                     early = None
                 elif isinstance(item, EarlyToken):
@@ -295,13 +335,15 @@ class DecodeWorker(WorkerBase):
                     last = ts
                     req.completion_tokens += len(item.new_token_ids)
                     req.last_token_at = self.clock.now()
+                    tokens[i] += len(item.new_token_ids)
                     self.metrics.tokens.labels(self.role, client_label).inc(len(item.new_token_ids))
-                text += item.text_delta
+                texts[i] += item.text_delta
                 reason = item.finish_reason if item.finished else None
-                ev = {"text": text, "delta": item.text_delta, "token_ids": list(item.new_token_ids),
-                      "meta_info": {"id": req.rid, "prompt_tokens": len(prompt),
-                                    "completion_tokens": req.completion_tokens,
+                ev = {"text": texts[i], "delta": item.text_delta, "token_ids": list(item.new_token_ids),
+                      "meta_info": {"id": req.rid, "prompt_tokens": len(prompt), "completion_tokens": tokens[i],
                                     "finish_reason": finish_reason_json(reason)}}
+                if req.forks:
+                    ev["index"] = i
                 if getattr(item, "prompt_logprobs", None) is not None:  # monolithic runs (PD: prefill reports them)
                     ev["prompt_logprobs"] = [None] + logprob_entries(self.loaded.tokenizer, prompt[1:],
                                                                      item.prompt_logprobs)
@@ -310,7 +352,9 @@ class DecodeWorker(WorkerBase):
                                                      getattr(item, "logprobs", None))
                 yield ev
                 if item.finished:
-                    return
+                    open_ -= 1
+                    if not open_:
+                        return
 
         async def on_close(completed: bool) -> None:
             outcome = "ok" if completed else ("failed" if req.failure else "aborted")
@@ -321,16 +365,17 @@ class DecodeWorker(WorkerBase):
 
         if greq.stream:
             async def body() -> AsyncIterator[bytes]:
-                first = True
-                state = shape.stream_state() if shape is not None else None
+                choices = Choices(req.n)
+                states = [shape.stream_state() if shape is not None else None for _ in range(req.n)]
                 try:
                     async for ev in events():
+                        i, first = choices.see(ev)
                         if shape is None:
                             yield sse(ev)
                         else:
-                            for c in shape.stream_chunks(ev, first=first, include_usage=include_usage, state=state):
+                            for c in shape.stream_chunks(ev, first=first, include_usage=include_usage, state=states[i],
+                                                         choices=choices):
                                 yield sse(c)
-                        first = False
                 except DecodeFailed as exc:
                     err = error_body(exc.status, exc.reason, type="server_error", code="decode_failed")
                     err["error"]["status"] = exc.status  # the HTTP status this would have had (200 was already sent)
@@ -341,15 +386,19 @@ class DecodeWorker(WorkerBase):
 
         completed = False
         try:
-            final = None
-            lps: list = []
+            choices = Choices(req.n)
+            finals: list = [None] * req.n  # per choice: its last event
+            lps: list = [[] for _ in range(req.n)]
             async for ev in events():
-                final = ev
-                lps += ev.get("logprobs") or []
+                i, _ = choices.see(ev)
+                finals[i] = ev
+                lps[i] += ev.get("logprobs") or []
             completed = True
             if shape is None:
-                return JSONResponse(final)
-            return JSONResponse(shape.final(final["text"], final, logprobs=lps if params.logprobs is not None else None))
+                return JSONResponse(finals[0] if req.n == 1 else finals)  # SGLang: n > 1 answers a list
+            return JSONResponse(shape.response(
+                [shape.choice(i, f["text"], f, logprobs=lps[i] if params.logprobs is not None else None)
+                 for i, f in enumerate(finals)], choices.usage()))
         except DecodeFailed as exc:
             return JSONResponse(error_body(exc.status, exc.reason, type="server_error", code="decode_failed"),
                                 status_code=exc.status)
@@ -358,6 +407,18 @@ class DecodeWorker(WorkerBase):
 
     def add_routes(self, app: FastAPI) -> None:
         app.post("/generate")(self.generate)
+
+
+def _admit_prefilled(engine: Any, req: DecodeRequest, first_token_id: int) -> list[int] | None:
+    """Engine thread: the transferred request (and its forks) into the running batch; with forks, the holders of
+    each of its pages right after the fork (the prompt's shared pages: n), for /debug/requests."""
+    engine.add_prefilled(req.rid, req.prompt_ids, first_token_id, req.params, forks=req.forks)
+    if not req.forks:
+        return None
+    try:
+        return engine.page_refs(req.rid)
+    except KeyError:  # choice 0 finished at once (its first token ended it)
+        return None
 
 
 def _request_failed_status(reason: str) -> int | None:

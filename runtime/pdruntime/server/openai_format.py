@@ -2,12 +2,14 @@
 
 An event is what a decode worker streams: ``{"delta": str, "token_ids": [...], "meta_info": {"prompt_tokens",
 "completion_tokens", "finish_reason": {"type": ...} | None}}``, plus ``"logprobs"`` (one entry per token, see
-:func:`logprob_entries`) when the request asked for them.
+:func:`logprob_entries`) when the request asked for them. With ``n`` > 1 every event also carries ``"index"``, its
+choice (0..n-1); its ``completion_tokens`` count that choice's tokens. :class:`Choices` follows the n choices of one
+response: usage is the prompt once plus every choice's completion tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -58,15 +60,45 @@ def completion_logprobs(entries: list, offset0: int = 0) -> dict:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
 
-def merge_choices(responses: list[dict]) -> dict:
-    """n single-choice responses -> one response with choices 0..n-1 and summed completion usage."""
-    out = dict(responses[0])
-    out["choices"] = [{**r["choices"][0], "index": i} for i, r in enumerate(responses)]
-    u = dict(responses[0]["usage"])
-    u["completion_tokens"] = sum(r["usage"]["completion_tokens"] for r in responses)
-    u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
-    out["usage"] = u
-    return out
+def choice_index(ev: dict, n: int) -> int:
+    """The choice an event belongs to (0 without ``"index"``); ValueError unless an integer in [0, n)."""
+    i = ev.get("index", 0)
+    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+        raise ValueError(f"event choice index {i!r} is outside 0..{n - 1}")
+    return i
+
+
+@dataclass
+class Choices:
+    """Progress of the ``n`` choices of one response, fed every event in order (:meth:`see`)."""
+
+    n: int = 1
+    prompt_tokens: int = 0
+    tokens: list[int] = field(default_factory=list)  # completion tokens per choice, so far
+    started: list[bool] = field(default_factory=list)
+    finished: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.tokens, self.started, self.finished = [0] * self.n, [False] * self.n, [False] * self.n
+
+    def see(self, ev: dict) -> tuple[int, bool]:
+        """Record an event: (its choice, whether it is that choice's first event). ValueError for a bad index."""
+        i = choice_index(ev, self.n)
+        mi = ev.get("meta_info") or {}
+        self.prompt_tokens = int(mi.get("prompt_tokens", self.prompt_tokens))
+        self.tokens[i] = int(mi.get("completion_tokens", self.tokens[i]))
+        first, self.started[i] = not self.started[i], True
+        if finish_reason(ev):
+            self.finished[i] = True
+        return i, first
+
+    @property
+    def done(self) -> bool:
+        return all(self.finished)
+
+    def usage(self) -> dict:
+        c = sum(self.tokens)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": c, "total_tokens": self.prompt_tokens + c}
 
 
 @dataclass(frozen=True)
@@ -95,54 +127,68 @@ class OpenAIShape:
         return {"content": entries} if self.chat else completion_logprobs(entries)
 
     def chunk(self, ev: dict | None, *, role: bool = False, reason: str | None = None, use: dict | None = None,
-              delta: dict | None = None) -> dict:
-        """One streamed chunk (``ev`` None: a chunk with no delta, e.g. the usage chunk)."""
+              delta: dict | None = None, index: int = 0) -> dict:
+        """One streamed chunk of choice ``index`` (``ev`` None: a chunk with no delta, e.g. the usage chunk)."""
         text = ev.get("delta", "") if ev else ""
         if self.chat:
             d: dict = delta if delta is not None else ({"content": text} if ev else {})
             if role:
                 d = {"role": "assistant", **d}
-            choice = {"index": 0, "delta": d, "finish_reason": reason}
+            choice = {"index": index, "delta": d, "finish_reason": reason}
             if ev is not None and ev.get("logprobs") is not None:
                 choice["logprobs"] = self._lp(ev)
             obj = {"id": self.oid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                    "choices": [choice]}
         else:
             obj = {"id": self.oid, "object": "text_completion", "created": self.created, "model": self.model,
-                   "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": self._lp(ev)}]}
+                   "choices": [{"index": index, "text": text, "finish_reason": reason, "logprobs": self._lp(ev)}]}
         if use is not None:
             obj["usage"] = use
         return obj
 
-    def usage_chunk(self, ev: dict) -> dict:
+    def usage_chunk(self, use: dict) -> dict:
         """The final chunk of ``stream_options.include_usage``: no choices, the usage."""
-        u = self.chunk(None, use=usage(ev))
+        u = self.chunk(None, use=use)
         u["choices"] = []
         return u
 
     def stream_chunks(self, ev: dict, *, first: bool, include_usage: bool, continuous_usage: bool = False,
-                      state: Any = None) -> list[dict]:
+                      state: Any = None, choices: Choices | None = None) -> list[dict]:
         """The chunks one event becomes (its delta; at the end, the usage chunk when asked for). ``state``:
-        :meth:`stream_state` of this stream (tool-call parsing)."""
+        :meth:`stream_state` of this event's choice (tool-call parsing); ``choices``: the response's
+        :class:`Choices`, already fed ``ev`` (None: one choice, whose usage ``ev`` carries)."""
         reason = finish_reason(ev)
-        use = usage(ev) if reason or continuous_usage else None
+        index = int(ev.get("index", 0))
+        total = choices.usage() if choices is not None else usage(ev)
+        last = choices.done if choices is not None else reason is not None
+        use = total if reason or continuous_usage else None
         if first and self.echo is not None:
             ev = {**ev, "delta": self.echo + ev.get("delta", "")}
         if state is None:
-            out = [self.chunk(ev, role=first, reason=reason, use=use)]
+            out = [self.chunk(ev, role=first, reason=reason, use=use, index=index)]
         else:
             deltas = state.feed(ev.get("delta", ""), final=reason is not None)
             if reason and state.calls_sent:
                 reason = "tool_calls"
             out = [self.chunk(ev, role=first and i == 0, delta=d, use=use if i == len(deltas) - 1 else None,
-                              reason=reason if i == len(deltas) - 1 else None)
-                   for i, d in enumerate(deltas)] or [self.chunk(ev, role=first, delta={}, reason=reason, use=use)]
-        if reason and include_usage:
-            out.append(self.usage_chunk(ev))
+                              reason=reason if i == len(deltas) - 1 else None, index=index)
+                   for i, d in enumerate(deltas)] or [self.chunk(ev, role=first, delta={}, reason=reason, use=use,
+                                                                 index=index)]
+        if last and include_usage:
+            out.append(self.usage_chunk(total))
         return out
 
     def final(self, text: str, last: dict, logprobs: list | None = None) -> dict:
         """The non-streamed response after the last event ``last`` (``logprobs``: every token's entry)."""
+        return self.response([self.choice(0, text, last, logprobs)], usage(last))
+
+    def response(self, choices: list[dict], use: dict) -> dict:
+        """The non-streamed response of :meth:`choice` entries (indices 0..n-1, in order) and the usage."""
+        return {"id": self.oid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": use}
+
+    def choice(self, index: int, text: str, last: dict, logprobs: list | None = None) -> dict:
+        """One choice of a non-streamed response: its text, its last event ``last``, every token's logprobs."""
         reason = finish_reason(last) or "stop"
         if self.chat:
             message: dict = {"role": "assistant", "content": text}
@@ -153,12 +199,7 @@ class OpenAIShape:
                 if calls:
                     message = {"role": "assistant", "content": content or None, "tool_calls": openai_tool_calls(calls)}
                     reason = "tool_calls"
-            choice = {"index": 0, "message": message, "finish_reason": reason,
-                      "logprobs": {"content": logprobs} if logprobs is not None else None}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": (self.echo or "") + text, "finish_reason": reason,
-                      "logprobs": completion_logprobs(logprobs) if logprobs is not None else None}
-            obj = "text_completion"
-        return {"id": self.oid, "object": obj, "created": self.created, "model": self.model, "choices": [choice],
-                "usage": usage(last)}
+            return {"index": index, "message": message, "finish_reason": reason,
+                    "logprobs": {"content": logprobs} if logprobs is not None else None}
+        return {"index": index, "text": (self.echo or "") + text, "finish_reason": reason,
+                "logprobs": completion_logprobs(logprobs) if logprobs is not None else None}

@@ -7,6 +7,10 @@ Request path (one HTTP handler + one bootstrap connection per request)::
     engine prefill_done (KV ready)   -> inflight queue    [watchdog: transfer, KV ready -> receipt]
     decode ACKs                      -> Success: pages released, HTTP handler answers 200
     any failure / watchdog / abort   -> Failed: pages freed, peer connection closed, HTTP answers 5xx
+
+n > 1 (``sampling_params.n``) changes nothing here: the prompt is prefilled and sent once, and the first token
+sampled here (with the request's seed) and its logprobs are choice 0's; the decode worker forks the other choices
+off the transferred pages and samples their first tokens itself (see decode_app).
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-import json
 from typing import Any, AsyncIterator
 
 import httpx
@@ -30,7 +29,7 @@ from pdruntime.server.common import (SSE_DONE, BodyGuard, GuardedStream, lifespa
                                      sse)
 from pdruntime.server.health_probe import HealthProber, instance_id
 from pdruntime.server.metrics import Metrics
-from pdruntime.server.openai_format import OpenAIShape, merge_choices, finish_reason
+from pdruntime.server.openai_format import Choices, OpenAIShape
 from pdruntime.server.router_legs import LegError, Legs
 from pdruntime.server.router_policy import Outcome, PairPicker, PairState
 from pdruntime.server.schemas import (MAX_BODY_BYTES, ApiError, ChatCompletionRequest, CompletionRequest, error_body,
@@ -450,26 +449,15 @@ class Router:
             self.count_rejection(client, exc.status)
             raise
         parser = (self.models.get(model) or {}).get("tool_call_parser") or "hermes"
-        if oreq.n > 1:  # n choices: n PD requests (seeded ones get seeds seed, seed+1, ...), one response
-            subs = [oreq.model_copy(update={"n": 1, "seed": None if oreq.seed is None else oreq.seed + i,
-                                            "stream_options": None})
-                    for i in range(oreq.n)]
-            got = await asyncio.gather(*(self._one(request, s, chat, client, model, deadline, t0, parser)
-                                         for s in subs), return_exceptions=True)
-            failed = [g for g in got if isinstance(g, BaseException)]
-            if failed:
-                for g in got:  # the choices that did start are aborted
-                    if isinstance(g, GuardedStream):
-                        await g._on_close(False)
-                raise failed[0]
-            if not oreq.stream:
-                return JSONResponse(merge_choices([json.loads(o.body) for o in got]))
-            return merge_streams(got, bool(oreq.stream_options and oreq.stream_options.include_usage))
         return await self._one(request, oreq, chat, client, model, deadline, t0, parser)
 
     async def _one(self, request: Request, oreq: Any, chat: bool, client: str, model: str, deadline: float,
                    t0: float, parser: str):
-        """One choice: dispatch to a pair, stream or collect decode's events, shape them as OpenAI's."""
+        """One PD request: dispatch to a pair, stream or collect decode's events, shape them as OpenAI's.
+
+        ``n`` > 1 is still one PD request (one prefill, one KV transfer): its sampling_params carry ``n`` and the
+        decode worker forks the choices off the transferred prompt pages (see decode_app); its events carry
+        their choice's ``index``, and failing or aborting the request ends every choice."""
         client_label = self.metrics.clients.label(client)
         conversation = oreq.user or request.headers.get("x-session-id")
         rid = uuid.uuid4().hex
@@ -496,15 +484,25 @@ class Router:
                             echo=oreq.prompt_text() if not chat and oreq.echo else None)
         include_usage = bool(oreq.stream_options and oreq.stream_options.include_usage)
         continuous = bool(oreq.stream_options and oreq.stream_options.continuous_usage_stats)
-        if oreq.logprobs_n() is not None:  # the first token's logprobs are prefill's: wait for its answer
-            first = await legs.first_with_prefill_logprobs(first)
         outcome = {"v": "aborted"}
         last_tok = [time.monotonic()]
+        prompt_lps: dict = {"v": None}  # echo + logprobs: the prompt's entries (prefill's), before each choice's own
+        choices = Choices(oreq.n)
 
         async def token_events() -> AsyncIterator[dict]:
-            yield first
-            async for ev in legs.events():
+            patch = oreq.logprobs_n() is not None  # choice 0's first token is prefill's: so are its logprobs
+            async for ev in legs.events(first):
+                if patch and ev.get("index", 0) == 0:
+                    patch = False
+                    ev = await legs.first_with_prefill_logprobs(ev)
+                    prompt_lps["v"] = ev.get("prompt_logprobs")
+                choices.see(ev)  # Legs checked the index
                 yield ev
+            if not choices.done:  # e.g. a decode worker that ignores sampling_params.n streams choice 0 alone
+                unfinished = [i for i, f in enumerate(choices.finished) if not f]
+                raise LegError(502, f"decode ended its stream with choices {unfinished} of n={oreq.n} unfinished (a "
+                               "decode worker must run choices 1..n-1 as forks of sampling_params.n)", leg="decode",
+                               retryable=False)
 
         def count(ev: dict) -> None:
             n = len(ev.get("token_ids") or ())
@@ -533,16 +531,17 @@ class Router:
 
         if oreq.stream:
             async def stream() -> AsyncIterator[bytes]:
-                first_chunk = True
-                tools = shape.stream_state()
+                started = [False] * oreq.n
+                tools = [shape.stream_state() for _ in range(oreq.n)]  # per choice
                 try:
                     async for ev in token_events():
                         count(ev)
-                        for c in shape.stream_chunks(ev, first=first_chunk, include_usage=include_usage,
-                                                     continuous_usage=continuous, state=tools):
+                        i = ev.get("index", 0)
+                        for c in shape.stream_chunks(ev, first=not started[i], include_usage=include_usage,
+                                                     continuous_usage=continuous, state=tools[i], choices=choices):
                             yield sse(c)
-                        first_chunk = False
-                        if finish_reason(ev):
+                        started[i] = True
+                        if choices.done:
                             break
                 except LegError as exc:
                     outcome["v"] = "failed"
@@ -554,16 +553,15 @@ class Router:
             return GuardedStream(stream(), finish)
 
         completed = False
+        texts, lps, lasts = [""] * oreq.n, [[] for _ in range(oreq.n)], [first] * oreq.n  # per choice
         try:
-            text = ""
-            last_ev = first
-            lps: list = []
             async for ev in token_events():
                 count(ev)
-                text += ev.get("delta", "")
-                lps += ev.get("logprobs") or []
-                last_ev = ev
-                if finish_reason(ev):
+                i = ev.get("index", 0)
+                texts[i] += ev.get("delta", "")
+                lps[i] += ev.get("logprobs") or []
+                lasts[i] = ev
+                if choices.done:
                     break
             completed = True
         except LegError as exc:
@@ -572,9 +570,11 @@ class Router:
                            type="server_error", code=exc.code) from None
         finally:
             await finish(completed)
-        if oreq.logprobs_n() is not None and first.get("prompt_logprobs") is not None:
-            lps = first["prompt_logprobs"] + lps  # echo: the prompt's entries first (the text starts with the prompt)
-        return JSONResponse(shape.final(text, last_ev, logprobs=lps if oreq.logprobs_n() is not None else None))
+        want_lps = oreq.logprobs_n() is not None
+        if want_lps and prompt_lps["v"] is not None:  # echo: the prompt's entries first (each text starts with it)
+            lps = [prompt_lps["v"] + lp for lp in lps]
+        return JSONResponse(shape.response([shape.choice(i, texts[i], lasts[i], logprobs=lps[i] if want_lps else None)
+                                            for i in range(oreq.n)], choices.usage()))
 
     # ---- observability -----------------------------------------------------------------------------
     async def debug_requests(self) -> dict:
@@ -737,54 +737,3 @@ class Router:
         app.openapi = openapi
         return app
 
-
-def merge_streams(streams: list[GuardedStream], include_usage: bool) -> GuardedStream:
-    """n single-choice SSE streams -> one, each chunk's choice re-indexed to its stream; one usage chunk (the sum)
-    at the end when asked for, then [DONE]. Closing it closes (and when unfinished aborts) every stream."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, g: GuardedStream) -> None:
-        try:
-            async for chunk in g.body_iterator:
-                queue.put_nowait((i, chunk))
-        finally:
-            queue.put_nowait((i, None))
-
-    async def body() -> AsyncIterator[bytes]:
-        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(streams)]
-        try:
-            open_, usage, last = len(streams), [None] * len(streams), None
-            while open_:
-                i, chunk = await queue.get()
-                if chunk is None:
-                    open_ -= 1
-                    continue
-                text = chunk.decode() if isinstance(chunk, bytes) else chunk
-                if not text.startswith("data: ") or text.strip() == "data: [DONE]":
-                    continue
-                obj = json.loads(text[6:])
-                if "error" in obj:
-                    yield chunk
-                    continue
-                for c in obj.get("choices") or ():
-                    c["index"] = i
-                if obj.get("usage"):
-                    usage[i] = obj.pop("usage")
-                last = obj
-                if obj.get("choices"):
-                    yield sse(obj)
-            if include_usage and last is not None and all(usage):
-                p = usage[0]["prompt_tokens"]
-                c = sum(u["completion_tokens"] for u in usage)
-                yield sse({**last, "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": c,
-                                                            "total_tokens": p + c}})
-            yield SSE_DONE
-        finally:
-            for t in tasks:
-                t.cancel()
-
-    async def on_close(completed: bool) -> None:
-        for g in streams:
-            await g._on_close(g._completed)
-
-    return GuardedStream(body(), on_close)

@@ -1,6 +1,7 @@
 """The two legs of one PD request (SGLang convention): the same body, with bootstrap_host/port/room,
 goes to the prefill and the decode worker of one pair. Prefill answers once its KV is delivered;
-decode streams the tokens. Either leg failing aborts the other."""
+decode streams the tokens. Either leg failing aborts the other. With ``sampling_params.n`` > 1 it is still one
+pair of legs (one prefill, one KV transfer): decode streams every choice's events, each with its ``index``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any, AsyncIterator
 
 import httpx
 
+from pdruntime.server.openai_format import choice_index
 from pdruntime.server.topology import Pair
 
 ABORT_TIMEOUT_S = 2.0  # seconds for the best-effort /abort_request calls
@@ -55,6 +57,7 @@ class Legs:
         self.prefill_body = {**common, "stream": False}
         self.decode_body = {**common, "stream": True}
         self.headers = headers
+        self.n = int((body.get("sampling_params") or {}).get("n") or 1)  # choices decode streams
         self.prefill_task: asyncio.Task | None = None
         self.decode_resp: httpx.Response | None = None
         self._lines: AsyncIterator[str] | None = None
@@ -131,6 +134,10 @@ class Legs:
                     # decides); a request error (4xx) would fail on every pair
                     raise LegError(st if 400 <= st < 500 and st != 499 else 502, msg, leg="decode",
                                    retryable=st >= 500 or st == 499, code=code, param=param)
+                try:
+                    choice_index(ev, self.n)
+                except ValueError as exc:
+                    raise LegError(502, f"decode sent a malformed event: {exc}", leg="decode", retryable=False) from None
                 return ev
         except httpx.HTTPError as exc:
             raise LegError(502, f"decode stream broke: {type(exc).__name__} {exc}", leg="decode", retryable=False) from None
@@ -186,8 +193,10 @@ class Legs:
             out["prompt_logprobs"] = mi["input_token_logprobs"]
         return out
 
-    async def events(self) -> AsyncIterator[dict]:
-        """Decode events after the first, each within the deadline. Raises LegError."""
+    async def events(self, first: dict | None = None) -> AsyncIterator[dict]:
+        """``first`` (when given), then decode's events after the first, each within the deadline. Raises LegError."""
+        if first is not None:
+            yield first
         while True:
             try:
                 ev = await asyncio.wait_for(self._next_event(), self.remaining())

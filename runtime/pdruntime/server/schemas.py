@@ -277,7 +277,7 @@ class _SamplingFields(_Strict):
                "seed": self.seed, "stop": list(self.stop_tuple()), "ignore_eos": self.ignore_eos,
                "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
                "logit_bias": {k: v for k, v in (self.logit_bias or {}).items()} or None,
-               "stop_token_ids": self.stop_token_ids, "logprobs": self.logprobs_n()}
+               "stop_token_ids": self.stop_token_ids, "logprobs": self.logprobs_n(), "n": self.n if self.n > 1 else None}
         return {k: v for k, v in out.items() if v is not None}
 
 
@@ -498,6 +498,7 @@ class WorkerSampling(BaseModel):
     seed: Seed | None = None
     stop: Stop = None
     ignore_eos: bool = False
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1  # SGLang's: choices; a decode worker forks them off one prefill
 
 
 class WorkerMessage(BaseModel):

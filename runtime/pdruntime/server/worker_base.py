@@ -273,8 +273,9 @@ class WorkerBase:
         self._check_model(oreq.model)
         greq = generate_from_openai(oreq, oreq)
         if oreq.n > 1:
-            raise ApiError(400, "n > 1 on a worker's /v1 route is not supported; accepted: n = 1 (pdrt's router fans "
-                           "n out to n PD requests)", param="n", code="unsupported_parameter")
+            raise ApiError(400, "n > 1 on a worker's /v1 route is not supported; accepted: n = 1 here, or n > 1 through "
+                           "pdrt's router or /generate with sampling_params.n (one prefill, n forked decode "
+                           "sequences)", param="n", code="unsupported_parameter")
         parser = self.prompts.tool_parser if chat and oreq.tools and oreq.tool_choice != "none" else None
         shape = OpenAIShape(chat, ("chatcmpl-" if chat else "cmpl-") + request_id(greq), self.model_name, int(time.time()),
                             tool_parser=parser, echo=oreq.prompt_text() if not chat and oreq.echo else None)
