@@ -8,7 +8,9 @@
 Cluster commands (credentials as kubectl: $KUBECONFIG / --kubeconfig, exec plugins, in-cluster), through
 the operator's own client (``pdoperator.kube``, kubernetes_asyncio):
 
-    kubectl-pd status NAME [-n NS]       phase, conditions and pairs of a PDDeployment
+    kubectl-pd status NAME [-n NS]       groups with their pods, revisions, conditions, drift and stalls
+    kubectl-pd requests NAME [-n NS]     live requests across router and workers, oldest first, and the
+                                         router's verdict (through the API server's pods/proxy)
     kubectl-pd history NAME [-n NS]      its revisions (ControllerRevisions) and when each became current
     kubectl-pd diff NAME --since 12:00|2h|RFC3339   what changed since then (against the current revision)
     kubectl-pd diff NAME --from REV [--to REV]      two recorded revisions (hash or number; --to: current)
@@ -155,6 +157,7 @@ def _side(e: HistoryEntry) -> dict[str, Any]:
 
 
 async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
+    from . import cliview
     from .kube import ApiError, Credentials, CredentialsError, Kube, path
     from .render import LABEL_DEPLOYMENT
     from .spec import GROUP, VERSION
@@ -168,19 +171,9 @@ async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
     try:
         ns = args.namespace or creds.namespace()
         if args.cmd == "status":
-            obj = await kube.get(path(f"{GROUP}/{VERSION}", KIND, ns, args.name))
-            if obj is None:
-                raise CliError(f"{KIND} {ns}/{args.name} not found")
-            st = obj.get("status") or {}
-            out.write(f"{KIND} {ns}/{args.name}: phase {st.get('phase', '-')}, ready pairs {st.get('readyPairs', 0)}"
-                      f"/{(obj.get('spec') or {}).get('pairs', 1)}, revision {st.get('currentRevision')} -> "
-                      f"{st.get('updateRevision')}, topology version {st.get('topologyVersion', '-')}\n")
-            for c in st.get("conditions", []) or []:
-                out.write(f"  {c['type']}={c['status']} {c.get('reason', '')}: {c.get('message', '')}\n")
-            for p in st.get("pairs", []) or []:
-                out.write(f"  pair {p['index']}: {p['phase']} revision {p.get('revision')} "
-                          f"restarts {p.get('restarts', 0)}\n")
-            return 0
+            return await cliview.show_status(kube, ns, args.name, args.output, out)
+        if args.cmd == "requests":
+            return await cliview.show_requests(kube, ns, args.name, args.output, out)
         if args.cmd == "drift":
             obj = await kube.get(path(f"{GROUP}/{VERSION}", KIND, ns, args.name))
             if obj is None:
@@ -240,7 +233,7 @@ async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
         if args.since is not None:
             report["since"] = format_time(t)
         return _emit(report, args.output, out)
-    except CliError as e:
+    except (CliError, cliview.ViewError) as e:
         print(f"kubectl-pd: {e}", file=sys.stderr)
         return 2
     except ApiError as e:
@@ -345,7 +338,8 @@ async def _rollback(kube: Any, obj: dict[str, Any], revs: list[dict[str, Any]], 
 
 def drift_report(obj: dict[str, Any]) -> dict[str, Any]:
     """The ConfigDrift condition of a PDDeployment as data: one line per drifted field, with its source
-    (``process``: a worker's /config; ``children``: a live child edited by someone else)."""
+    (``children``: a live child edited by someone else; ``image``: pods of one revision on different digests;
+    ``process``: a worker's /config env differs from its declared env)."""
     cond = next((c for c in ((obj.get("status") or {}).get("conditions") or []) if c.get("type") == "ConfigDrift"), {})
     lines = []
     if cond.get("status") == "True":
@@ -382,7 +376,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     d.add_argument("--to", dest="to_rev", help="revision hash or number (default: current)")
     d.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
     _cluster_args(d)
-    for cmd, text in (("status", "phase, conditions and pairs of a PDDeployment in the cluster"),
+    for cmd, text in (("status", "groups, pods, revisions, conditions, drift and stalls of a PDDeployment"),
+                      ("requests", "live requests across the router and workers, oldest first (pods/proxy)"),
                       ("history", "revisions of a PDDeployment and when each became current"),
                       ("revisions", "alias of history"),
                       ("drift", "what runs differently from the declared config (exit 1 when anything does)")):
@@ -406,6 +401,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     if args.cmd == "render":
         return _render(args.file, out)
+    if args.cmd == "requests":
+        import asyncio
+        return asyncio.run(_cluster(args, out))
     if args.cmd == "diff":
         return _diff(args, out)
     if args.cmd in ("status", "history", "revisions", "drift", "rollback"):

@@ -24,6 +24,7 @@ class OperatorConfig:
     cluster_pod_read: bool = False  # rbac.OPTIONAL_RULES granted: count GPUs other workloads hold
     process_drift_s: float = 60.0  # read each ready worker's /config this often (drift source "process"); 0 = off
     worker_port: int = HTTP_PORT  # where worker pods serve /config
+    stall_check_s: float = 15.0  # read the routers' /debug/requests and workers' /metrics this often; 0 = off
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "OperatorConfig":
@@ -49,4 +50,5 @@ class OperatorConfig:
             cluster_pod_read=env.get(PREFIX + "CLUSTER_POD_READ", "0") == "1",
             process_drift_s=get("PROCESS_DRIFT_S", 60.0, float),
             worker_port=int(get("WORKER_PORT", HTTP_PORT, int)),
+            stall_check_s=get("STALL_CHECK_S", 15.0, float),
         )

@@ -183,12 +183,14 @@ class Kube:
         await self.api.close()
 
     async def request(self, method: str, url_path: str, *, body: Any = None,
-                      query: Mapping[str, str] | None = None, content_type: str = "application/json") -> Any:
-        """One request; on 401 the credentials are re-resolved once and the request repeated."""
+                      query: Mapping[str, str] | None = None, content_type: str = "application/json",
+                      headers: Mapping[str, str] | None = None) -> Any:
+        """One request; on 401 the credentials are re-resolved once and the request repeated. ``headers``: extra
+        ones (a pods/proxy request's header for the pod)."""
         for attempt in (0, 1):
-            headers = {"Accept": "application/json", "Content-Type": content_type}
+            sent = {"Accept": "application/json", "Content-Type": content_type, **(headers or {})}
             resp = await self.api.call_api(
-                url_path, method, query_params=list((query or {}).items()), header_params=headers,
+                url_path, method, query_params=list((query or {}).items()), header_params=sent,
                 body=body, auth_settings=["BearerToken"], _preload_content=False, _request_timeout=self.timeout_s)
             async with resp:
                 status, raw = resp.status, await resp.read()

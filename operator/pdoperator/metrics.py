@@ -54,6 +54,13 @@ CONFIG_DRIFT = Gauge(
 )
 DRIFT_SOURCES = ("children", "image", "process")
 
+PAIR_STALLED = Gauge(
+    "pdstack_pair_stalled",
+    "1 while a pair is Stalled: live requests and one made no progress, or waited before decode, for "
+    "spec.stall.seconds (operator/pdoperator/stall.py); 0 otherwise.",
+    ["namespace", "deployment", "pair"],
+)
+
 
 def serve(port: int, registry: CollectorRegistry = REGISTRY) -> None:
     """Expose /metrics on ``port`` (0 = do not serve)."""
@@ -73,3 +80,14 @@ def forget(namespace: str, deployment: str) -> None:
             CONFIG_DRIFT.remove(namespace, deployment, source)
         except KeyError:
             pass
+    forget_pairs(namespace, deployment, keep=())
+
+
+def forget_pairs(namespace: str, deployment: str, keep: tuple[int, ...]) -> None:
+    """Drop the per-pair series of pairs not in ``keep`` (scaled down, or the deployment deleted)."""
+    for labels in [s.labels for m in PAIR_STALLED.collect() for s in m.samples]:
+        if (labels["namespace"], labels["deployment"]) == (namespace, deployment) and int(labels["pair"]) not in keep:
+            try:
+                PAIR_STALLED.remove(namespace, deployment, labels["pair"])
+            except KeyError:
+                pass

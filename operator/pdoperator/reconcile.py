@@ -38,7 +38,8 @@ from .revisions import ANN_KNOWN_GOOD, controller_revision, prune_history, revis
 from .safety import forget_probes, known_good_records, plan_rollout, pod_drift, rollout_safety_step
 from .routerlink import RouterLink, router_pods_ready
 from .spec import GROUP, KIND, VERSION, SpecError, parse_spec
-from .status import Facts, build_status, invalid_status, iso, memory_from_status, same_status
+from .status import Facts, build_status, invalid_status, iso, memory_from_status, same_status, with_stalls
+from . import stall
 
 API = f"{GROUP}/{VERSION}"
 STATUS_CONFLICT_RETRIES = 3
@@ -193,6 +194,49 @@ async def _process_drift(http: RouterLink, cfg: OperatorConfig, namespace: str, 
     return lines
 
 
+# (namespace, name) -> (monotonic time of the last stall sweep, its evidence per pair)
+_STALL_SEEN: dict[tuple[str, str], tuple[float, dict[int, stall.Evidence]]] = {}
+
+
+async def _stall_sweep(http: RouterLink, cfg: OperatorConfig, kube: Kube, body: Mapping[str, Any], spec: Any,
+                       views: list[Any], router_ips: list[str], token: str | None,
+                       log: logging.Logger) -> list[stall.Evidence] | None:
+    """Stall detection (``stall.evaluate`` decides), at most every ``stall_check_s``: every router's
+    ``/debug/requests`` (its rows and its workers') and each ready worker's ``/metrics``. A Warning Event
+    ``Stalled`` and a log line when a pair turns stalled (once per episode: the status remembers it);
+    ``pdstack_pair_stalled`` per pair. None: no look (off, no router, no router answered)."""
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    last = _STALL_SEEN.get((ns, name))
+    if cfg.stall_check_s <= 0 or not router_ips:
+        return None
+    if last is not None and time.monotonic() - last[0] < cfg.stall_check_s:
+        return list(last[1].values())
+    workers = [v for v in views if v.ready and v.ip and not v.terminating]
+    docs, texts = await asyncio.gather(
+        asyncio.gather(*(http.debug_requests(ip, token) for ip in router_ips)),
+        asyncio.gather(*(http.get_text(f"http://{v.ip}:{cfg.worker_port}/metrics") for v in workers)))
+    if not any(docs):
+        return None
+    at = time.monotonic()
+    rows, unreachable = stall.rows_by_pair(d for d in docs if d)
+    before = last[1] if last is not None else {}
+    out: dict[int, stall.Evidence] = {}
+    for k in sorted(set(range(spec.pairs)) | set(rows)):
+        mine = [(v, t) for v, t in zip(workers, texts) if v.pair == k]
+        obs = stall.observe(k, at, rows.get(k, ()), [t for _, t in mine],
+                            [t for v, t in mine if v.role == "decode"], unreachable.get(k, ()))
+        out[k] = stall.evaluate(before[k].observation if k in before else None, obs, spec.stall.seconds)
+    _STALL_SEEN[(ns, name)] = (at, out)
+    was = {e.get("pair") for e in ((body.get("status") or {}).get("stalls") or []) if isinstance(e, Mapping)}
+    for k, e in out.items():
+        metrics.PAIR_STALLED.labels(ns, name, str(k)).set(int(e.stalled))
+        if e.stalled and k not in was:
+            log.warning("%s/%s %s", ns, name, e.reason)
+            await post_event(kube, body, "Warning", "Stalled", e.reason)
+    metrics.forget_pairs(ns, name, keep=tuple(out))
+    return list(out.values())
+
+
 async def _secret_token(kube: Kube, owner: Owner, name: str, key: str,
                         make: Callable[[Owner, str], dict[str, Any]]) -> str | None:
     """A per-deployment token Secret: generated once, never rotated by a reconcile; its token."""
@@ -296,6 +340,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     if body is None or body["metadata"].get("deletionTimestamp"):
         metrics.forget(namespace, name)
         forget_process_drift(namespace, name)
+        _STALL_SEEN.pop((namespace, name), None)
         return None
     now = time.time() if now is None else now
     meta = body["metadata"]
@@ -408,6 +453,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
     if new_lines:  # an Event once per new line (children drift has its own: the condition's transition)
         await post_event(kube, body, "Warning", "ConfigDrift", "; ".join(new_lines)[:900])
     drift_lines = drift_lines + image_lines + process_lines
+    stalls = await _stall_sweep(router, cfg, kube, body, spec, views, router_ips, token, log) if drains else None
 
     router_obj = await steps.run(kube.get(path("apps/v1", "Deployment", namespace, router_name(name))), default={})
     router_ready = int(((router_obj or {}).get("status") or {}).get("availableReplicas", 0) or 0) >= spec.router.replicas
@@ -428,6 +474,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
                   canary=safety.canary, canary_failed=safety.canary_failed,
                   last_known_good=safety.last_known_good, auto_rollback=safety.auto_rollback)
     new = build_status(old_status, plan, facts, now)
+    new = with_stalls(new, old_status, stalls, now)
     if unsched and old_conds.get("Progressing", {}).get("reason") != "Unschedulable":
         await post_event(kube, body, "Warning", "Unschedulable", unsched)
     rejected = "; ".join(steps.rejections)
@@ -442,6 +489,8 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
         plan = replace(plan, requeue_after=min(plan.requeue_after or safety.wait, safety.wait))
     if cfg.process_drift_s > 0 and router is not None:  # the drift timer: read the processes again in time
         plan = replace(plan, requeue_after=min(plan.requeue_after or cfg.process_drift_s, cfg.process_drift_s))
+    if stalls is not None and cfg.stall_check_s > 0:  # the stall timer
+        plan = replace(plan, requeue_after=min(plan.requeue_after or cfg.stall_check_s, cfg.stall_check_s))
     if steps.rejections:
         return 2.0 if plan.requeue_after is None else min(plan.requeue_after, 2.0)  # retry; fixing RBAC recovers
     if not new["conditions"][0]["status"] == "True" and plan.requeue_after is None:

@@ -15,6 +15,8 @@ import aiohttp
 from .pairs import RouterView
 from .render import group_of
 
+DEBUG_TIMEOUT_S = 5.0  # a router's /debug/requests waits up to 2 s (in parallel) for each worker's rows
+
 
 def router_pods_ready(pods: Sequence[Mapping[str, Any]]) -> list[str]:
     """IPs of running, ready, not-terminating router pods (pure)."""
@@ -67,6 +69,18 @@ class RouterLink:
         try:
             async with self._http().get(f"http://{ip}:{self.port}/config", headers=headers) as r:
                 return await r.json() if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+
+    async def debug_requests(self, ip: str, token: str | None) -> dict[str, Any] | None:
+        """The router's ``/debug/requests`` (admin-guarded, as ``/config``): its live requests merged with its
+        workers' rows; None when unreadable."""
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            async with self._http().get(f"http://{ip}:{self.port}/debug/requests", headers=headers,
+                                        timeout=aiohttp.ClientTimeout(total=DEBUG_TIMEOUT_S)) as r:
+                body = await r.json() if r.status == 200 else None
+                return body if isinstance(body, dict) else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return None
 

@@ -199,3 +199,27 @@ def same_status(a: Mapping[str, Any] | None, b: Mapping[str, Any]) -> bool:
     """True when writing ``b`` over ``a`` would change nothing we own."""
     a = a or {}
     return all(a.get(k) == v for k, v in b.items())
+
+
+def with_stalls(new: dict[str, Any], old: Mapping[str, Any] | None, evidence: Sequence[Any] | None,
+                now: float) -> dict[str, Any]:
+    """``new`` with condition ``Stalled`` and ``status.stalls`` from :func:`pdoperator.stall.evaluate`'s
+    evidence per pair. ``None`` (no look this time: no router to ask, or it did not answer) keeps what
+    ``old`` says. ``lastTransitionTime`` of a True ``Stalled`` is when the stall was first seen."""
+    from .stall import status_entries
+
+    old = old or {}
+    if evidence is None:
+        prev = next((c for c in old.get("conditions") or [] if c.get("type") == "Stalled"), None)
+        if prev is not None and prev.get("reason") != "InvalidSpec":
+            new["conditions"] = [prev if c["type"] == "Stalled" else c for c in new["conditions"]]
+            new["stalls"] = old.get("stalls")
+        return new
+    entries = status_entries(evidence, old.get("stalls"), iso(now))
+    stalled = [e for e in evidence if e.stalled]
+    cond = _cond("Stalled", bool(stalled), "PairStalled" if stalled else "AsExpected",
+                 "; ".join(e.reason for e in sorted(stalled, key=lambda e: e.pair)) if stalled else "no stalled pair")
+    new["conditions"] = [_stamp([cond], old.get("conditions") or [], iso(now))[0] if c["type"] == "Stalled" else c
+                         for c in new["conditions"]]
+    new["stalls"] = entries or None  # a merge patch: None removes the list once no pair is stalled
+    return new

@@ -23,7 +23,13 @@ itself, with the API semantics the operator relies on:
 * watches answering ``410 Gone`` (an ERROR event, as the real server) from before ``compact()``;
 * bearer-token or client-certificate authentication when ``tokens`` is set (401 otherwise);
 * OwnerReferencesPermissionEnforcement: an ownerReference with ``blockOwnerDeletion`` needs ``update``
-  on the owner's ``finalizers`` subresource.
+  on the owner's ``finalizers`` subresource;
+* the ``pods/proxy`` subresource (``kubectl get --raw .../pods/NAME[:PORT]/proxy/PATH``), as the API
+  server's ``ResourceLocation``: RBAC on ``pods/proxy`` (GET is ``get``), 404 for an unknown pod, 400
+  ``address not allowed`` without a pod IP, the port from the name or the first container port (else 80),
+  the path and query forwarded, the caller's ``Authorization`` not (the authentication filter consumed
+  it), the pod's status and body returned, 503 ``error trying to reach service`` when the dial fails.
+  One concession: emulated pods live on loopback, which a real server refuses (not global unicast).
 
 :class:`emu_kubelet.Kubelet` simulates the scheduler, kubelets with GPU nodes and the Deployment controller.
 """
@@ -45,6 +51,7 @@ import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
+import yarl
 from kmock._internal import dicts as kmock_dicts
 from kmock._internal.k8s import KubernetesError
 
@@ -604,6 +611,8 @@ class PDEmulator(kmock.KubernetesEmulator):
     # ------------------------------------------------------------ HTTP
     async def _handle(self, request: Any) -> aiohttp.web.StreamResponse:
         res = request.resource
+        if res == PODS and (request.subresource or "").split("/")[0] == "proxy" and request.name:
+            return await self._proxy(request)
         if res is None or res not in self._info or request.subresource not in (None, "status", "eviction", "scale") \
                 or (request.subresource == "scale" and res.plural not in SCALABLE):
             self._authenticate(request)
@@ -703,6 +712,47 @@ class PDEmulator(kmock.KubernetesEmulator):
             return self._json(self._store(res, ns, name, dict(new), subresource=sub, expect_rv=expect,
                                           manager=manager or "unknown"))
         raise _error(405, "MethodNotAllowed", f"{method} is not supported here")
+
+    async def _proxy(self, request: Any) -> aiohttp.web.StreamResponse:
+        """``/api/v1/namespaces/NS/pods/[SCHEME:]NAME[:PORT]/proxy[/PATH]``: forward to the pod, as the API server."""
+        user = self._authenticate(request)
+        method = request.method.upper()
+        verb = {"GET": "get", "HEAD": "get", "POST": "create", "PUT": "update", "PATCH": "patch",
+                "DELETE": "delete", "OPTIONS": "get"}.get(method, method.lower())
+        self._authorize(verb, PODS, "proxy", request.namespace, user)
+        parts = request.name.split(":")  # NAME, NAME:PORT or SCHEME:NAME:PORT (utilnet.SplitSchemeNamePort)
+        scheme, name, port = ("", *parts, "")[-3:] if len(parts) == 1 else ("", *parts) if len(parts) == 2 else \
+            (tuple(parts) if len(parts) == 3 else ("", "", ""))
+        if not name or scheme not in ("", "http", "https"):
+            raise _error(400, "BadRequest", f"invalid pod request {request.name!r}")
+        scheme = scheme or "http"
+        pod = self.read(PODS, request.namespace, name)
+        if pod is None:
+            raise _error(404, "NotFound", f'pods "{name}" not found')
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip:
+            raise _error(400, "BadRequest", "address not allowed")
+        if not port:
+            port = next((str(p["containerPort"]) for c in pod["spec"].get("containers", [])
+                         for p in c.get("ports") or [] if p.get("containerPort")), "80")
+        raw = request._raw_request
+        sub_path = request.subresource[len("proxy"):] or "/"
+        query = raw.rel_url.raw_query_string
+        url = yarl.URL(f"{scheme}://{ip}:{port}{sub_path}" + (f"?{query}" if query else ""), encoded=True)
+        hop = {"authorization", "host", "connection", "keep-alive", "transfer-encoding", "upgrade",
+               "proxy-authorization", "te", "trailer", "content-length"}
+        headers = {k: v for k, v in raw.headers.items() if k.lower() not in hop}
+        headers["X-Forwarded-For"] = raw.remote or ""
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.request(method, url, headers=headers, data=await raw.read() or None,
+                                        allow_redirects=False, timeout=aiohttp.ClientTimeout(total=60)) as r:
+                    body = await r.read()
+                    keep = {k: v for k, v in r.headers.items()
+                            if k.lower() not in hop and k.lower() != "content-encoding"}
+                    return aiohttp.web.Response(status=r.status, body=body, headers=keep)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise _error(503, "ServiceUnavailable", f"error trying to reach service: {e}") from None
 
     def _json(self, data: Any, status: int = 200) -> aiohttp.web.Response:
         return aiohttp.web.json_response(data, status=status)
