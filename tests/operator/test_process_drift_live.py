@@ -52,7 +52,7 @@ async def test_injected_env_shows_config_drift_from_the_process(tmp_path, monkey
                         body["spec"][role]["args"] = WORKER_ARGS
                     c.apply(body)
                     pods = await eventually(lambda: len(ps := [p for p in c.pods("inj") if any(
-                        x["type"] == "Ready" and x["status"] == "True" for x in p["status"].get("conditions", []))]) == 2
+                        x["type"] == "Ready" and x["status"] == "True" for x in (p.get("status") or {}).get("conditions", []))]) == 2
                         and ps, timeout=240, interval=0.2, what="both real workers ready")
                     by_role = {p["metadata"]["labels"]["pdstack.io/role"]: p["metadata"]["name"] for p in pods}
 
