@@ -359,7 +359,8 @@ def _cluster_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--context", default=None)
 
 
-def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """kubectl-pd's arguments: every subcommand and flag (docs/operator.md, docs/operations.md)."""
     parser = argparse.ArgumentParser(prog="kubectl-pd", description="pdstack PDDeployment tools")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("render", help="print the children the operator would create, as YAML")
@@ -394,6 +395,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     rb.add_argument("--dry-run", action="store_true", help="print the diff only")
     rb.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
     _cluster_args(rb)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
