@@ -13,81 +13,15 @@ label (every pod the emulator ever created is checked).
 from __future__ import annotations
 
 import asyncio
-import base64
-import contextlib
-import os
-import random
-import subprocess
-import sys
-from typing import Any, AsyncIterator
 
 import httpx
-import kmock
 import pytest
 
-from pdop_harness import NS, PODS, Cluster, eventually, manifest, running_operator, write_kubeconfig
-from pdop_k8s_emulator import PDEmulator, R
-from test_drain_before_delete import PORT, WORKER_ARGS, ProcessKubelet
+from live_stack import live_stack, pods_ready
+from pdop_harness import PODS, Cluster, eventually
 
 pytestmark = pytest.mark.slow
-SECRETS = R("", "v1", "secrets")
-CONFIGMAPS = R("", "v1", "configmaps")
 FAULT = "PDRT_FAULT_DECODE_STALL_AFTER"
-
-
-def pods_ready(c: Cluster, name: str, n: int) -> bool:
-    pods = [p for p in c.pods(name) if not p["metadata"].get("deletionTimestamp")]
-    return len(pods) == n and all(any(x["type"] == "Ready" and x["status"] == "True"
-                                      for x in p["status"].get("conditions", [])) for p in pods)
-
-
-@contextlib.asynccontextmanager
-async def live_stack(tmp_path: Any, name: str, *, pairs: int = 2, **spec: Any) -> AsyncIterator[tuple[Cluster, str]]:
-    """The operator against the emulator, every worker pod a real ``pdrt serve`` process and the router a
-    real ``pdrt serve --role router`` on the router pod's IP. Yields (cluster, router URL) once Ready."""
-    from pdruntime.model.testing import write_tiny_checkpoint
-
-    model = write_tiny_checkpoint(str(tmp_path / "tiny"))
-    net = random.randint(100, 250)
-    router_ip = f"127.0.{net}.2"
-    router_proc = None
-    async with PDEmulator() as api, kmock.Server(api) as server:
-        write_kubeconfig(str(server.url).rstrip("/"))
-        kubelet = ProcessKubelet(api, net, str(tmp_path))
-        kubelet.add_node("gpu-a", 8)
-        try:
-            async with kubelet:
-                c = Cluster(api, kubelet, str(server.url))
-                async with running_operator(c):
-                    body = manifest(name, pairs=pairs, gpus=1, model={"source": model, "servedName": "tiny"}, **spec)
-                    for role in ("prefill", "decode"):
-                        body["spec"][role]["args"] = WORKER_ARGS
-                    c.apply(body)
-                    secret = await eventually(lambda: api.read(SECRETS, NS, f"{name}-router-admin"), what="secret")
-                    cm = await eventually(lambda: api.read(CONFIGMAPS, NS, f"{name}-topology"), what="topology")
-                    topo_file = tmp_path / "topology.yaml"
-                    topo_file.write_text(cm["data"]["topology.yaml"])
-                    admin_file = tmp_path / "router-admin.token"
-                    admin_file.write_text(base64.b64decode(secret["data"]["token"]).decode())
-                    env = {k: v for k, v in os.environ.items() if not k.startswith("PDRT_")}
-                    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-                    router_proc = subprocess.Popen(
-                        [sys.executable, "-m", "pdruntime.server", "serve", "--role", "router", "--host", router_ip,
-                         "--port", str(PORT), "--topology-file", str(topo_file),
-                         "--admin-token-file", str(admin_file)], env=env,
-                        stdout=open(tmp_path / "router.log", "wb"), stderr=subprocess.STDOUT)
-                    kubelet.router_ip = router_ip
-                    await eventually(lambda: c.condition(name, "Ready").get("status") == "True", timeout=240,
-                                     interval=0.2, what=f"Ready with {2 * pairs} real workers")
-                    url = f"http://{router_ip}:{PORT}"
-                    await eventually(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, timeout=60,
-                                     what="router healthy")
-                    yield c, url
-        finally:
-            kubelet.stop_all()
-            if router_proc is not None and router_proc.poll() is None:
-                router_proc.kill()
-                router_proc.wait(10)
 
 
 def revisions_ever(c: Cluster, name: str, pair: int) -> set[str]:
@@ -100,7 +34,7 @@ def revisions_ever(c: Cluster, name: str, pair: int) -> set[str]:
 async def test_canary_catches_a_bad_knob_and_the_other_pair_never_gets_it(tmp_path):
     name = "can"
     canary = {"agents": 2, "rounds": 3, "roundTimeoutSeconds": 10, "maxTokens": 4}
-    async with live_stack(tmp_path, name, rollout={"drainSeconds": 5, "canary": canary}) as (c, url):
+    async with live_stack(tmp_path, name, rollout={"drainSeconds": 5, "canary": canary}) as (c, url, _):
         old = c.pdd(name)["status"]["currentRevision"]
         decode = dict(c.pdd(name)["spec"]["decode"])
         decode["env"] = [{"name": FAULT, "value": "1"}]

@@ -16,11 +16,7 @@ import base64
 import copy
 import io
 import json
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import aiohttp.web
@@ -29,6 +25,7 @@ import kmock
 import pytest
 import yaml
 
+from live_stack import start_router, stop
 from pdop_harness import NS, PODS, eventually, write_kubeconfig
 from pdop_k8s_emulator import PDEmulator, R
 from pdoperator import cli, rbac
@@ -56,24 +53,6 @@ def pod(name: str, ip: str | None, *, port: int | None = None, labels: dict[str,
         status["podIP"] = ip
     return {"metadata": {"name": name, "labels": labels or {}}, "spec": {"containers": [ctr], "nodeName": "n"},
             "status": status}
-
-
-def start_router(ip: str, topology: dict[str, Any], token: str, log_dir: Path) -> subprocess.Popen:
-    """A real ``pdrt serve --role router`` on ``ip:8000`` (the router pod's IP), guarded by ``token``."""
-    topo, tok = log_dir / f"topology-{ip}.yaml", log_dir / f"router-admin-{ip}.token"
-    topo.write_text(yaml.safe_dump(topology))
-    tok.write_text(token)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDRT_")}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "pdruntime.server", "serve", "--role", "router", "--host", ip,
-                             "--port", str(PORT), "--topology-file", str(topo), "--admin-token-file", str(tok)],
-                            env=env, stdout=open(log_dir / f"router-{ip}.log", "wb"), stderr=subprocess.STDOUT)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(10)
 
 
 async def echo_server(host: str) -> tuple[aiohttp.web.AppRunner, int]:

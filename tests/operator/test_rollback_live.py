@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from pdop_harness import eventually
-from test_canary_live import FAULT, live_stack, pods_ready
+from live_stack import live_stack, pods_ready
+from test_canary_live import FAULT
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ async def test_a_stall_after_a_revision_change_rolls_back_to_last_known_good(tmp
     monkeypatch.setenv("PDSTACK_OPERATOR_STALL_CHECK_S", "1")  # the stall sweep: every second, not every 15
     name = "auto"
     rollout = {"drainSeconds": 2, "soakSeconds": 2, "autoRollback": True, "rollbackWindowSeconds": 600}
-    async with live_stack(tmp_path, name, pairs=1, rollout=rollout, stall={"seconds": 3}) as (c, url):
+    async with live_stack(tmp_path, name, pairs=1, rollout=rollout, stall={"seconds": 3}) as (c, url, _):
         good = c.pdd(name)["status"]["currentRevision"]
         await eventually(lambda: c.pdd(name)["status"].get("lastKnownGoodRevision") == good, timeout=30,
                          interval=0.2, what="first revision known-good")

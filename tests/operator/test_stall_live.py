@@ -15,25 +15,20 @@ With ``spec.stall.seconds: 3`` and a stall sweep every second:
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import os
-import random
 import re
 import signal
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
-import kmock
 import pytest
-import yaml
 from prometheus_client import REGISTRY
 
-from pdop_harness import NS, Cluster, eventually, manifest, running_operator, write_kubeconfig
-from pdop_k8s_emulator import PDEmulator
-from test_drain_before_delete import CONFIGMAPS, SECRETS, WORKER_ARGS, ProcessKubelet
-from test_kubectl_pd_requests import kpd, start_router, stop
+from live_stack import live_stack
+from pdop_harness import NS, Cluster, eventually
+from test_kubectl_pd_requests import kpd
 
 pytestmark = pytest.mark.slow
 NAME = "stall"
@@ -44,48 +39,9 @@ def stalled_pair() -> float | None:
     return REGISTRY.get_sample_value("pdstack_pair_stalled", {"namespace": NS, "deployment": NAME, "pair": "0"})
 
 
-@contextlib.asynccontextmanager
-async def stack(tmp_path: Any,
-                decode_env: list[dict[str, str]] | None = None) -> AsyncIterator[tuple[Cluster, str, Any]]:
+def stack(tmp_path: Any, decode_env: list[dict[str, str]] | None = None) -> Any:
     """One pair of real workers and a real router under the real operator; yields (cluster, router URL, kubelet)."""
-    from pdruntime.model.testing import write_tiny_checkpoint
-
-    model = write_tiny_checkpoint(str(tmp_path / "tiny"))
-    net = random.randint(100, 250)
-    router_ip = f"127.0.{net}.2"
-    router = None
-    async with PDEmulator() as api, kmock.Server(api) as server:
-        write_kubeconfig(str(server.url).rstrip("/"))
-        kubelet = ProcessKubelet(api, net, str(tmp_path))
-        kubelet.add_node("gpu-a", 8)
-        try:
-            async with kubelet:
-                c = Cluster(api, kubelet, str(server.url))
-                async with running_operator(c):
-                    body = manifest(NAME, pairs=1, gpus=1, model={"source": model, "servedName": "tiny"},
-                                    stall={"seconds": 3})
-                    for role in ("prefill", "decode"):
-                        body["spec"][role]["args"] = WORKER_ARGS
-                    if decode_env:
-                        body["spec"]["decode"]["env"] = decode_env
-                    c.apply(body)
-                    secret = await eventually(lambda: api.read(SECRETS, NS, f"{NAME}-router-admin"), what="secret")
-                    cm = await eventually(lambda: api.read(CONFIGMAPS, NS, f"{NAME}-topology"), what="topology")
-                    router = start_router(router_ip, yaml.safe_load(cm["data"]["topology.yaml"]),
-                                          base64.b64decode(secret["data"]["token"]).decode(), tmp_path)
-                    kubelet.router_ip = router_ip  # the router Deployment's pod: this process
-                    await eventually(lambda: c.condition(NAME, "Ready").get("status") == "True", timeout=240,
-                                     interval=0.2, what="Ready with real workers")
-                    url = f"http://{router_ip}:8000"
-                    await eventually(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, timeout=60,
-                                     what="router healthy")
-                    await eventually(lambda: c.condition(NAME, "Stalled").get("message") == "no stalled pair",
-                                     timeout=30, what="a stall sweep with nothing live")
-                    yield c, url, kubelet
-        finally:
-            kubelet.stop_all()
-            if router is not None:
-                stop(router)
+    return live_stack(tmp_path, NAME, pairs=1, decode_env=decode_env, stall={"seconds": 3})
 
 
 async def wait_stalled(c: Cluster) -> dict[str, Any]:
