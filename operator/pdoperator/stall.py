@@ -212,6 +212,11 @@ def evaluate(prev: Observation | None, cur: Observation, stall_s: float) -> Evid
         return Evidence(stalled=False, reason=f"pair {cur.pair}: {len(rows)} live, progressing ({evidence})", **base)
     # a worker's row says where the request is stuck (the router's mirrors it): named first, longest held
     held, kind, r = max(stuck, key=lambda s: (s[2].role != "router", s[0]))
+    if r.role == "router":  # the router's row crossed first; a worker holding that request still names the stage
+        holders = [w for w in rows if w.role != "router" and w.id == r.id]
+        if holders:
+            r = max(holders, key=lambda w: (w.role == "decode", w.age_s))
+            kind = "old" if r.pre_decode and r.age_s >= stall_s else "idle"
     idle = round(cur.at - r.progressed_at, 3)
     who = f"request {r.id}" + (f" (client {r.client})" if r.client else "")
     tokens = f"{r.tokens} tokens" if r.tokens is not None else "no token count"
