@@ -52,9 +52,11 @@ def pods_ready(c: Cluster, name: str, n: int) -> bool:
 
 @contextlib.asynccontextmanager
 async def live_stack(tmp_path: Path, name: str, *, pairs: int = 2, decode_env: list[dict[str, str]] | None = None,
+                     kubelet_cls: type[ProcessKubelet] = ProcessKubelet,
                      **spec: Any) -> AsyncIterator[tuple[Cluster, str, ProcessKubelet]]:
     """A PDDeployment ``name`` of ``pairs`` real pairs under the real operator (extra ``spec`` fields and decode
-    env as given); yields (cluster, router URL, kubelet) once it is Ready and the router answers /health."""
+    env as given; ``kubelet_cls`` starts the worker processes); yields (cluster, router URL, kubelet) once it is
+    Ready and the router answers /health."""
     from pdruntime.model.testing import write_tiny_checkpoint
 
     model = write_tiny_checkpoint(str(tmp_path / "tiny"))
@@ -63,7 +65,7 @@ async def live_stack(tmp_path: Path, name: str, *, pairs: int = 2, decode_env: l
     router = None
     async with PDEmulator() as api, kmock.Server(api) as server:
         write_kubeconfig(str(server.url).rstrip("/"))
-        kubelet = ProcessKubelet(api, net, str(tmp_path))
+        kubelet = kubelet_cls(api, net, str(tmp_path))
         kubelet.add_node("gpu-a", 8)
         try:
             async with kubelet:
