@@ -54,9 +54,9 @@ def load_for(source: str | None, config: EngineConfig, *, weights: str = "fp32",
     """Load the model the way ``config`` says: its device and dtype, and with tensor_parallel_size > 1 the
     follower ranks started and rank 0's shard loaded here (``Engine(loaded, config)`` then drives them)."""
     if config.tensor_parallel_size > 1:
-        from . import tp
+        from .tp import start as start_tp
 
-        return tp.start(source, config, weights=weights, threads=threads, env=env)
+        return start_tp(source, config, weights=weights, threads=threads, env=env)
     from ..model import load_model
 
     return load_model(source, dtype=config.torch_dtype, device=config.device, weights=weights, env=env)
