@@ -68,7 +68,7 @@ def sampler_table(vocab: int, rows: int, reps: int, engine: Engine | None) -> No
            ("batched: T 0.2, top-p 0.9, rep 1.1 (SmolLM2)", timed(lambda: sample_batch(logits, top_p), reps)),
            ("per-row full sort, T+top-p (before; peer)", timed(lambda: per_row_sort(logits, peer_params, gens), reps))]
     if engine is not None:
-        from pdruntime.server.structured import _json_grammar
+        from pdruntime.server.openai.structured import _json_grammar
 
         g = _json_grammar(SCHEMA)
 
@@ -90,7 +90,7 @@ def engine_table(engine: Engine, rows: int, steps: int) -> None:
     """Paired: each decode step of 64 running sequences is timed whole, and on the very logits it sampled, the
     sampler is timed in every configuration; a configuration's step = step - its own sampler + that sampler."""
     from pdruntime.engine import engine as engine_mod
-    from pdruntime.server.structured import _json_grammar
+    from pdruntime.server.openai.structured import _json_grammar
 
     tok = engine.tokenizer
     prompt = tok.encode("Write a short story about a robot who learns to paint.")

@@ -459,7 +459,7 @@ def worker_pod(spec: PDSpec, owner: Owner, revision: str, pair: int, slot: str, 
 
 
 def topology_doc(revision: str, pairs: Iterable[TopologyPair], generation: int = 0) -> dict[str, Any]:
-    """The router topology (``pdruntime.server.topology`` format); ``generation`` is its version."""
+    """The router topology (``pdruntime.server.router.topology`` format); ``generation`` is its version."""
     doc: dict[str, Any] = {"version": 1, "generation": generation, "revision": revision, "pairs": []}
     for p in pairs:
         prefills, decodes = p.members()

@@ -19,8 +19,8 @@ def test_model_defaults_answer_paris_in_20_of_20_seeded_samples():
     from pdruntime.engine import Engine, EngineConfig
     from pdruntime.engine.defaults import resolve
     from pdruntime.model import default_model_path, load_model
-    from pdruntime.server.common import PromptBuilder
-    from pdruntime.server.schemas import validate_generate
+    from pdruntime.server.worker.prompts import PromptBuilder
+    from pdruntime.server.openai.schemas import validate_generate
 
     path = default_model_path()
     loaded = load_model(path)

@@ -12,7 +12,7 @@ import torch
 from pdruntime.engine import Engine, EngineConfig, SamplingParams
 from pdruntime.model import load_model
 from pdruntime.model.testing import write_tiny_checkpoint
-from pdruntime.server.structured import _json_grammar
+from pdruntime.server.openai.structured import _json_grammar
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "ok": {"type": "boolean"}}, "required": ["n", "ok"],

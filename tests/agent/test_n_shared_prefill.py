@@ -281,7 +281,7 @@ def test_engine_reserves_fork_pages_with_the_prompt_all_or_nothing(agent_tiny_mo
 
 def test_choices_shape_n_streams_into_one_response():
     """Pure: openai_format.Choices + OpenAIShape on interleaved events of 2 choices."""
-    from pdruntime.server.openai_format import Choices, OpenAIShape
+    from pdruntime.server.openai.format import Choices, OpenAIShape
 
     def ev(i, delta, done, tokens):
         return {"index": i, "delta": delta, "token_ids": [1], "meta_info": {
@@ -310,8 +310,8 @@ def test_a_decode_worker_that_ignores_n_fails_the_request_clearly():
     import asyncio
 
     from pdruntime.env import RuntimeEnv
-    from pdruntime.server.router_app import Router
-    from pdruntime.server.topology import Pair, Topology
+    from pdruntime.server.router.app import Router
+    from pdruntime.server.router.topology import Pair, Topology
 
     def worker(request: httpx.Request) -> httpx.Response:
         if request.url.port == 9001 or request.url.path == "/abort_request":  # prefill, aborts

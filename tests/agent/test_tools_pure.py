@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pdruntime.engine.defaults import resolve
-from pdruntime.server.tools import StreamParser, detect_parser, parser_for, render_messages
+from pdruntime.server.openai.tools import StreamParser, detect_parser, parser_for, render_messages
 
 HERMES = parser_for("hermes")
 LLAMA = parser_for("llama3_json")
@@ -85,8 +85,8 @@ def test_forced_tool_grammar_yields_a_parseable_call_in_each_format(parser, tmp_
     from pdruntime.engine import Engine, EngineConfig, SamplingParams
     from pdruntime.model import load_model
     from pdruntime.model.testing import write_tiny_checkpoint
-    from pdruntime.server.schemas import Tool
-    from pdruntime.server.structured import tool_grammar
+    from pdruntime.server.openai.schemas import Tool
+    from pdruntime.server.openai.structured import tool_grammar
 
     tools = [Tool.model_validate({"type": "function", "function": {
         "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,

@@ -14,8 +14,8 @@ from pdop_harness import NS, PDDS, R, eventually, manifest
 from pdoperator.pairs import CoRestart, CreatePods, PodView, plan_pairs
 from pdoperator.render import Owner, TopologyPair, group_slots, render, topology_doc
 from pdoperator.spec import CoRestartSpec, parse_spec
-from pdruntime.server.router_policy import PairPicker
-from pdruntime.server.topology import parse_topology
+from pdruntime.server.router.policy import PairPicker
+from pdruntime.server.router.topology import parse_topology
 
 CONFIGMAPS = R("", "v1", "configmaps")
 SLOTS = group_slots(1, 2)

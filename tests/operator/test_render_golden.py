@@ -141,7 +141,7 @@ def test_topology_file_format():
                    "prefill": {"url": "http://10.0.0.14:8000", "bootstrap_host": "10.0.0.14", "bootstrap_port": 8998},
                    "decode": {"url": "http://10.0.0.15:8000"}}]}
     # the router's own parser reads it: the half-created pair is skipped, the draining one is kept, not ready
-    from pdruntime.server.topology import load_topology_text
+    from pdruntime.server.router.topology import load_topology_text
     topo = load_topology_text(text)
     assert topo.generation == 7 and [p.index for p in topo.pairs] == [0, 2]
     assert topo.ready_pairs()[0].index == 0 and topo.draining() == [2]

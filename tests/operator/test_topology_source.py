@@ -7,9 +7,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pdruntime.env import RuntimeEnv
-from pdruntime.server.router_app import Router, RouterConfig
-from pdruntime.server.topology import parse_topology
-from pdruntime.server.topology_source import TopologySource
+from pdruntime.server.router.app import Router, RouterConfig
+from pdruntime.server.router.topology import parse_topology
+from pdruntime.server.router.topology_source import TopologySource
 
 
 def doc(generation, *, draining=False):

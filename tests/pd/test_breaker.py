@@ -16,7 +16,7 @@ import itertools
 
 import pytest
 
-from pdruntime.server.router_policy import CircuitBreaker, Outcome
+from pdruntime.server.router.policy import CircuitBreaker, Outcome
 
 COOLDOWN = 5.0
 TRIAL = 30.0

@@ -17,7 +17,7 @@ import pytest
 
 from pd_harness import base_env, free_port, spawn, wait_healthy
 from pdruntime.env import RuntimeEnv
-from pdruntime.server.router_app import Router, RouterConfig, match_api_key, parse_api_keys
+from pdruntime.server.router.app import Router, RouterConfig, match_api_key, parse_api_keys
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -132,7 +132,7 @@ def test_api_keys_gate_the_openai_routes_and_attribute_clients(stack, model_id, 
 
 def test_pdrt_up_gives_the_router_no_kv_key(monkeypatch, tmp_path):
     """`pdrt up` spawns each process with only the secrets it uses: workers get the KV token, the router not."""
-    from pdruntime.server import supervisor
+    from pdruntime.server.local import supervisor
 
     envs: dict[str, dict] = {}
 

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from pdruntime.server.schemas import (ACCEPTED, MAX_JSON_DEPTH, ApiError, ChatCompletionRequest, CompletionRequest,
+from pdruntime.server.openai.schemas import (ACCEPTED, MAX_JSON_DEPTH, ApiError, ChatCompletionRequest, CompletionRequest,
                                       WorkerChatRequest, WorkerSampling, parse_body, validate, validate_generate)
 
 # OpenAI name -> SGLang sampling_params name

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from pdruntime.server.health_probe import HealthProber, WorkerHealth, is_stale, stale_pairs
+from pdruntime.server.router.health_probe import HealthProber, WorkerHealth, is_stale, stale_pairs
 
 
 @pytest.mark.parametrize("last_ok,timed_out,now,want", [

@@ -8,10 +8,10 @@ import os
 import pytest
 
 from pdruntime.server.metrics import ClientLabels
-from pdruntime.server.router_policy import CircuitBreaker, PairPicker
-from pdruntime.server.schemas import ApiError, ChatCompletionRequest, CompletionRequest, parse_body, validate
-from pdruntime.server.supervisor import backoff_for, plan_restarts
-from pdruntime.server.topology import TopologyError, TopologyWatcher, load_topology_text, parse_topology, topology_from_flags
+from pdruntime.server.router.policy import CircuitBreaker, PairPicker
+from pdruntime.server.openai.schemas import ApiError, ChatCompletionRequest, CompletionRequest, parse_body, validate
+from pdruntime.server.local.supervisor import backoff_for, plan_restarts
+from pdruntime.server.router.topology import TopologyError, TopologyWatcher, load_topology_text, parse_topology, topology_from_flags
 
 TOPO = """
 version: 1
@@ -198,7 +198,7 @@ def test_supervision_restarts_a_pair_together():
 def test_client_identity_from_header_or_api_key_never_the_key():
     from starlette.requests import Request
 
-    from pdruntime.server.router_app import client_identity
+    from pdruntime.server.router.app import client_identity
 
     mk = lambda headers: Request({"type": "http", "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
     assert client_identity(mk({"x-client-id": "harness"})) == "harness"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdruntime.engine import StepOutput
-from pdruntime.server.engine_runner import (OOM_STATUS, REQUEST_ERROR_STATUS, STEP_ERROR_STATUS, EngineRunner,
+from pdruntime.server.worker.engine_runner import (OOM_STATUS, REQUEST_ERROR_STATUS, STEP_ERROR_STATUS, EngineRunner,
                                             FailurePolicy, isolation_verdict, step_backoff)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from pdruntime.engine import OutOfBlocks, StepOutput
 from pdruntime.env import RuntimeEnv
-from pdruntime.server.engine_runner import EngineRunner
+from pdruntime.server.worker.engine_runner import EngineRunner
 
 
 class FakeEngine:
@@ -72,7 +72,7 @@ def test_runner_runs_the_engine_on_its_own_thread_and_streams_outputs():
 
 
 def _decode_worker():
-    from pdruntime.server.decode_app import DecodeWorker
+    from pdruntime.server.worker.decode import DecodeWorker
 
     info = SimpleNamespace(name="fake", sha256="", path="/x", max_position_embeddings=64)
     loaded = SimpleNamespace(info=info, tokenizer=None)
@@ -107,7 +107,7 @@ def test_decode_admission_waits_for_freed_pages_then_reserves():
 
 
 def test_decode_admission_gives_up_with_503_after_the_transfer_timeout():
-    from pdruntime.server.decode_app import DecodeFailed
+    from pdruntime.server.worker.decode import DecodeFailed
 
     async def main():
         w = _decode_worker()
@@ -129,7 +129,7 @@ def test_decode_admission_gives_up_with_503_after_the_transfer_timeout():
 
 def test_early_first_token_is_streamed_once_and_only_when_its_text_is_final():
     from pdruntime.engine import SamplingParams
-    from pdruntime.server.decode_app import EarlyToken, _without_early
+    from pdruntime.server.worker.decode import EarlyToken, _without_early
 
     w = _decode_worker()
     w.loaded.tokenizer = SimpleNamespace(eos_token_ids=frozenset({0}), decode=lambda ids: {0: "", 5: "Hel", 6: "\ufffd"}[ids[0]])

@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
-from pdruntime.server import supervisor
-from pdruntime.server.supervisor import LocalStack, backoff_for, busy_ports, listening_inodes, restarts_after
+from pdruntime.server.local import supervisor
+from pdruntime.server.local.supervisor import LocalStack, backoff_for, busy_ports, listening_inodes, restarts_after
 
 
 @pytest.mark.parametrize("n,want", [(0, 0.0), (1, 1.0), (2, 2.0), (3, 4.0), (5, 16.0), (6, 30.0), (99, 30.0)])

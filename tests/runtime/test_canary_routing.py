@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from pdruntime.model.testing import write_tiny_checkpoint
-from pdruntime.server.router_policy import PairPicker
-from pdruntime.server.topology import TopologyError, parse_topology
+from pdruntime.server.router.policy import PairPicker
+from pdruntime.server.router.topology import TopologyError, parse_topology
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "pd"))
 from pd_harness import start_pairs  # noqa: E402
@@ -70,7 +70,7 @@ def test_an_unroutable_pinned_group_is_explained():
     assert picker.unroutable(0.0, 1) == "group 1 is not ready"
     assert picker.unroutable(0.0, 2) == "group 2 is draining"
     assert "stale" in picker.unroutable(0.0, 0, stale={0})
-    from pdruntime.server.router_policy import Outcome
+    from pdruntime.server.router.policy import Outcome
 
     picker.states[0].breaker.record(Outcome.FAILURE, 0.0, trial=False)
     assert picker.choose(0.1, None, group=0) is None

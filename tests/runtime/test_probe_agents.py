@@ -23,7 +23,7 @@ from pdruntime import cli
 from pdruntime.env import ConfigError, RuntimeEnv
 from pdruntime.model.testing import write_tiny_checkpoint
 from pdruntime.probe_agents import ProbeReport, format_table, run_agents_probe
-from pdruntime.server.faults import ConnectionStall, connection_of
+from pdruntime.server.worker.faults import ConnectionStall, connection_of
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "pd"))
 from pd_harness import start_pairs, wait_for  # noqa: E402

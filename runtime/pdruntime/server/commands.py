@@ -128,13 +128,13 @@ def build_server(args: argparse.Namespace, env=None):
             raise ValueError(f"--engine-max-step-failures={args.engine_max_step_failures}; accepted: an integer >= 1")
         env = env.replace(engine_max_step_failures=args.engine_max_step_failures)
     if args.role == "router":
-        from pdruntime.server.router_app import Router, RouterConfig
-        from pdruntime.server.topology import topology_from_flags
+        from pdruntime.server.router.app import Router, RouterConfig
+        from pdruntime.server.router.topology import topology_from_flags
 
         topo = topology_from_flags(args.prefill, args.decode, args.bootstrap_ports) if args.prefill or args.decode else None
         if topo is None and not args.topology_file:
             raise SystemExit("pdrt serve --role router needs --topology-file FILE or --prefill URL --decode URL")
-        from pdruntime.server.router_app import parse_api_keys
+        from pdruntime.server.router.app import parse_api_keys
 
         def secret_file(path: str, what: str) -> str:
             try:
@@ -162,13 +162,13 @@ def build_server(args: argparse.Namespace, env=None):
     loaded = load_for(args.model or env.model, config, threads=args.threads, env=env)
     engine = Engine(loaded, config)
     if args.role == "prefill":
-        from pdruntime.server.prefill_app import PrefillWorker
+        from pdruntime.server.worker.prefill import PrefillWorker
 
         worker = PrefillWorker(loaded, engine, env, host=args.host, port=args.port, bootstrap_host=args.host,
                                bootstrap_port=args.bootstrap_port, served_model_name=args.served_model_name,
                                generation_config=args.generation_config, tool_call_parser=args.tool_call_parser)
     else:
-        from pdruntime.server.decode_app import DecodeWorker
+        from pdruntime.server.worker.decode import DecodeWorker
 
         worker = DecodeWorker(loaded, engine, env, host=args.host, port=args.port,
                               served_model_name=args.served_model_name, generation_config=args.generation_config,
@@ -182,7 +182,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
     from pdruntime.env import RuntimeEnv
-    from pdruntime.server.supervisor import watch_parent
+    from pdruntime.server.local.supervisor import watch_parent
 
     parent = RuntimeEnv.from_environ().parent_pid
     if parent:
@@ -201,7 +201,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from pdruntime.server.supervisor import PORTS_IN_USE_EXIT, LocalStack
+    from pdruntime.server.local.supervisor import PORTS_IN_USE_EXIT, LocalStack
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # health polls

@@ -15,13 +15,13 @@ from fastapi.responses import JSONResponse
 from pdruntime.disagg.watchdog import Clock, OffsetClock, Watchdog
 from pdruntime.engine import InvalidRequest
 from pdruntime.env import RuntimeEnv
-from pdruntime.server.common import (BodyGuard, PromptBuilder, TestHooks, client_of, lifespan_app, log_unexpected,
-                                     metrics_response, request_id)
-from pdruntime.server.engine_runner import EngineRunner, FailurePolicy
-from pdruntime.server.health_probe import instance_id
+from pdruntime.server.edge import BodyGuard, instance_id, lifespan_app, log_unexpected, metrics_response
+from pdruntime.server.worker.faults import TestHooks
+from pdruntime.server.worker.prompts import PromptBuilder, client_of, request_id
+from pdruntime.server.worker.engine_runner import EngineRunner, FailurePolicy
 from pdruntime.server.metrics import Metrics
-from pdruntime.server.openai_format import OpenAIShape
-from pdruntime.server.schemas import (MAX_BODY_BYTES, ApiError, WorkerChatRequest, WorkerCompletionRequest,
+from pdruntime.server.openai.format import OpenAIShape
+from pdruntime.server.openai.schemas import (MAX_BODY_BYTES, ApiError, WorkerChatRequest, WorkerCompletionRequest,
                                       generate_from_openai, parse_body, validate)
 
 log = logging.getLogger("pdruntime.worker")

@@ -25,17 +25,17 @@ from fastapi.responses import JSONResponse
 from pdruntime.env import RuntimeEnv
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdruntime.server.common import (SSE_DONE, BodyGuard, GuardedStream, lifespan_app, metrics_response,
-                                     sse)
-from pdruntime.server.health_probe import HealthProber, instance_id
+from pdruntime.server.edge import BodyGuard, GuardedStream, instance_id, lifespan_app, metrics_response
+from pdruntime.server.router.health_probe import HealthProber
 from pdruntime.server.metrics import Metrics
-from pdruntime.server.openai_format import Choices, OpenAIShape
-from pdruntime.server.router_legs import LegError, Legs
-from pdruntime.server.router_policy import Outcome, PairPicker, PairState
-from pdruntime.server.schemas import (MAX_BODY_BYTES, ApiError, ChatCompletionRequest, CompletionRequest, error_body,
+from pdruntime.server.openai.format import Choices, OpenAIShape
+from pdruntime.server.router.legs import LegError, Legs
+from pdruntime.server.router.policy import Outcome, PairPicker, PairState
+from pdruntime.server.openai.schemas import (MAX_BODY_BYTES, ApiError, ChatCompletionRequest, CompletionRequest, error_body,
                                       openapi_components, parse_body, validate)
-from pdruntime.server.topology import Topology, TopologyWatcher
-from pdruntime.server.topology_source import TopologySource
+from pdruntime.server.router.topology import Topology, TopologyWatcher
+from pdruntime.server.router.topology_source import TopologySource
+from pdruntime.util.sse import SSE_DONE, sse
 
 log = logging.getLogger("pdruntime.router")
 

@@ -1,4 +1,5 @@
-"""Pieces every pdrt server shares: error handlers, SSE helpers, prompt handling, test hooks."""
+"""The HTTP edge every pdrt server shares: OpenAI-style error bodies, app lifespan, the request-body guard,
+streamed responses that always clean up, and the instance id reported in ``/health``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import contextlib
 import json
 import logging
 import os
-import time
+import secrets
 import traceback
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -17,11 +18,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdruntime.server.schemas import DEFAULT_MAX_TOKENS, ApiError, GenerateRequest, error_body
+from pdruntime.server.openai.schemas import ApiError, error_body
 
 log = logging.getLogger("pdruntime.server")
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def instance_id(env: Any = None) -> str:
+    """This process's identity: ``PDRT_INSTANCE_ID`` when a supervisor set one, else pid + random."""
+    given = getattr(env, "instance_id", None)
+    return given or f"{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -84,13 +91,6 @@ def metrics_response(payload: bytes) -> Response:
     return Response(payload, media_type=PROMETHEUS_CONTENT_TYPE)
 
 
-def sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
 class GuardedStream(StreamingResponse):
     """A streaming response that always runs ``on_close(completed)``, also when the client goes away
     (the body iterator is cancelled then) — the place to abort whatever the stream was feeding from."""
@@ -111,137 +111,6 @@ class GuardedStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await asyncio.shield(self._on_close(self._completed))
-
-
-def request_id(req: GenerateRequest) -> str:
-    """The worker-side id: the body's ``rid``, else one derived from ``bootstrap_room`` so that both legs of a PD
-    request agree on it (SGLang's router sends the same body to prefill and decode, with a room and no rid)."""
-    if req.rid:
-        return req.rid
-    return f"room-{req.bootstrap_room}" if req.bootstrap_room is not None else uuid.uuid4().hex
-
-
-def client_of(request: Request) -> str:
-    return request.headers.get("x-client-id") or "anonymous"
-
-
-async def read_generate(request: Request) -> GenerateRequest:
-    from pdruntime.server.schemas import parse_body, validate_generate
-
-    return validate_generate(parse_body(await request.body()))
-
-
-class PromptBuilder:
-    """Tokenizes a worker request the same way on prefill and decode, and derives SamplingParams."""
-
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int | None = None, *,
-                 defaults: Any = None, tool_parser: str = "auto") -> None:
-        from pdruntime.engine.defaults import GenerationDefaults
-        from pdruntime.server.tools import detect_parser, parser_for
-
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-        self.defaults = defaults or GenerationDefaults()  # the model's sampling defaults (--generation-config)
-        template = getattr(tokenizer, "chat_template", None) or ""
-        self.tool_parser = detect_parser(template) if tool_parser == "auto" else parser_for(tool_parser).name
-        self.template_has_tools = "tools" in template
-
-    def prompt_ids(self, req: GenerateRequest) -> list[int]:
-        if req.input_ids is not None:
-            ids = list(req.input_ids)
-            if self.vocab_size is not None and (bad := next((i for i in ids if i >= self.vocab_size), None)) is not None:
-                raise ApiError(400, f"input_ids: token id {bad} is outside the vocabulary; accepted: token ids in "
-                               f"[0, {self.vocab_size})", param="input_ids", code="invalid_value")
-        elif req.messages is not None:
-            from pdruntime.server.tools import render_messages
-
-            tools = [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools] if req.tools else None
-            msgs = render_messages([m.model_dump(exclude_none=True) for m in req.messages], tools, self.tool_parser,
-                                   self.template_has_tools)
-            try:
-                text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, **(
-                    {"tools": tools} if tools and self.template_has_tools else {}))
-            except Exception as exc:  # the template's own message may quote the conversation: type only
-                raise ApiError(400, f"messages could not be rendered with the chat template ({type(exc).__name__}); "
-                               "accepted: messages {role: system|user|assistant, content: text}", param="messages",
-                               code="invalid_value") from None
-            ids = self.tokenizer.encode(text)
-        else:
-            ids = self.tokenizer.encode(req.text or "")
-        if not ids:
-            raise ApiError(400, "the prompt is empty; accepted: at least one token", param="prompt", code="invalid_value")
-        if len(ids) >= self.max_model_len:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens, "
-                           f"accepted: a prompt under {self.max_model_len} tokens plus max_tokens",
-                           param="messages" if req.messages is not None else "prompt", code="context_length_exceeded")
-        return ids
-
-    def sampling(self, req: GenerateRequest, prompt_len: int) -> Any:
-        from pdruntime.engine import InvalidRequest, SamplingParams
-
-        sp = req.sampling_params
-        room = self.max_model_len - prompt_len
-        max_tokens = sp.max_new_tokens if sp.max_new_tokens is not None else min(DEFAULT_MAX_TOKENS, room)
-        if max_tokens > room:
-            raise ApiError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context of "
-                           f"{self.max_model_len} tokens; accepted: max_tokens <= {room}", param="max_tokens",
-                           code="context_length_exceeded")
-        stop = () if sp.stop is None else ((sp.stop,) if isinstance(sp.stop, str) else tuple(s for s in sp.stop if s))
-        d = self.defaults
-
-        def pick(v, default):
-            return default if v is None else v
-
-        bias = {}
-        for k, v in (sp.logit_bias or {}).items():
-            if not k.lstrip("-").isdigit() or not 0 <= int(k) < (self.vocab_size or 1 << 31):
-                raise ApiError(400, f"logit_bias: key {k!r} is not a token id of this model; accepted: token ids in "
-                               f"[0, {self.vocab_size})", param="logit_bias", code="invalid_value")
-            bias[int(k)] = v
-        grammar = sp.grammar
-        if grammar is None and (req.response_format is not None or req.tools):
-            from pdruntime.server.structured import chat_grammar
-
-            try:
-                grammar = chat_grammar(req, self.tool_parser)
-            except ValueError as exc:
-                raise ApiError(400, f"response_format: {exc}", param="response_format", code="invalid_value") from None
-        try:
-            return SamplingParams(max_tokens=max_tokens, temperature=pick(sp.temperature, d.temperature),
-                                  top_k=max(0, pick(sp.top_k, d.top_k)), top_p=pick(sp.top_p, d.top_p),
-                                  min_p=pick(sp.min_p, d.min_p),
-                                  repetition_penalty=pick(sp.repetition_penalty, d.repetition_penalty),
-                                  frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
-                                  logit_bias=bias, logprobs=sp.logprobs, prompt_logprobs=sp.prompt_logprobs,
-                                  stop_token_ids=tuple(sp.stop_token_ids or ()),
-                                  grammar=grammar, seed=sp.seed, stop=stop, ignore_eos=sp.ignore_eos)
-        except InvalidRequest as exc:
-            raise ApiError(400, str(exc), code="invalid_value") from None
-
-
-class TestHooks:
-    """Test-only knobs behind PDRT_TEST_HOOKS=1 (POST /debug/test). Never enabled in production."""
-
-    def __init__(self) -> None:
-        self.stall_transfers = 0  # decode: stop reading after the next N HEADERs (simulates a stuck transfer)
-        self.stall_prefill = 0  # prefill: hold the next N attached requests before the engine
-        self.corrupt_kv_chunk = 0  # prefill: flip one byte of the next N transfers' first chunk after its checksum
-
-    def take(self, name: str) -> bool:
-        n = getattr(self, name)
-        if n > 0:
-            setattr(self, name, n - 1)
-            return True
-        return False
-
-
-def finish_reason_json(reason: str | None) -> dict | None:
-    return None if reason is None else {"type": reason}
-
-
-def now_s() -> float:
-    return time.monotonic()
 
 
 # ---- request bodies: size and time limits enforced while the body streams in --------------------------

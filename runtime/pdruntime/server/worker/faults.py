@@ -54,3 +54,19 @@ def connection_of(headers: Any, scope: Any) -> str:
         return forwarded
     client = scope.get("client")
     return f"{client[0]}:{client[1]}" if client else "unknown"
+
+
+class TestHooks:
+    """Test-only knobs behind PDRT_TEST_HOOKS=1 (POST /debug/test). Never enabled in production."""
+
+    def __init__(self) -> None:
+        self.stall_transfers = 0  # decode: stop reading after the next N HEADERs (simulates a stuck transfer)
+        self.stall_prefill = 0  # prefill: hold the next N attached requests before the engine
+        self.corrupt_kv_chunk = 0  # prefill: flip one byte of the next N transfers' first chunk after its checksum
+
+    def take(self, name: str) -> bool:
+        n = getattr(self, name)
+        if n > 0:
+            setattr(self, name, n - 1)
+            return True
+        return False

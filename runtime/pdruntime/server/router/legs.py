@@ -13,8 +13,8 @@ from typing import Any, AsyncIterator
 
 import httpx
 
-from pdruntime.server.openai_format import choice_index
-from pdruntime.server.topology import Pair
+from pdruntime.server.openai.format import choice_index
+from pdruntime.server.router.topology import Pair
 
 ABORT_TIMEOUT_S = 2.0  # seconds for the best-effort /abort_request calls
 PREFILL_VERDICT_WAIT_S = 1.0  # seconds a failed decode leg waits for prefill's answer (it may name a 4xx cause)

@@ -30,12 +30,13 @@ from pdruntime.disagg import transfer, wire
 from pdruntime.disagg.decode_queues import DecodeQueues, DecodeRequest
 from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import WireError
-from pdruntime.server.common import (SSE_DONE, GuardedStream, client_of, finish_reason_json, read_generate,
-                                     request_id, sse)
-from pdruntime.server.faults import STALL_THIS_REQUEST, ConnectionStall, connection_of
-from pdruntime.server.openai_format import Choices, OpenAIShape, logprob_entries
-from pdruntime.server.schemas import ApiError, GenerateRequest, error_body
-from pdruntime.server.worker_base import WorkerBase
+from pdruntime.server.edge import GuardedStream
+from pdruntime.server.worker.faults import STALL_THIS_REQUEST, ConnectionStall, connection_of
+from pdruntime.server.openai.format import Choices, OpenAIShape, logprob_entries
+from pdruntime.server.openai.schemas import ApiError, GenerateRequest, error_body
+from pdruntime.server.worker.base import WorkerBase
+from pdruntime.server.worker.prompts import client_of, read_generate, request_id
+from pdruntime.util.sse import SSE_DONE, sse
 
 log = logging.getLogger("pdruntime.decode")
 
@@ -427,6 +428,10 @@ def _request_failed_status(reason: str) -> int | None:
     if kind != "request_failed":
         return None
     return int(code) if code.isdigit() and 400 <= int(code) < 500 and int(code) != 499 else 422
+
+
+def finish_reason_json(reason: str | None) -> dict | None:
+    return None if reason is None else {"type": reason}
 
 
 class _Trimmed:

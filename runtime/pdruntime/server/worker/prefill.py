@@ -26,10 +26,10 @@ from pdruntime.disagg import transfer, wire
 from pdruntime.disagg.prefill_queues import PrefillQueues, PrefillRequest
 from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import WireError
-from pdruntime.server.common import client_of, read_generate, request_id
-from pdruntime.server.openai_format import OpenAIShape, logprob_entries
-from pdruntime.server.schemas import ApiError, GenerateRequest, error_body
-from pdruntime.server.worker_base import WorkerBase
+from pdruntime.server.worker.prompts import client_of, read_generate, request_id
+from pdruntime.server.openai.format import OpenAIShape, logprob_entries
+from pdruntime.server.openai.schemas import ApiError, GenerateRequest, error_body
+from pdruntime.server.worker.base import WorkerBase
 
 log = logging.getLogger("pdruntime.prefill")
 

@@ -297,7 +297,7 @@ class ChatCompletionRequest(_SamplingFields):
             self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        from pdruntime.server.structured import check_chat  # names the parameter of an unsupported combination
+        from pdruntime.server.openai.structured import check_chat  # names the parameter of an unsupported combination
         check_chat(self)
         return self
 

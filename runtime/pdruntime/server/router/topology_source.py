@@ -19,7 +19,7 @@ import hmac
 import logging
 from typing import Callable
 
-from pdruntime.server.topology import Topology, TopologyError, parse_topology
+from pdruntime.server.router.topology import Topology, TopologyError, parse_topology
 
 log = logging.getLogger("pdruntime.topology")
 

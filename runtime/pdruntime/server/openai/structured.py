@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdruntime.server.tools import parser_for
+from pdruntime.server.openai.tools import parser_for
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 

@@ -116,7 +116,7 @@ class OpenAIShape:
     def stream_state(self) -> Any:
         if self.tool_parser is None:
             return None
-        from pdruntime.server.tools import StreamParser, parser_for
+        from pdruntime.server.openai.tools import StreamParser, parser_for
 
         return StreamParser(parser_for(self.tool_parser))
 
@@ -193,7 +193,7 @@ class OpenAIShape:
         if self.chat:
             message: dict = {"role": "assistant", "content": text}
             if self.tool_parser is not None:
-                from pdruntime.server.tools import openai_tool_calls, parser_for
+                from pdruntime.server.openai.tools import openai_tool_calls, parser_for
 
                 content, calls = parser_for(self.tool_parser).parse(text)
                 if calls:

@@ -7,7 +7,7 @@ import enum
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pdruntime.server.topology import Pair
+from pdruntime.server.router.topology import Pair
 
 STICKY_CAPACITY = 65536  # conversation keys remembered (LRU)
 

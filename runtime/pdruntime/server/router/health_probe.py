@@ -5,17 +5,12 @@ connect succeeds and the request then waits forever. Only an answer proves a wor
 every worker's ``/health`` on its own tick (traffic or not); a worker whose last 200 is older than
 ``stale_after_s`` is *stale*, and so is its pair: the router stops dispatching to it until it answers
 again. :func:`stale_pairs` is the pure decision; :class:`HealthProber` is the polling shell.
-
-Every server also reports an instance id in ``/health`` (:func:`instance_id`), so that a supervisor can
-tell its own process from an orphan that holds the same port.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -26,12 +21,6 @@ log = logging.getLogger("pdruntime.health")
 
 PROBE_INTERVAL_S = 1.0  # seconds between polls of one worker
 STALE_AFTER_S = 5.0  # seconds without a 200 from /health before a worker (and its pair) is skipped
-
-
-def instance_id(env: Any = None) -> str:
-    """This process's identity: ``PDRT_INSTANCE_ID`` when a supervisor set one, else pid + random."""
-    given = getattr(env, "instance_id", None)
-    return given or f"{os.getpid()}-{secrets.token_hex(4)}"
 
 
 @dataclass

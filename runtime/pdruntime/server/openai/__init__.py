@@ -1,0 +1,1 @@
+"""The OpenAI / SGLang surface: request schemas and bounds, response shaping, tool calls, structured output."""

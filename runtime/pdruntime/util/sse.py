@@ -1,0 +1,46 @@
+"""Server-sent events as OpenAI and SGLang stream them: ``data: <json>`` lines, ended by ``data: [DONE]``.
+
+Writing (:func:`sse`, :data:`SSE_DONE`) is for servers; :func:`sse_data`, :func:`iter_sse` and
+:func:`aiter_sse` are the one parser every client (router legs, ``pdrt chat``, probes, tests, benchmarks) uses.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterable, AsyncIterator, Iterable, Iterator
+
+DONE = "[DONE]"  # the payload of the stream's last event
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    """One event: ``obj`` as compact JSON on a ``data:`` line."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_data(line: str) -> str | None:
+    """The payload of a ``data:`` line (:data:`DONE` included); None for any other line (blank, comment, field)."""
+    if not line.startswith("data:"):
+        return None
+    return line[5:].strip()
+
+
+def _event(data: str) -> Any:
+    return DONE if data == DONE else json.loads(data)
+
+
+def iter_sse(lines: Iterable[str]) -> Iterator[Any]:
+    """Each ``data:`` line's JSON value, and :data:`DONE` (the string) for ``data: [DONE]``; the caller decides
+    whether to read on after it. ValueError for a payload that is not JSON."""
+    for line in lines:
+        data = sse_data(line)
+        if data is not None:
+            yield _event(data)
+
+
+async def aiter_sse(lines: AsyncIterable[str]) -> AsyncIterator[Any]:
+    """:func:`iter_sse` over an async line iterator (``httpx.Response.aiter_lines()``)."""
+    async for line in lines:
+        data = sse_data(line)
+        if data is not None:
+            yield _event(data)
