@@ -29,7 +29,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,30 +37,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pdruntime.util.ports import free_port, free_port_block
+from pdruntime.util.sse import DONE, aiter_sse
+
 HANG_S = 120.0  # a round attempt that takes longer than its deadline + this margin is a hang
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_block(n: int) -> int:
-    """A base port with ``n`` consecutive free ports (pdrt up uses base .. base + 3 * pairs - 1)."""
-    for _ in range(200):
-        base = random.randint(20000, 32767 - n)  # below the ephemeral range: no client socket takes one
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no block of free ports")
 
 
 @dataclass
@@ -115,13 +94,10 @@ async def run_agent(i: int, url: str, model: str, args, stats: Stats, stop_at: f
                             except (ValueError, KeyError, TypeError):
                                 err = f"{resp.status_code}: {raw[:60]!r}"
                         else:
-                            async for line in resp.aiter_lines():
-                                if not line.startswith("data: "):
-                                    continue
-                                if line == "data: [DONE]":
+                            async for ev in aiter_sse(resp.aiter_lines()):
+                                if ev == DONE:
                                     done = True
                                     break
-                                ev = json.loads(line[6:])
                                 if "error" in ev:
                                     err = f"{ev['error'].get('status', 'sse')}: {ev['error']['message'][:60]}"
                                     break

@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,13 +28,12 @@ import time
 
 import httpx
 
+from pdruntime.util.ports import free_port
+from pdruntime.util.sse import DONE, aiter_sse
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(args: list[str], log_dir: str, name: str, env: dict) -> subprocess.Popen:
@@ -75,10 +73,9 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict, chat: bool
     async with client.stream("POST", url, json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
+        async for ev in aiter_sse(resp.aiter_lines()):
+            if ev == DONE:
                 continue
-            ev = json.loads(line[6:])
             if "error" in ev:
                 raise RuntimeError(ev["error"])
             if chat:

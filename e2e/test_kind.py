@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import urllib.request
 from typing import Any, Iterator
@@ -11,12 +10,9 @@ from typing import Any, Iterator
 import pytest
 
 from kube import DEMO, RELEASE, Kubectl, eventually, which
+from pdruntime.util.ports import free_port as _free_port
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

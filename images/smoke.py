@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,38 +25,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
+from pdruntime.util.ports import free_port, free_port_block
+
 ROOT = Path(__file__).resolve().parents[1]
 UID = "10001"
 HARDENED = ["--read-only", "--user", f"{UID}:{UID}", "--tmpfs", "/tmp:rw,size=512m,mode=1777",
             "--network", "host", "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
 READY_TIMEOUT_S = 900.0  # model load + three processes on a contended 2-core machine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_run(n: int) -> int:
-    """First port of ``n`` consecutive free ports (pdrt up uses base, base+1, ... per pair)."""
-    for _ in range(200):
-        base = free_port()
-        if base + n >= 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = 120.0) -> tuple[int, bytes]:
@@ -128,7 +102,7 @@ def docker_run(name: str, image: str, args: list[str], extra: list[str] = ()) ->
 def smoke_runtime(image: str) -> None:
     check_image(image, "pdstack-runtime")
     name = f"pdstack-smoke-runtime-{os.getpid()}"
-    port, base = free_port(), free_port_run(3)
+    port, base = free_port(), free_port_block(3)
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     docker_run(name, image, ["pdrt", "up", "--host", "127.0.0.1", "--port", str(port), "--base-port", str(base),

@@ -20,11 +20,11 @@ from typing import Any, Mapping, Sequence, TextIO
 
 import yaml
 
+from pdruntime.util.headers import ADMIN_TOKEN_HEADER  # pods/proxy drops Authorization: the token goes here
+
 from .render import ADMIN_KEY, LABEL_COMPONENT, LABEL_DEPLOYMENT, LABEL_MEMBER, LABEL_PAIR, LABEL_ROLE, \
     admin_secret_name, group_of
 from .spec import HTTP_PORT, KIND
-
-ADMIN_TOKEN_HEADER = "X-PDStack-Admin-Token"  # the router accepts its admin token here (pods/proxy drops Authorization)
 
 
 class ViewError(Exception):

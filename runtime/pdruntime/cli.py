@@ -144,7 +144,8 @@ def cmd_probe_agents(args: argparse.Namespace) -> int:
     import asyncio
     import json
 
-    from pdruntime.probe_agents import ADMIN_TOKEN_HEADER, PIN_HEADER, format_table, run_agents_probe
+    from pdruntime.probe_agents import format_table, run_agents_probe
+    from pdruntime.util.headers import ADMIN_TOKEN_HEADER, PIN_HEADER
 
     headers: dict[str, str] = {}
     if args.admin_token_file:

@@ -25,9 +25,9 @@ from typing import Any, Mapping
 
 import httpx
 
-PIN_HEADER = "X-PDStack-Pair"  # the router sends a pinned request only to that group (canary or not)
-ADMIN_TOKEN_HEADER = "X-PDStack-Admin-Token"  # pinning and /debug/requests need admin credentials
-REQUEST_ID_HEADER = "X-Request-Id"  # the router shows it as client_request_id in /debug/requests
+from pdruntime.util.headers import REQUEST_ID_HEADER  # the router shows it as client_request_id
+from pdruntime.util.sse import DONE, aiter_sse
+
 DEBUG_TIMEOUT_S = 10.0  # seconds for the evidence fetch after a hang
 MAX_DETAIL = 600  # characters of an error body kept in a failure's detail
 
@@ -100,16 +100,12 @@ class _Agent:
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode("utf-8", "replace")
                     raise _RequestFailed(f"HTTP {resp.status_code}: {_error_message(text)}")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[6:].strip()
-                    if data == "[DONE]":  # read on to the body's end: an unfinished body closes the connection
+                async for ev in aiter_sse(resp.aiter_lines()):
+                    if ev == DONE:  # read on to the body's end: an unfinished body closes the connection
                         finished = True
                         continue
-                    ev = json.loads(data)
                     if "error" in ev:
-                        raise _RequestFailed(f"error event in the stream: {_error_message(data)}")
+                        raise _RequestFailed(f"error event in the stream: {_error_message(json.dumps(ev))}")
                     for choice in ev.get("choices") or ():
                         parts.append((choice.get("delta") or {}).get("content") or "")
         except httpx.HTTPError as exc:

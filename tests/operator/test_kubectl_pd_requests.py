@@ -30,6 +30,7 @@ from pdop_harness import NS, PODS, eventually, write_kubeconfig
 from pdop_k8s_emulator import PDEmulator, R
 from pdoperator import cli, rbac
 from pdoperator.render import TopologyPair, topology_doc
+from pdruntime.util.ports import free_port
 
 SECRETS = R("", "v1", "secrets")
 PDDS = R("pdstack.io", "v1alpha1", "pddeployments")
@@ -114,10 +115,7 @@ async def test_emulator_pods_proxy_is_the_api_servers():
 
 
 def _closed_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()  # nothing listens there
 
 
 async def test_requests_through_pods_proxy_to_a_real_router(tmp_path, capsys):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 from emu_probes import ContainerProbes, probe_ok, simulate
 from pdoperator.render import Owner, worker_pod
 from pdoperator.spec import parse_spec
+from pdruntime.util.ports import free_port as _free_port
 
 
 def _container(raw: dict | None = None, engine: str = "pdrt") -> dict:
@@ -76,10 +76,6 @@ def test_sglang_health_generation_fits_the_probe_timeout():
     assert not probe_ok(200, 5.0, _container()["livenessProbe"]["timeoutSeconds"])  # pdrt's 2 s would not
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _run_probes(url: str, container: dict, stop: asyncio.Event, log: list) -> str | None:

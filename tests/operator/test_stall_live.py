@@ -29,6 +29,7 @@ from prometheus_client import REGISTRY
 from live_stack import live_stack
 from pdop_harness import NS, Cluster, eventually
 from test_kubectl_pd_requests import kpd
+from pdruntime.util.sse import DONE, aiter_sse
 
 pytestmark = pytest.mark.slow
 NAME = "stall"
@@ -74,10 +75,10 @@ async def test_frozen_decode_is_stalled_then_recovers(tmp_path, monkeypatch):
                 async with http.stream("POST", url + "/v1/completions", json=req,
                                        headers={"X-Client-Id": "agent-7"}) as r:
                     assert r.status_code == 200, await r.aread()
-                    async for line in r.aiter_lines():
-                        if line.strip() == "data: [DONE]":
+                    async for ev in aiter_sse(r.aiter_lines()):
+                        if ev == DONE:
                             stream["done"] = True
-                        elif line.startswith("data: "):
+                        else:
                             stream["chunks"] += 1
                             first.set()
 

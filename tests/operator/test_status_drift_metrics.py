@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 
 import pytest
@@ -11,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter
 from pdoperator import drift, metrics
 from pdoperator.pairs import PairMemory, PairState, Plan
 from pdoperator.status import Facts, build_status, invalid_status, iso, memory_from_status, same_status
+from pdruntime.util.ports import free_port
 
 NOW = 1_700_000_000.0
 
@@ -129,9 +129,7 @@ def test_desired_change_is_applied_not_reported():
 
 
 def test_metrics_endpoint_serves_operator_metrics():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     registry = CollectorRegistry()
     Counter("pdstack_operator_probe", "probe", registry=registry).inc()
     metrics.serve(port, registry=registry)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pdruntime.util.ports import free_port, free_port_block  # noqa: F401 - the harness's port pickers
 
 KV_TOKEN = "pd-test-token"
 TIMEOUTS = {  # seconds; short so failures show quickly, long enough for a loaded 2-core machine
@@ -28,40 +28,6 @@ TIMEOUTS = {  # seconds; short so failures show quickly, long enough for a loade
     "PDRT_WATCHDOG_TICK_S": "0.1",
 }
 WORKER_FLAGS = ["--num-blocks", "1024", "--block-size", "16", "--max-num-seqs", "64"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# below Linux's ephemeral range (32768-60999): no outgoing connection can take one of these ports mid-test
-_BLOCK_RANGE = (20000, 32767)
-
-
-def free_port_block(n: int) -> int:
-    """A base port with ``n`` consecutive free ports (``pdrt up`` listens on base .. base + n - 1).
-
-    Consecutive ports next to a ``free_port()`` are not safe: in the ephemeral range any client socket on the
-    machine may take one between the check and ``pdrt up``'s bind (which it then refuses, naming the port)."""
-    import random
-
-    for _ in range(200):
-        base = random.randint(_BLOCK_RANGE[0], _BLOCK_RANGE[1] - n)
-        try:
-            socks = []
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no block of {n} free ports in {_BLOCK_RANGE}")
 
 
 def base_env(**extra: str) -> dict:

@@ -26,6 +26,7 @@ import httpx
 import pytest
 import yaml
 
+from pdruntime.util.sse import iter_sse
 from pd_harness import WORKER_FLAGS, Proc, Stack, base_env, free_port, spawn, wait_for, wait_healthy
 
 pytestmark = pytest.mark.timeout(180)
@@ -134,9 +135,7 @@ class Call:
                 with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers,
                                   timeout=deadline_s + 60) as r:
                     self.status = r.status_code
-                    for line in r.iter_lines():
-                        if line.startswith("data: "):
-                            self.events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+                    self.events.extend(iter_sse(r.iter_lines()))
                     if r.status_code != 200:
                         self.body = json.loads(r.read() or b"{}")
             else:

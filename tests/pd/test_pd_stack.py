@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from pdruntime.disagg import transfer, wire
+from pdruntime.util.sse import iter_sse
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,11 +25,7 @@ def chat_body(model_id, content="hello there", **kw):
 
 
 def sse_events(resp) -> list[dict | str]:
-    out = []
-    for line in resp.iter_lines():
-        if line.startswith("data: "):
-            out.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
-    return out
+    return list(iter_sse(resp.iter_lines()))
 
 
 def assert_idle(stack):

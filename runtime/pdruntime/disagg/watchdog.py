@@ -11,11 +11,12 @@ Time comes from a :class:`Clock` that tests can advance (``ManualOffsetClock``).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
+
+from pdruntime.util.periodic import PeriodicTask
 
 log = logging.getLogger("pdruntime.watchdog")
 
@@ -64,7 +65,7 @@ class Watchdog:
         self.tick_s = tick_s
         self._armed: dict[tuple[str, str], Deadline] = {}
         self._on_fired = on_fired  # (role, phase) -> None; metrics hook
-        self._task: asyncio.Task | None = None
+        self._ticker = PeriodicTask(self.check, tick_s, name=f"watchdog-{role}")
         self.ticks = 0  # number of completed ticks (observable in /debug and tests)
 
     def arm(self, key: str, phase: str, timeout_s: float, on_fire: Callable[[Deadline], None], ids: str = "") -> None:
@@ -99,20 +100,9 @@ class Watchdog:
         self.ticks += 1
         return fired
 
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.tick_s)
-            self.check()
-
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self.run(), name=f"watchdog-{self.role}")
+        """Check every ``tick_s`` seconds on the running loop (idempotent)."""
+        self._ticker.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await self._ticker.stop()

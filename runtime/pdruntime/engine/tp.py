@@ -24,7 +24,6 @@ import datetime
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from pdruntime.util.ports import free_port
 
 log = logging.getLogger("pdruntime.tp")
 
@@ -280,10 +281,6 @@ class TPGraphs:
         return self.local.run(tokens, positions, table, seq_lens)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(source: str | None, config, *, weights: str = "fp32", threads: int | None = None, env=None):
@@ -299,7 +296,7 @@ def start(source: str | None, config, *, weights: str = "fp32", threads: int | N
     size = config.tensor_parallel_size
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed group is already initialised in this process; one TP engine per process")
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     cfg_json = json.dumps(dataclasses.asdict(config))
     procs = []
     for rank in range(1, size):

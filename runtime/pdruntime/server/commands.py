@@ -256,6 +256,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     import httpx
 
+    from pdruntime.util.sse import DONE, iter_sse
+
     url = args.url.rstrip("/")
     try:
         model = args.model or httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
@@ -275,10 +277,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 print(f"error {resp.status_code}: {resp.read().decode(errors='replace')}", file=sys.stderr)
                 history.pop()
                 return 1
-            for line in resp.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            for ev in iter_sse(resp.iter_lines()):
+                if ev == DONE:
                     continue
-                ev = json.loads(line[6:])
                 if "error" in ev:
                     print(f"\n[error: {ev['error'].get('message')}]", file=sys.stderr)
                     return 1

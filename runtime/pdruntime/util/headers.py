@@ -1,6 +1,9 @@
-"""HTTP header names pdstack's router, operator and probes agree on (HTTP header names are case-insensitive)."""
+"""HTTP header names pdstack's router, workers, operator and probes agree on.
 
-ADMIN_TOKEN_HEADER = "X-PDStack-Admin-Token"  # the admin token where Authorization cannot carry it (pods/proxy)
-PIN_HEADER = "X-PDStack-Pair"  # pin a request to one group (canary probes); needs admin credentials
-REQUEST_ID_HEADER = "X-Request-Id"  # a client's own id; the router shows it as client_request_id
-CLIENT_CONNECTION_HEADER = "X-PDStack-Client-Connection"  # router -> both legs: the client's "host:port"
+Lower case, as HTTP/2 and ASGI carry them (names are case-insensitive on the wire; plain-dict lookups are not).
+"""
+
+ADMIN_TOKEN_HEADER = "x-pdstack-admin-token"  # the admin token where Authorization cannot carry it (pods/proxy)
+PIN_HEADER = "x-pdstack-pair"  # pin a request to one group (canary probes); needs admin credentials
+REQUEST_ID_HEADER = "x-request-id"  # a client's own id; the router shows it as client_request_id
+CLIENT_CONNECTION_HEADER = "x-pdstack-client-connection"  # router -> both legs: the client's "host:port"

@@ -1,8 +1,9 @@
 """Free local ports for servers started by tests, benchmarks and smoke runs.
 
 :func:`free_port_block` picks from below Linux's ephemeral range (32768-60999), so no outgoing connection on
-the machine can take one of the ports between the check and the server's bind; :func:`free_port` is the
-single-port form (one port of such a block).
+the machine can take one of the ports between the check and the server's bind. :func:`free_port` is the
+single-port form: a port the kernel picks (it does not hand the same one out again at once, so several
+calls in a row give distinct ports).
 """
 
 from __future__ import annotations
@@ -39,5 +40,7 @@ def free_port_block(n: int, host: str = "127.0.0.1") -> int:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """One free port (below the ephemeral range, as :func:`free_port_block`)."""
-    return free_port_block(1, host)
+    """One free port, chosen by the kernel."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

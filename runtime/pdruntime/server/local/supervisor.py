@@ -36,6 +36,8 @@ from typing import Callable
 import httpx
 import yaml
 
+from pdruntime.util.backoff import capped_backoff
+
 log = logging.getLogger("pdruntime.up")
 
 GROUP_INDEX_STRIDE = 1000  # router entry c of group k has index k + 1000 * c (as the operator renders it)
@@ -104,7 +106,7 @@ def plan_restarts(alive: dict[int, tuple[bool, bool]]) -> list[int]:
 
 def backoff_for(restarts: int, base_s: float = BACKOFF_BASE_S, cap_s: float = BACKOFF_CAP_S) -> float:
     """Seconds before the ``restarts``-th consecutive restart: base * 2**(n-1), capped; 0 before any."""
-    return min(cap_s, base_s * 2 ** min(restarts - 1, 30)) if restarts > 0 else 0.0
+    return capped_backoff(restarts, base_s, cap_s)
 
 
 def restarts_after(restarts: int, healthy_since: float | None, now: float, reset_after_s: float = RESET_AFTER_S) -> int:

@@ -35,6 +35,7 @@ from pdruntime.server.openai.schemas import (MAX_BODY_BYTES, ApiError, ChatCompl
                                       openapi_components, parse_body, validate)
 from pdruntime.server.router.topology import Topology, TopologyWatcher
 from pdruntime.server.router.topology_source import TopologySource
+from pdruntime.util.headers import ADMIN_TOKEN_HEADER, CLIENT_CONNECTION_HEADER, PIN_HEADER, REQUEST_ID_HEADER
 from pdruntime.util.sse import SSE_DONE, sse
 
 log = logging.getLogger("pdruntime.router")
@@ -50,8 +51,6 @@ def _bearer(headers: Any) -> str | None:
     return None
 
 
-ADMIN_TOKEN_HEADER = "x-pdstack-admin-token"  # the admin token where Authorization cannot carry it (pods/proxy)
-PIN_HEADER = "x-pdstack-pair"  # pin a request to one group (canary probes); needs admin credentials
 MAX_CLIENT_REQUEST_ID = 128  # characters of a client's X-Request-Id kept in /debug/requests
 
 
@@ -68,7 +67,7 @@ def _same_secret(given: str, expected: str) -> bool:
 def client_request_id(headers: Any) -> str | None:
     """The client's own X-Request-Id, shown in /debug/requests so that a client (the agent probe) can find its
     request there; printable ASCII, truncated. Not the router's id (that stays unique per PD request)."""
-    raw = headers.get("x-request-id")
+    raw = headers.get(REQUEST_ID_HEADER)
     if not raw:
         return None
     return "".join(c for c in raw[:MAX_CLIENT_REQUEST_ID] if 32 < ord(c) < 127) or None
@@ -462,8 +461,8 @@ class Router:
         conversation = oreq.user or request.headers.get("x-session-id")
         rid = uuid.uuid4().hex
         worker_body: dict[str, Any] = {"sampling_params": oreq.sampling_params(), **oreq.worker_input()}
-        headers = {"x-client-id": client, "x-request-id": rid,
-                   "x-pdstack-client-connection": f"{request.client.host}:{request.client.port}" if request.client else ""}
+        headers = {"x-client-id": client, REQUEST_ID_HEADER: rid,
+                   CLIENT_CONNECTION_HEADER: f"{request.client.host}:{request.client.port}" if request.client else ""}
         live = LiveRequest(rid, client, conversation, t0, client_request_id=client_request_id(request.headers))
         self.live[rid] = live
         try:

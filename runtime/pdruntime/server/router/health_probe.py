@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterable
 
 import httpx
 
+from pdruntime.util.periodic import PeriodicTask
+
 log = logging.getLogger("pdruntime.health")
 
 PROBE_INTERVAL_S = 1.0  # seconds between polls of one worker
@@ -69,7 +71,7 @@ class HealthProber:
     on_change: Callable[[str, bool], None] | None = None  # (worker url, stale) on every transition
     health: dict[str, WorkerHealth] = field(default_factory=dict)
     rounds: int = 0
-    _task: asyncio.Task | None = None
+    _ticker: PeriodicTask | None = None
 
     def stale(self, now: float | None = None) -> set[int]:
         return stale_pairs(self.pairs(), self.health, time.monotonic() if now is None else now, self.stale_after_s)
@@ -114,25 +116,14 @@ class HealthProber:
         await asyncio.gather(*(self._probe(u) for u in urls))
         self.rounds += 1
 
-    async def run(self) -> None:
-        while True:
-            t0 = time.monotonic()
-            try:
-                await self.run_once()
-            except Exception:  # noqa: BLE001 - the prober must outlive any one bad round
-                log.exception("health probe round failed")
-            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - t0)))
-
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self.run())
+        """Probe now, then every ``interval_s`` (a failing round is logged; the next one still runs)."""
+        self._ticker = PeriodicTask(self.run_once, self.interval_s, name="health-probe", immediate=True)
+        self._ticker.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        if self._ticker is not None:
+            await self._ticker.stop()
 
 
 def _json(r: httpx.Response) -> dict:

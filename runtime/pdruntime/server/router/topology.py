@@ -17,15 +17,15 @@ Source: CLI flags or a YAML file (written by the operator into the router Config
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 from urllib.parse import urlparse
 
 import yaml
+
+from pdruntime.util.periodic import PeriodicTask
 
 log = logging.getLogger("pdruntime.topology")
 
@@ -168,7 +168,7 @@ class TopologyWatcher:
         self.interval_s = interval_s
         self.digest: str | None = None
         self.last_error: str | None = None
-        self._task: asyncio.Task | None = None
+        self._ticker = PeriodicTask(self.load_now, interval_s, name="topology-watcher")
 
     def load_now(self) -> Topology | None:
         try:
@@ -197,20 +197,9 @@ class TopologyWatcher:
         self.last_error = msg
         self.on_error(msg)
 
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            self.load_now()
-
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self.run(), name="topology-watcher")
+        """Re-read the file every ``interval_s`` (idempotent)."""
+        self._ticker.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
-
-
-def file_exists(path: str) -> bool:
-    return os.path.exists(path)
+        await self._ticker.stop()

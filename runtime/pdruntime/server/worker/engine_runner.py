@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from pdruntime.util.backoff import capped_backoff
+
 log = logging.getLogger("pdruntime.engine_runner")
 
 _STOP = object()
@@ -76,9 +78,7 @@ class FailurePolicy:
 
 def step_backoff(consecutive: int, policy: FailurePolicy) -> float:
     """Seconds to wait after the ``consecutive``-th failing round in a row: base * 2**(n-1), capped."""
-    if consecutive <= 0:
-        return 0.0
-    return min(policy.backoff_cap_s, policy.backoff_base_s * (2 ** min(consecutive - 1, 30)))
+    return capped_backoff(consecutive, policy.backoff_base_s, policy.backoff_cap_s)
 
 
 def isolation_verdict(num_suspects: int, num_culprits: int, parts_ok: int, oom: bool) -> str:

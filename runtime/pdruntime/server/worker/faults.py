@@ -16,6 +16,8 @@ from collections import OrderedDict
 from contextvars import ContextVar
 from typing import Any
 
+from pdruntime.util.headers import CLIENT_CONNECTION_HEADER  # set by pdrt's router on both legs
+
 MAX_CONNECTIONS = 4096  # connections remembered (LRU); a forgotten one counts from zero again
 
 
@@ -44,7 +46,6 @@ class ConnectionStall:
 STALL_THIS_REQUEST: ContextVar[bool] = ContextVar("pdrt_fault_stall_this_request", default=False)
 
 
-CLIENT_CONNECTION_HEADER = "x-pdstack-client-connection"  # set by pdrt's router on both legs: "host:port"
 
 
 def connection_of(headers: Any, scope: Any) -> str:
