@@ -281,11 +281,12 @@ def test_engine_reserves_fork_pages_with_the_prompt_all_or_nothing(agent_tiny_mo
 
 def test_choices_shape_n_streams_into_one_response():
     """Pure: openai_format.Choices + OpenAIShape on interleaved events of 2 choices."""
+    from pdruntime.server.openai.events import TokenEvent
     from pdruntime.server.openai.format import Choices, OpenAIShape
 
     def ev(i, delta, done, tokens):
-        return {"index": i, "delta": delta, "token_ids": [1], "meta_info": {
-            "prompt_tokens": 5, "completion_tokens": tokens, "finish_reason": {"type": "length"} if done else None}}
+        return TokenEvent.from_json({"index": i, "delta": delta, "token_ids": [1], "meta_info": {
+            "prompt_tokens": 5, "completion_tokens": tokens, "finish_reason": {"type": "length"} if done else None}})
 
     shape = OpenAIShape(True, "chatcmpl-x", "m", 0)
     choices = Choices(2)

@@ -17,7 +17,8 @@ import pytest
 
 from pd_harness import base_env, free_port, spawn, wait_healthy
 from pdruntime.env import RuntimeEnv
-from pdruntime.server.router.app import Router, RouterConfig, match_api_key, parse_api_keys
+from pdruntime.server.router.app import Router, RouterConfig
+from pdruntime.server.router.auth import match_api_key, parse_api_keys
 
 pytestmark = pytest.mark.timeout(180)
 

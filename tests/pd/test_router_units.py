@@ -198,7 +198,7 @@ def test_supervision_restarts_a_pair_together():
 def test_client_identity_from_header_or_api_key_never_the_key():
     from starlette.requests import Request
 
-    from pdruntime.server.router.app import client_identity
+    from pdruntime.server.router.auth import client_identity
 
     mk = lambda headers: Request({"type": "http", "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
     assert client_identity(mk({"x-client-id": "harness"})) == "harness"

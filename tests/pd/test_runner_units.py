@@ -107,7 +107,7 @@ def test_decode_admission_waits_for_freed_pages_then_reserves():
 
 
 def test_decode_admission_gives_up_with_503_after_the_transfer_timeout():
-    from pdruntime.server.worker.decode import DecodeFailed
+    from pdruntime.server.worker.decode_stream import DecodeFailed
 
     async def main():
         w = _decode_worker()
@@ -129,7 +129,7 @@ def test_decode_admission_gives_up_with_503_after_the_transfer_timeout():
 
 def test_early_first_token_is_streamed_once_and_only_when_its_text_is_final():
     from pdruntime.engine import SamplingParams
-    from pdruntime.server.worker.decode import EarlyToken, _without_early
+    from pdruntime.server.worker.decode_stream import EarlyToken, _without_early
 
     w = _decode_worker()
     w.loaded.tokenizer = SimpleNamespace(eos_token_ids=frozenset({0}), decode=lambda ids: {0: "", 5: "Hel", 6: "\ufffd"}[ids[0]])

@@ -134,7 +134,7 @@ def build_server(args: argparse.Namespace, env=None):
         topo = topology_from_flags(args.prefill, args.decode, args.bootstrap_ports) if args.prefill or args.decode else None
         if topo is None and not args.topology_file:
             raise SystemExit("pdrt serve --role router needs --topology-file FILE or --prefill URL --decode URL")
-        from pdruntime.server.router.app import parse_api_keys
+        from pdruntime.server.router.auth import parse_api_keys
 
         def secret_file(path: str, what: str) -> str:
             try:

@@ -1,31 +1,18 @@
-"""Pure OpenAI response shaping from SGLang-style token events, shared by the router and the workers' /v1 routes.
+"""Pure OpenAI response shaping from decode's token events (:class:`~pdruntime.server.openai.events.TokenEvent`),
+shared by the router and the workers' /v1 routes.
 
-An event is what a decode worker streams: ``{"delta": str, "token_ids": [...], "meta_info": {"prompt_tokens",
-"completion_tokens", "finish_reason": {"type": ...} | None}}``, plus ``"logprobs"`` (one entry per token, see
-:func:`logprob_entries`) when the request asked for them. With ``n`` > 1 every event also carries ``"index"``, its
-choice (0..n-1); its ``completion_tokens`` count that choice's tokens. :class:`Choices` follows the n choices of one
-response: usage is the prompt once plus every choice's completion tokens.
+An event's ``logprobs`` hold one entry per token (see :func:`logprob_entries`) when the request asked for them.
+With ``n`` > 1 every event carries its choice (0..n-1) and its ``completion_tokens`` count that choice's tokens.
+:class:`Choices` follows the n choices of one response: usage is the prompt once plus every choice's completion
+tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-
-def usage(ev: dict) -> dict:
-    mi = ev.get("meta_info") or {}
-    p, c = int(mi.get("prompt_tokens", 0)), int(mi.get("completion_tokens", 0))
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-def finish_reason(ev: dict) -> str | None:
-    """OpenAI's finish_reason of an event: None while generating, then "length" or "stop"."""
-    fr = (ev.get("meta_info") or {}).get("finish_reason")
-    if not fr:
-        return None
-    t = fr.get("type") if isinstance(fr, dict) else str(fr)
-    return "length" if t == "length" else "stop"
+from pdruntime.server.openai.events import TokenEvent, choice_index
 
 
 def _tok(tokenizer: Any, tid: int, lp: float) -> dict:
@@ -60,14 +47,6 @@ def completion_logprobs(entries: list, offset0: int = 0) -> dict:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
 
-def choice_index(ev: dict, n: int) -> int:
-    """The choice an event belongs to (0 without ``"index"``); ValueError unless an integer in [0, n)."""
-    i = ev.get("index", 0)
-    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
-        raise ValueError(f"event choice index {i!r} is outside 0..{n - 1}")
-    return i
-
-
 @dataclass
 class Choices:
     """Progress of the ``n`` choices of one response, fed every event in order (:meth:`see`)."""
@@ -81,14 +60,15 @@ class Choices:
     def __post_init__(self) -> None:
         self.tokens, self.started, self.finished = [0] * self.n, [False] * self.n, [False] * self.n
 
-    def see(self, ev: dict) -> tuple[int, bool]:
+    def see(self, ev: TokenEvent) -> tuple[int, bool]:
         """Record an event: (its choice, whether it is that choice's first event). ValueError for a bad index."""
-        i = choice_index(ev, self.n)
-        mi = ev.get("meta_info") or {}
-        self.prompt_tokens = int(mi.get("prompt_tokens", self.prompt_tokens))
-        self.tokens[i] = int(mi.get("completion_tokens", self.tokens[i]))
+        i = choice_index(ev.index, self.n)
+        if ev.prompt_tokens is not None:
+            self.prompt_tokens = ev.prompt_tokens
+        if ev.completion_tokens is not None:
+            self.tokens[i] = ev.completion_tokens
         first, self.started[i] = not self.started[i], True
-        if finish_reason(ev):
+        if ev.finish_reason:
             self.finished[i] = True
         return i, first
 
@@ -120,22 +100,22 @@ class OpenAIShape:
 
         return StreamParser(parser_for(self.tool_parser))
 
-    def _lp(self, ev: dict | None) -> Any:
-        entries = (ev or {}).get("logprobs")
+    def _lp(self, ev: TokenEvent | None) -> Any:
+        entries = ev.logprobs if ev is not None else None
         if entries is None:
             return None
         return {"content": entries} if self.chat else completion_logprobs(entries)
 
-    def chunk(self, ev: dict | None, *, role: bool = False, reason: str | None = None, use: dict | None = None,
+    def chunk(self, ev: TokenEvent | None, *, role: bool = False, reason: str | None = None, use: dict | None = None,
               delta: dict | None = None, index: int = 0) -> dict:
         """One streamed chunk of choice ``index`` (``ev`` None: a chunk with no delta, e.g. the usage chunk)."""
-        text = ev.get("delta", "") if ev else ""
+        text = ev.delta if ev is not None else ""
         if self.chat:
-            d: dict = delta if delta is not None else ({"content": text} if ev else {})
+            d: dict = delta if delta is not None else ({"content": text} if ev is not None else {})
             if role:
                 d = {"role": "assistant", **d}
             choice = {"index": index, "delta": d, "finish_reason": reason}
-            if ev is not None and ev.get("logprobs") is not None:
+            if ev is not None and ev.logprobs is not None:
                 choice["logprobs"] = self._lp(ev)
             obj = {"id": self.oid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                    "choices": [choice]}
@@ -152,22 +132,22 @@ class OpenAIShape:
         u["choices"] = []
         return u
 
-    def stream_chunks(self, ev: dict, *, first: bool, include_usage: bool, continuous_usage: bool = False,
+    def stream_chunks(self, ev: TokenEvent, *, first: bool, include_usage: bool, continuous_usage: bool = False,
                       state: Any = None, choices: Choices | None = None) -> list[dict]:
         """The chunks one event becomes (its delta; at the end, the usage chunk when asked for). ``state``:
         :meth:`stream_state` of this event's choice (tool-call parsing); ``choices``: the response's
         :class:`Choices`, already fed ``ev`` (None: one choice, whose usage ``ev`` carries)."""
-        reason = finish_reason(ev)
-        index = int(ev.get("index", 0))
-        total = choices.usage() if choices is not None else usage(ev)
+        reason = ev.finish_reason
+        index = ev.choice
+        total = choices.usage() if choices is not None else ev.usage()
         last = choices.done if choices is not None else reason is not None
         use = total if reason or continuous_usage else None
         if first and self.echo is not None:
-            ev = {**ev, "delta": self.echo + ev.get("delta", "")}
+            ev = replace(ev, delta=self.echo + ev.delta)
         if state is None:
             out = [self.chunk(ev, role=first, reason=reason, use=use, index=index)]
         else:
-            deltas = state.feed(ev.get("delta", ""), final=reason is not None)
+            deltas = state.feed(ev.delta, final=reason is not None)
             if reason and state.calls_sent:
                 reason = "tool_calls"
             out = [self.chunk(ev, role=first and i == 0, delta=d, use=use if i == len(deltas) - 1 else None,
@@ -178,18 +158,18 @@ class OpenAIShape:
             out.append(self.usage_chunk(total))
         return out
 
-    def final(self, text: str, last: dict, logprobs: list | None = None) -> dict:
+    def final(self, text: str, last: TokenEvent, logprobs: list | None = None) -> dict:
         """The non-streamed response after the last event ``last`` (``logprobs``: every token's entry)."""
-        return self.response([self.choice(0, text, last, logprobs)], usage(last))
+        return self.response([self.choice(0, text, last, logprobs)], last.usage())
 
     def response(self, choices: list[dict], use: dict) -> dict:
         """The non-streamed response of :meth:`choice` entries (indices 0..n-1, in order) and the usage."""
         return {"id": self.oid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": use}
 
-    def choice(self, index: int, text: str, last: dict, logprobs: list | None = None) -> dict:
+    def choice(self, index: int, text: str, last: TokenEvent, logprobs: list | None = None) -> dict:
         """One choice of a non-streamed response: its text, its last event ``last``, every token's logprobs."""
-        reason = finish_reason(last) or "stop"
+        reason = last.finish_reason or "stop"
         if self.chat:
             message: dict = {"role": "assistant", "content": text}
             if self.tool_parser is not None:

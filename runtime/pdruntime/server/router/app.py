@@ -8,15 +8,12 @@ that goes away aborts both; a request is retried on another pair only before its
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
-import ipaddress
 import logging
 import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -28,112 +25,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdruntime.server.edge import BodyGuard, GuardedStream, instance_id, lifespan_app, metrics_response
 from pdruntime.server.router.health_probe import HealthProber
 from pdruntime.server.metrics import Metrics
-from pdruntime.server.openai.format import Choices, OpenAIShape
+from pdruntime.server.openai.events import TokenEvent
 from pdruntime.server.router.legs import LegError, Legs
+from pdruntime.server.router.auth import (admin_token, bearer, client_identity, client_request_id, is_loopback, key_name,
+                                          match_api_key, same_secret)
 from pdruntime.server.router.policy import Outcome, PairPicker, PairState
+from pdruntime.server.router.reply import Dispatched, EdgeRequest, Reply
 from pdruntime.server.openai.schemas import (MAX_BODY_BYTES, ApiError, ChatCompletionRequest, CompletionRequest, error_body,
                                       openapi_components, parse_body, validate)
 from pdruntime.server.router.topology import Topology, TopologyWatcher
 from pdruntime.server.router.topology_source import TopologySource
 from pdruntime.util.headers import ADMIN_TOKEN_HEADER, CLIENT_CONNECTION_HEADER, PIN_HEADER, REQUEST_ID_HEADER
-from pdruntime.util.sse import SSE_DONE, sse
 
 log = logging.getLogger("pdruntime.router")
 
 MAX_ATTEMPTS = 3  # pairs tried per request (retries happen only before the first token)
 DEBUG_FETCH_TIMEOUT_S = 2.0
-
-
-def _bearer(headers: Any) -> str | None:
-    auth = headers.get("authorization", "")
-    if auth.lower().startswith("bearer ") and auth[7:].strip():
-        return auth[7:].strip()
-    return None
-
-
-MAX_CLIENT_REQUEST_ID = 128  # characters of a client's X-Request-Id kept in /debug/requests
-
-
-def _admin_token(headers: Any) -> str | None:
-    """The admin token a request carries: X-PDStack-Admin-Token, else 'Authorization: Bearer'."""
-    return (headers.get(ADMIN_TOKEN_HEADER) or "").strip() or _bearer(headers)
-
-
-def _same_secret(given: str, expected: str) -> bool:
-    """Constant-time comparison (digests of equal length)."""
-    return hmac.compare_digest(hashlib.sha256(given.encode()).digest(), hashlib.sha256(expected.encode()).digest())
-
-
-def client_request_id(headers: Any) -> str | None:
-    """The client's own X-Request-Id, shown in /debug/requests so that a client (the agent probe) can find its
-    request there; printable ASCII, truncated. Not the router's id (that stays unique per PD request)."""
-    raw = headers.get(REQUEST_ID_HEADER)
-    if not raw:
-        return None
-    return "".join(c for c in raw[:MAX_CLIENT_REQUEST_ID] if 32 < ord(c) < 127) or None
-
-
-def key_name(key: str) -> str:
-    """The attribution name of an API key without a name: a hash prefix, never the key."""
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
-
-
-def client_identity(request: Request) -> str:
-    """Who sent a request (no API keys configured): the X-Client-Id header, else a name derived from the
-    bearer token (a hash prefix, never the token), else "anonymous". Metric labels built from it have
-    bounded cardinality."""
-    explicit = request.headers.get("x-client-id")
-    if explicit:
-        return explicit[:64]
-    token = _bearer(request.headers)
-    return key_name(token) if token else "anonymous"
-
-
-MIN_API_KEY_CHARS = 16
-
-
-def parse_api_keys(text: str, source: str = "api key file") -> dict[str, str]:
-    """``--api-key-file`` contents -> {key: client name}. One key per line, optionally followed by a name
-    (``KEY NAME``); blank lines and ``#`` comments are skipped. Errors name the line, never the key."""
-    keys: dict[str, str] = {}
-    for n, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = line.split(None, 1)
-        key, name = parts[0], (parts[1].strip() if len(parts) > 1 else "")
-        if len(key) < MIN_API_KEY_CHARS:
-            raise ValueError(f"{source} line {n}: the key is {len(key)} characters; accepted: keys of at least "
-                             f"{MIN_API_KEY_CHARS} characters")
-        if key in keys:
-            raise ValueError(f"{source} line {n}: the key repeats an earlier line; accepted: each key once")
-        if name and not all(c.isalnum() or c in "-_.@:" for c in name) or len(name) > 64:
-            raise ValueError(f"{source} line {n}: name {name[:64]!r} is not accepted; accepted: up to 64 of "
-                             "letters, digits and -_.@:")
-        keys[key] = name or key_name(key)
-    if not keys:
-        raise ValueError(f"{source} holds no key; accepted: one key per line, optionally followed by a name")
-    return keys
-
-
-def match_api_key(keys: dict[str, str], token: str | None) -> str | None:
-    """The name of ``token``'s key, or None. Compares against every key in constant time per key (digests of
-    equal length), so neither the match position nor a common prefix shows in the timing."""
-    if token is None:
-        return None
-    probe = hashlib.sha256(token.encode()).digest()
-    found: str | None = None
-    for key, name in keys.items():
-        if hmac.compare_digest(hashlib.sha256(key.encode()).digest(), probe):
-            found = name
-    return found
-
-
-def _is_loopback(host: str | None) -> bool:
-    try:
-        return host is not None and ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass
@@ -282,7 +189,8 @@ class Router:
             timeout = min(timeout, asked)
         return time.monotonic() + timeout
 
-    async def _dispatch(self, live: LiveRequest, body: dict, headers: dict, deadline: float) -> tuple[Legs, PairState, dict]:
+    async def _dispatch(self, live: LiveRequest, body: dict, headers: dict,
+                        deadline: float) -> tuple[Legs, PairState, TokenEvent]:
         """Try pairs until one yields a first token. Raises ApiError.
 
         Every dispatch resolves its pair's breaker exactly once (success, failure or neutral), whatever ends
@@ -322,7 +230,7 @@ class Router:
                 state.breaker.record(outcome, time.monotonic(), trial=trial)
                 self.metrics.circuit_open.labels(state.pair.key).set(int(state.breaker.state(time.monotonic()) != "closed"))
                 if outcome is not Outcome.SUCCESS:
-                    self._release(state)
+                    self.release(state)
         if last is not None and pinned is not None:
             raise ApiError(502, f"pinned group {pinned} failed ({last.leg} leg: {last.message}); a pinned request is not "
                            "retried on another group", type="server_error", code="upstream_failed")
@@ -348,7 +256,7 @@ class Router:
                         f"trial is in {wait}s", type="server_error", code="no_ready_pair", headers={"Retry-After": str(wait)})
 
     async def _dispatch_unless_gone(self, request: Request, live: LiveRequest, body: dict, headers: dict,
-                                    deadline: float) -> tuple[Legs, PairState, dict]:
+                                    deadline: float) -> tuple[Legs, PairState, TokenEvent]:
         """_dispatch, abandoned (legs aborted by their own cleanup) if the client disconnects first."""
 
         async def gone() -> None:
@@ -372,7 +280,7 @@ class Router:
             raise ApiError(499, "client disconnected before the first token", code="client_disconnected")
         return dispatch.result()
 
-    def _release(self, state: PairState) -> None:
+    def release(self, state: PairState) -> None:
         state.outstanding = max(0, state.outstanding - 1)
         self.metrics.pair_outstanding.labels(state.pair.key).set(state.outstanding)
 
@@ -381,7 +289,7 @@ class Router:
         (401 without a valid one); else client_identity()."""
         if not self.cfg.api_keys:
             return client_identity(request)
-        name = match_api_key(self.cfg.api_keys, _bearer(request.headers))
+        name = match_api_key(self.cfg.api_keys, bearer(request.headers))
         if name is None:
             raise ApiError(401, "missing or unknown API key; accepted: an 'Authorization: Bearer <key>' header with a "
                            "key from the router's --api-key-file", type="authentication_error", code="invalid_api_key",
@@ -392,12 +300,12 @@ class Router:
         """/config and /debug/*: the admin token when one is configured (as 'Authorization: Bearer' or as
         X-PDStack-Admin-Token, which survives the API server's pods/proxy), else loopback clients only."""
         if self.cfg.admin_token is not None:
-            if not _same_secret(_admin_token(request.headers) or "", self.cfg.admin_token):
+            if not same_secret(admin_token(request.headers) or "", self.cfg.admin_token):
                 raise ApiError(401, f"{request.url.path} needs the admin token; accepted: 'Authorization: Bearer "
                                "<admin token>' or 'X-PDStack-Admin-Token: <admin token>' (the router's "
                                "--admin-token-file)", type="authentication_error",
                                code="admin_token_required", headers={"WWW-Authenticate": "Bearer"})
-        elif not _is_loopback(request.client.host if request.client else None):
+        elif not is_loopback(request.client.host if request.client else None):
             raise ApiError(403, f"{request.url.path} is served only to loopback clients when the router has no admin "
                            "token; accepted: a request from 127.0.0.1/::1, or start the router with --admin-token-file "
                            "and send 'Authorization: Bearer <admin token>'", type="permission_error",
@@ -416,11 +324,11 @@ class Router:
                 raise ApiError(403, "X-PDStack-Pair pins a request to one group and needs admin credentials; accepted: "
                                "an 'X-PDStack-Admin-Token: <admin token>' header (the router's --admin-token-file)",
                                type="permission_error", code="pin_not_allowed")
-            if not _same_secret(given, self.cfg.admin_token):
+            if not same_secret(given, self.cfg.admin_token):
                 raise ApiError(403, "X-PDStack-Admin-Token does not match the router's admin token; X-PDStack-Pair "
                                "needs the token from the router's --admin-token-file", type="permission_error",
                                code="pin_not_allowed")
-        elif not _is_loopback(request.client.host if request.client else None):
+        elif not is_loopback(request.client.host if request.client else None):
             raise ApiError(403, "X-PDStack-Pair is accepted only from loopback clients when the router has no admin "
                            "token; accepted: a request from 127.0.0.1/::1, or start the router with --admin-token-file "
                            "and send 'X-PDStack-Admin-Token: <admin token>'", type="permission_error",
@@ -437,6 +345,7 @@ class Router:
                                      "client_error" if status < 500 else "failed").inc()
 
     async def completions(self, request: Request, chat: bool):
+        """``/v1/chat/completions`` and ``/v1/completions``: validated here, once, into an :class:`EdgeRequest`."""
         t0 = time.monotonic()
         client = "unauthenticated"
         try:
@@ -448,132 +357,39 @@ class Router:
             self.count_rejection(client, exc.status)
             raise
         parser = (self.models.get(model) or {}).get("tool_call_parser") or "hermes"
-        return await self._one(request, oreq, chat, client, model, deadline, t0, parser)
+        return await self._one(request, EdgeRequest(oreq, chat, client, model, deadline, t0, parser))
 
-    async def _one(self, request: Request, oreq: Any, chat: bool, client: str, model: str, deadline: float,
-                   t0: float, parser: str):
-        """One PD request: dispatch to a pair, stream or collect decode's events, shape them as OpenAI's.
+    async def _one(self, request: Request, req: EdgeRequest):
+        """One PD request: dispatch to a pair, then stream or collect decode's events, shaped as OpenAI's.
 
         ``n`` > 1 is still one PD request (one prefill, one KV transfer): its sampling_params carry ``n`` and the
-        decode worker forks the choices off the transferred prompt pages (see decode_app); its events carry
+        decode worker forks the choices off the transferred prompt pages (see worker/decode.py); its events carry
         their choice's ``index``, and failing or aborting the request ends every choice."""
-        client_label = self.metrics.clients.label(client)
-        conversation = oreq.user or request.headers.get("x-session-id")
+        client_label = self.metrics.clients.label(req.client)
         rid = uuid.uuid4().hex
-        worker_body: dict[str, Any] = {"sampling_params": oreq.sampling_params(), **oreq.worker_input()}
-        headers = {"x-client-id": client, REQUEST_ID_HEADER: rid,
+        worker_body: dict[str, Any] = {"sampling_params": req.body.sampling_params(), **req.body.worker_input()}
+        headers = {"x-client-id": req.client, REQUEST_ID_HEADER: rid,
                    CLIENT_CONNECTION_HEADER: f"{request.client.host}:{request.client.port}" if request.client else ""}
-        live = LiveRequest(rid, client, conversation, t0, client_request_id=client_request_id(request.headers))
+        live = LiveRequest(rid, req.client, req.body.user or request.headers.get("x-session-id"), req.arrived,
+                           client_request_id=client_request_id(request.headers))
         self.live[rid] = live
         try:
-            legs, state, first = await self._dispatch_unless_gone(request, live, worker_body, headers, deadline)
+            sent = Dispatched(*await self._dispatch_unless_gone(request, live, worker_body, headers, req.deadline))
         except BaseException as exc:  # rejected, cancelled or a bug: the live entry never outlives its request
             self.live.pop(rid, None)
             if isinstance(exc, ApiError):
-                self.count_rejection(client, exc.status)
+                self.count_rejection(req.client, exc.status)
             elif isinstance(exc, asyncio.CancelledError):
                 self.metrics.requests.labels("router", client_label, "aborted").inc()
             else:
-                self.count_rejection(client, 500)
+                self.count_rejection(req.client, 500)
             raise
         live.advance("streaming")
-        self.metrics.ttft.labels("router").observe(time.monotonic() - t0)
-        shape = OpenAIShape(chat, ("chatcmpl-" if chat else "cmpl-") + rid, model, int(time.time()),
-                            tool_parser=parser if chat and oreq.tools and oreq.tool_choice != "none" else None,
-                            echo=oreq.prompt_text() if not chat and oreq.echo else None)
-        include_usage = bool(oreq.stream_options and oreq.stream_options.include_usage)
-        continuous = bool(oreq.stream_options and oreq.stream_options.continuous_usage_stats)
-        outcome = {"v": "aborted"}
-        last_tok = [time.monotonic()]
-        prompt_lps: dict = {"v": None}  # echo + logprobs: the prompt's entries (prefill's), before each choice's own
-        choices = Choices(oreq.n)
-
-        async def token_events() -> AsyncIterator[dict]:
-            patch = oreq.logprobs_n() is not None  # choice 0's first token is prefill's: so are its logprobs
-            async for ev in legs.events(first):
-                if patch and ev.get("index", 0) == 0:
-                    patch = False
-                    ev = await legs.first_with_prefill_logprobs(ev)
-                    prompt_lps["v"] = ev.get("prompt_logprobs")
-                choices.see(ev)  # Legs checked the index
-                yield ev
-            if not choices.done:  # e.g. a decode worker that ignores sampling_params.n streams choice 0 alone
-                unfinished = [i for i, f in enumerate(choices.finished) if not f]
-                raise LegError(502, f"decode ended its stream with choices {unfinished} of n={oreq.n} unfinished (a "
-                               "decode worker must run choices 1..n-1 as forks of sampling_params.n)", leg="decode",
-                               retryable=False)
-
-        def count(ev: dict) -> None:
-            n = len(ev.get("token_ids") or ())
-            if n:
-                now = time.monotonic()
-                if live.tokens:
-                    self.metrics.itl.labels("router").observe(now - last_tok[0])
-                last_tok[0] = now
-                live.tokens += n
-                live.progressed_at = now
-                self.metrics.tokens.labels("router", client_label).inc(n)
-
-        async def finish(completed: bool) -> None:
-            self._release(state)
-            self.live.pop(rid, None)
-            if completed and outcome["v"] == "aborted":  # finished normally (not failed mid-stream)
-                outcome["v"] = "ok"
-                await legs.close()
-                asyncio.get_running_loop().create_task(legs.join_prefill())
-            else:
-                if outcome["v"] == "aborted":
-                    self.metrics.disconnects.inc()
-                await legs.abort()
-            self.metrics.requests.labels("router", client_label, outcome["v"]).inc()
-            self.metrics.e2e.labels("router").observe(time.monotonic() - t0)
-
-        if oreq.stream:
-            async def stream() -> AsyncIterator[bytes]:
-                started = [False] * oreq.n
-                tools = [shape.stream_state() for _ in range(oreq.n)]  # per choice
-                try:
-                    async for ev in token_events():
-                        count(ev)
-                        i = ev.get("index", 0)
-                        for c in shape.stream_chunks(ev, first=not started[i], include_usage=include_usage,
-                                                     continuous_usage=continuous, state=tools[i], choices=choices):
-                            yield sse(c)
-                        started[i] = True
-                        if choices.done:
-                            break
-                except LegError as exc:
-                    outcome["v"] = "failed"
-                    yield sse(error_body(exc.status, f"generation failed after the first token: {exc.message}",
-                                         type="server_error", code=exc.code))
-                    return
-                yield SSE_DONE
-
-            return GuardedStream(stream(), finish)
-
-        completed = False
-        texts, lps, lasts = [""] * oreq.n, [[] for _ in range(oreq.n)], [first] * oreq.n  # per choice
-        try:
-            async for ev in token_events():
-                count(ev)
-                i = ev.get("index", 0)
-                texts[i] += ev.get("delta", "")
-                lps[i] += ev.get("logprobs") or []
-                lasts[i] = ev
-                if choices.done:
-                    break
-            completed = True
-        except LegError as exc:
-            outcome["v"] = "failed"
-            raise ApiError(exc.status if exc.status != 499 else 502, f"generation failed: {exc.message}",
-                           type="server_error", code=exc.code) from None
-        finally:
-            await finish(completed)
-        want_lps = oreq.logprobs_n() is not None
-        if want_lps and prompt_lps["v"] is not None:  # echo: the prompt's entries first (each text starts with it)
-            lps = [prompt_lps["v"] + lp for lp in lps]
-        return JSONResponse(shape.response([shape.choice(i, texts[i], lasts[i], logprobs=lps[i] if want_lps else None)
-                                            for i in range(oreq.n)], choices.usage()))
+        self.metrics.ttft.labels("router").observe(time.monotonic() - req.arrived)
+        reply = Reply(self, req, live, sent, client_label)
+        if req.body.stream:
+            return GuardedStream(reply.stream(), reply.finish)
+        return await reply.collect()
 
     # ---- observability -----------------------------------------------------------------------------
     async def debug_requests(self) -> dict:
@@ -638,7 +454,7 @@ class Router:
     def _reject_scope(self, scope: dict, status: int) -> None:
         """BodyGuard rejections (413, 408) counted like the router's other own answers."""
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
-        token = _bearer(headers)
+        token = bearer(headers)
         if self.cfg.api_keys:
             client = match_api_key(self.cfg.api_keys, token) or "unauthenticated"
         else:

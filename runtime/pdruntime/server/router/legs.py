@@ -9,12 +9,14 @@ import asyncio
 import json
 import random
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 import httpx
 
-from pdruntime.server.openai.format import choice_index
+from pdruntime.server.openai.events import TokenEvent
 from pdruntime.server.router.topology import Pair
+from pdruntime.util.sse import DONE, aiter_sse
 
 ABORT_TIMEOUT_S = 2.0  # seconds for the best-effort /abort_request calls
 PREFILL_VERDICT_WAIT_S = 1.0  # seconds a failed decode leg waits for prefill's answer (it may name a 4xx cause)
@@ -45,6 +47,16 @@ def _error_message(resp_json: Any, fallback: str) -> tuple[str, str, str | None]
     return fallback, "upstream_error", None
 
 
+def _stream_error(ev: dict) -> LegError:
+    """The LegError of an error event in decode's stream. Before the first token a pair failure may be retried
+    elsewhere (Legs.first_event's caller decides); a request error (4xx) would fail on every pair."""
+    msg, code, param = _error_message(ev, "decode failed")
+    st = ev["error"].get("status") if isinstance(ev["error"], dict) else None
+    st = st if isinstance(st, int) else 502
+    return LegError(st if 400 <= st < 500 and st != 499 else 502, msg, leg="decode",
+                    retryable=st >= 500 or st == 499, code=code, param=param)
+
+
 class Legs:
     def __init__(self, client: httpx.AsyncClient, pair: Pair, rid: str, body: dict, headers: dict, deadline: float) -> None:
         self.client = client
@@ -60,7 +72,7 @@ class Legs:
         self.n = int((body.get("sampling_params") or {}).get("n") or 1)  # choices decode streams
         self.prefill_task: asyncio.Task | None = None
         self.decode_resp: httpx.Response | None = None
-        self._lines: AsyncIterator[str] | None = None
+        self._events: AsyncIterator[Any] | None = None  # decode's SSE payloads
         self.stage = "dispatching"
         self.prefill_result: dict | None = None  # prefill's answer (meta_info: the first token's logprobs)
 
@@ -92,7 +104,7 @@ class Legs:
                            retryable=st >= 500 or st == 499, code=code, param=param)
 
     # ---- decode leg ----------------------------------------------------------------------------
-    async def _open_decode(self) -> dict:
+    async def _open_decode(self) -> TokenEvent:
         req = self.client.build_request("POST", self.pair.decode_url + "/generate", json=self.decode_body,
                                         headers=self.headers, timeout=httpx.Timeout(self.remaining() + 1.0, connect=3.0))
         try:
@@ -110,40 +122,30 @@ class Legs:
             msg, code, param = _error_message(payload, f"decode answered HTTP {st}")
             raise LegError(st if 400 <= st < 500 and st != 499 else 502, msg, leg="decode",
                            retryable=st >= 500 or st == 499, code=code, param=param)
-        self._lines = self.decode_resp.aiter_lines()
+        self._events = aiter_sse(self.decode_resp.aiter_lines())
         ev = await self._next_event()
         if ev is None:
             raise LegError(502, "decode stream ended before the first token", leg="decode", retryable=True)
         return ev
 
-    async def _next_event(self) -> dict | None:
-        assert self._lines is not None
+    async def _next_event(self) -> TokenEvent | None:
+        """Decode's next token event (None: its stream ended). An error event raises its LegError."""
+        assert self._events is not None
         try:
-            async for line in self._lines:
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
+            async for ev in self._events:
+                if ev == DONE:
                     return None
-                ev = json.loads(data)
                 if "error" in ev:
-                    msg, code, param = _error_message(ev, "decode failed")
-                    st = ev["error"].get("status") if isinstance(ev["error"], dict) else None
-                    st = st if isinstance(st, int) else 502
-                    # before the first token a pair failure may be retried elsewhere (Legs.first_event's caller
-                    # decides); a request error (4xx) would fail on every pair
-                    raise LegError(st if 400 <= st < 500 and st != 499 else 502, msg, leg="decode",
-                                   retryable=st >= 500 or st == 499, code=code, param=param)
+                    raise _stream_error(ev)
                 try:
-                    choice_index(ev, self.n)
+                    return TokenEvent.from_json(ev, self.n)
                 except ValueError as exc:
                     raise LegError(502, f"decode sent a malformed event: {exc}", leg="decode", retryable=False) from None
-                return ev
         except httpx.HTTPError as exc:
             raise LegError(502, f"decode stream broke: {type(exc).__name__} {exc}", leg="decode", retryable=False) from None
         return None
 
-    async def first_event(self) -> dict:
+    async def first_event(self) -> TokenEvent:
         """Start both legs; return decode's first token event. Raises LegError (legs aborted)."""
         self.prefill_task = asyncio.create_task(self._prefill())
         decode_task = asyncio.create_task(self._open_decode())
@@ -176,10 +178,10 @@ class Legs:
             if isinstance(exc, LegError) and not exc.retryable:
                 raise exc
 
-    async def first_with_prefill_logprobs(self, first: dict) -> dict:
+    async def first_with_prefill_logprobs(self, first: TokenEvent) -> TokenEvent:
         """Decode's first event with the first token's logprobs taken from prefill (which sampled it). Waits
         for prefill's answer (sent once decode holds the KV, i.e. about when decode's first event arrives)."""
-        lps = first.get("logprobs")
+        lps = first.logprobs
         if not lps or lps[0] is not None or self.prefill_task is None:
             return first
         try:
@@ -188,12 +190,11 @@ class Legs:
             return first
         mi = (self.prefill_result or {}).get("meta_info") or {}
         got = mi.get("output_token_logprobs") or [None]
-        out = {**first, "logprobs": [got[0]] + list(lps[1:])}
-        if mi.get("input_token_logprobs") is not None:
-            out["prompt_logprobs"] = mi["input_token_logprobs"]
-        return out
+        prompt = mi.get("input_token_logprobs")
+        return replace(first, logprobs=[got[0]] + list(lps[1:]),
+                       prompt_logprobs=prompt if prompt is not None else first.prompt_logprobs)
 
-    async def events(self, first: dict | None = None) -> AsyncIterator[dict]:
+    async def events(self, first: TokenEvent | None = None) -> AsyncIterator[TokenEvent]:
         """``first`` (when given), then decode's events after the first, each within the deadline. Raises LegError."""
         if first is not None:
             yield first

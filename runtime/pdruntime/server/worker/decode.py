@@ -21,10 +21,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from pdruntime.disagg import transfer, wire
 from pdruntime.disagg.decode_queues import DecodeQueues, DecodeRequest
@@ -32,32 +31,14 @@ from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import WireError
 from pdruntime.server.edge import GuardedStream
 from pdruntime.server.worker.faults import STALL_THIS_REQUEST, ConnectionStall, connection_of
-from pdruntime.server.openai.format import Choices, OpenAIShape, logprob_entries
-from pdruntime.server.openai.schemas import ApiError, GenerateRequest, error_body
+from pdruntime.server.openai.format import OpenAIShape
+from pdruntime.server.openai.schemas import ApiError, GenerateRequest
 from pdruntime.server.worker.base import WorkerBase
+from pdruntime.server.worker.decode_stream import DecodeFailed, DecodeStream, EarlyToken
+from pdruntime.server.worker.engine_commands import Abort, AddRequest, AdmitPrefilled, Reserve, ScatterPages
 from pdruntime.server.worker.prompts import client_of, read_generate, request_id
-from pdruntime.util.sse import SSE_DONE, sse
 
 log = logging.getLogger("pdruntime.decode")
-
-
-class DecodeFailed(Exception):
-    def __init__(self, reason: str, status: int = 502) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.status = status
-
-
-class EarlyToken:
-    """The first token, streamed as soon as decode holds the KV (see DecodeWorker._early_first_token)."""
-
-    early = True
-    finished = False
-    finish_reason = None
-
-    def __init__(self, token_id: int, text: str) -> None:
-        self.new_token_ids = [token_id]
-        self.text_delta = text
 
 
 class DecodeWorker(WorkerBase):
@@ -122,7 +103,7 @@ class DecodeWorker(WorkerBase):
                 # always: a reserve() may be queued on the engine thread but not yet answered; the engine runs
                 # commands in order, so this abort lands after it and frees those pages (unknown ids: no-op).
                 # Every choice's: n > 1 forks end with their request
-                self.runner.call(lambda e: [e.abort(rid) for rid in ids])
+                self.runner.call(Abort(tuple(ids)))
                 for rid in ids:
                     self.runner.drop_sink(rid)
             self._pages_freed()
@@ -149,8 +130,7 @@ class DecodeWorker(WorkerBase):
         while True:
             event = self.pages_freed
             try:
-                return await self.runner.call(lambda e, r=req: e.reserve(r.rid, len(r.prompt_ids),
-                                                                         [fid for fid, _ in r.forks]))
+                return await self.runner.call(Reserve(req))
             except OutOfBlocks as exc:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -193,7 +173,7 @@ class DecodeWorker(WorkerBase):
                     sinks = [transfer.ShardSink(self.engine.kv, blocks, self.layout)]
                 stats = await transfer.recv_kv(conn, header, sinks)
                 if self.engine.tp_size > 1:
-                    await self.runner.call(lambda e, b=blocks[:header.num_pages], s=staged: e.scatter_pages(b, s))
+                    await self.runner.call(ScatterPages(tuple(blocks[:header.num_pages]), staged))
             except WireError as exc:
                 if exc.reason not in ("closed", "timeout"):
                     await transfer.send_error(conn, exc.reason, exc.message)  # prefill fails with the same reason
@@ -216,7 +196,7 @@ class DecodeWorker(WorkerBase):
             early = self._early_first_token(req, header.first_token_id)
             if early is not None:  # queued before the engine can report anything for this request
                 req.outputs.put_nowait(early)
-            req.page_refs = await self.runner.call(lambda e, r=req, f=header.first_token_id: _admit_prefilled(e, r, f))
+            req.page_refs = await self.runner.call(AdmitPrefilled(req, header.first_token_id))
             req.in_engine = True
             self.queues.move(req.rid, "running")
             # the engine reports the first token (sampled by prefill) with its first decode step
@@ -260,7 +240,7 @@ class DecodeWorker(WorkerBase):
             self._set_sinks(req)
             req.in_engine = True
             self.queues.move(req.rid, "running")
-            await self.runner.call(lambda e, r=req: e.add_request(r.rid, r.prompt_ids, r.params, forks=r.forks))
+            await self.runner.call(AddRequest(req))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -285,6 +265,14 @@ class DecodeWorker(WorkerBase):
     async def run_generate(self, greq: GenerateRequest, client: str, shape: OpenAIShape | None = None,
                            include_usage: bool = False):
         """One request, SGLang-shaped events (``shape`` None: /generate) or OpenAI-shaped (the /v1 routes)."""
+        req = self._admit(greq, client)
+        stream = DecodeStream(self, req, self.metrics.clients.label(req.client))
+        if greq.stream:
+            return GuardedStream(stream.sse_body(shape, include_usage), stream.on_close)
+        return await stream.respond(shape)
+
+    def _admit(self, greq: GenerateRequest, client: str) -> DecodeRequest:
+        """Validate against this worker (prompt, context, PD fields, n), queue in prealloc, start its KV pull."""
         prompt = self.prompts.prompt_ids(greq)
         params = self.prompts.sampling(greq, len(prompt))
         pd = greq.bootstrap_room is not None
@@ -307,119 +295,10 @@ class DecodeWorker(WorkerBase):
             raise ApiError(409, str(exc), param="rid", code="duplicate_request") from None
         self.fork_owner.update((fid, rid) for fid, _ in req.forks)
         req.task = asyncio.get_running_loop().create_task(self._pull(req) if pd else self._monolithic(req))
-        t_arrival = time.monotonic()
-        client_label = self.metrics.clients.label(req.client)
-
-        choice_of = {eid: i for i, eid in enumerate(req.engine_ids())}
-
-        async def events() -> AsyncIterator[dict]:
-            texts, tokens = [""] * req.n, [0] * req.n  # per choice
-            open_ = req.n
-            last = None
-            early: EarlyToken | None = None
-            while True:
-                item = await req.outputs.get()
-                if isinstance(item, DecodeFailed):
-                    raise item
-                i = choice_of[getattr(item, "request_id", req.rid)]  # the early token is choice 0's
-                if i == 0 and early is not None:  # the engine's first report repeats the early token: drop it once
-                    item = _without_early(item, early)
-                    early = None
-                elif isinstance(item, EarlyToken):
-                    early = item
-                ts = time.monotonic()
-                if item.new_token_ids:
-                    if last is None:
-                        self.metrics.ttft.labels(self.role).observe(ts - t_arrival)
-                    else:
-                        self.metrics.itl.labels(self.role).observe(ts - last)
-                    last = ts
-                    req.completion_tokens += len(item.new_token_ids)
-                    req.last_token_at = self.clock.now()
-                    tokens[i] += len(item.new_token_ids)
-                    self.metrics.tokens.labels(self.role, client_label).inc(len(item.new_token_ids))
-                texts[i] += item.text_delta
-                reason = item.finish_reason if item.finished else None
-                ev = {"text": texts[i], "delta": item.text_delta, "token_ids": list(item.new_token_ids),
-                      "meta_info": {"id": req.rid, "prompt_tokens": len(prompt), "completion_tokens": tokens[i],
-                                    "finish_reason": finish_reason_json(reason)}}
-                if req.forks:
-                    ev["index"] = i
-                if getattr(item, "prompt_logprobs", None) is not None:  # monolithic runs (PD: prefill reports them)
-                    ev["prompt_logprobs"] = [None] + logprob_entries(self.loaded.tokenizer, prompt[1:],
-                                                                     item.prompt_logprobs)
-                if params.logprobs is not None:  # PD: the first token's entry is None here (prefill reports it)
-                    ev["logprobs"] = logprob_entries(self.loaded.tokenizer, list(item.new_token_ids),
-                                                     getattr(item, "logprobs", None))
-                yield ev
-                if item.finished:
-                    open_ -= 1
-                    if not open_:
-                        return
-
-        async def on_close(completed: bool) -> None:
-            outcome = "ok" if completed else ("failed" if req.failure else "aborted")
-            if not completed and req.failure is None:
-                self._fail(req, "client disconnected", cause="client_disconnect", status=499)
-            self.metrics.requests.labels(self.role, client_label, outcome).inc()
-            self.metrics.e2e.labels(self.role).observe(time.monotonic() - t_arrival)
-
-        if greq.stream:
-            async def body() -> AsyncIterator[bytes]:
-                choices = Choices(req.n)
-                states = [shape.stream_state() if shape is not None else None for _ in range(req.n)]
-                try:
-                    async for ev in events():
-                        i, first = choices.see(ev)
-                        if shape is None:
-                            yield sse(ev)
-                        else:
-                            for c in shape.stream_chunks(ev, first=first, include_usage=include_usage, state=states[i],
-                                                         choices=choices):
-                                yield sse(c)
-                except DecodeFailed as exc:
-                    err = error_body(exc.status, exc.reason, type="server_error", code="decode_failed")
-                    err["error"]["status"] = exc.status  # the HTTP status this would have had (200 was already sent)
-                    yield sse(err)
-                    return
-                yield SSE_DONE
-            return GuardedStream(body(), on_close)
-
-        completed = False
-        try:
-            choices = Choices(req.n)
-            finals: list = [None] * req.n  # per choice: its last event
-            lps: list = [[] for _ in range(req.n)]
-            async for ev in events():
-                i, _ = choices.see(ev)
-                finals[i] = ev
-                lps[i] += ev.get("logprobs") or []
-            completed = True
-            if shape is None:
-                return JSONResponse(finals[0] if req.n == 1 else finals)  # SGLang: n > 1 answers a list
-            return JSONResponse(shape.response(
-                [shape.choice(i, f["text"], f, logprobs=lps[i] if params.logprobs is not None else None)
-                 for i, f in enumerate(finals)], choices.usage()))
-        except DecodeFailed as exc:
-            return JSONResponse(error_body(exc.status, exc.reason, type="server_error", code="decode_failed"),
-                                status_code=exc.status)
-        finally:
-            await on_close(completed)
+        return req
 
     def add_routes(self, app: FastAPI) -> None:
         app.post("/generate")(self.generate)
-
-
-def _admit_prefilled(engine: Any, req: DecodeRequest, first_token_id: int) -> list[int] | None:
-    """Engine thread: the transferred request (and its forks) into the running batch; with forks, the holders of
-    each of its pages right after the fork (the prompt's shared pages: n), for /debug/requests."""
-    engine.add_prefilled(req.rid, req.prompt_ids, first_token_id, req.params, forks=req.forks)
-    if not req.forks:
-        return None
-    try:
-        return engine.page_refs(req.rid)
-    except KeyError:  # choice 0 finished at once (its first token ended it)
-        return None
 
 
 def _request_failed_status(reason: str) -> int | None:
@@ -430,25 +309,3 @@ def _request_failed_status(reason: str) -> int | None:
     return int(code) if code.isdigit() and 400 <= int(code) < 500 and int(code) != 499 else 422
 
 
-def finish_reason_json(reason: str | None) -> dict | None:
-    return None if reason is None else {"type": reason}
-
-
-class _Trimmed:
-    __slots__ = ("new_token_ids", "text_delta", "finished", "finish_reason")
-
-    def __init__(self, ids: list[int], text: str, finished: bool, reason: Any) -> None:
-        self.new_token_ids, self.text_delta, self.finished, self.finish_reason = ids, text, finished, reason
-
-
-def _without_early(out: Any, early: EarlyToken) -> Any:
-    """``out`` minus the already-streamed first token (its id and its text prefix)."""
-    ids = list(out.new_token_ids)
-    if not ids or ids[0] != early.new_token_ids[0]:
-        return out  # aborted or otherwise not the expected report: pass through unchanged
-    text = out.text_delta
-    if text.startswith(early.text_delta):
-        text = text[len(early.text_delta):]
-    else:
-        log.warning("first-token text %r is not a prefix of the engine's %r; streaming both", early.text_delta, text)
-    return _Trimmed(ids[1:], text, out.finished, out.finish_reason)

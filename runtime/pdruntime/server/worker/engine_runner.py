@@ -148,7 +148,8 @@ class EngineRunner:
 
     # ---- loop-thread API -----------------------------------------------------------------
     def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
-        """Run ``fn(engine)`` on the engine thread; returns a loop future with its result."""
+        """Run ``fn(engine)`` on the engine thread (a command of :mod:`.engine_commands`, or any callable);
+        returns a loop future with its result. Commands run in the order they were sent."""
         fut = self.loop.create_future()
         self._commands.put((fn, fut))
         return fut

@@ -27,9 +27,11 @@ from pdruntime.disagg.prefill_queues import PrefillQueues, PrefillRequest
 from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import WireError
 from pdruntime.server.worker.prompts import client_of, read_generate, request_id
+from pdruntime.server.openai.events import TokenEvent
 from pdruntime.server.openai.format import OpenAIShape, logprob_entries
 from pdruntime.server.openai.schemas import ApiError, GenerateRequest, error_body
 from pdruntime.server.worker.base import WorkerBase
+from pdruntime.server.worker.engine_commands import Abort, AddRequest, GatherPages, Pages, Release
 
 log = logging.getLogger("pdruntime.prefill")
 
@@ -95,7 +97,7 @@ class PrefillWorker(WorkerBase):
             else:
                 req.writer.close()
         if req.in_engine and self.runner is not None:
-            self.runner.call(lambda e, rid=req.rid: e.abort(rid))  # frees prefill_done / running / waiting pages
+            self.runner.call(Abort((req.rid,)))  # frees prefill_done / running / waiting pages
             self.runner.drop_sink(req.rid)
         if req.kv_ready is not None and not req.kv_ready.done():
             req.kv_ready.set_exception(TransferFailed(reason))
@@ -165,7 +167,7 @@ class PrefillWorker(WorkerBase):
         if params.prompt_logprobs is not None:  # echo: the prompt's, first token None (nothing predicts it)
             result["meta_info"]["input_token_logprobs"] = [None] + logprob_entries(
                 self.loaded.tokenizer, prompt[1:], getattr(req, "prompt_logprobs", None))
-        return JSONResponse(result if shape is None else shape.final(text, result))
+        return JSONResponse(result if shape is None else shape.final(text, TokenEvent.from_json(result)))
 
     def add_routes(self, app: FastAPI) -> None:
         app.post("/generate")(self.generate)
@@ -221,10 +223,10 @@ class PrefillWorker(WorkerBase):
             self.runner.set_sink(req.rid, lambda out, r=req: self._on_output(r, out))
             self.metrics.queue_time.labels(self.role).observe(self.clock.now() - req.created_at)
             req.in_engine = True
-            await self.runner.call(lambda e, r=req: e.add_request(r.rid, r.prompt_ids, r.params, prefill_only=True))
+            await self.runner.call(AddRequest(req, prefill_only=True))
             first = await req.kv_ready
             pages = self.runner.ready_pages.pop(req.rid, None)
-            blocks, ntok = pages if pages is not None else await self.runner.call(lambda e, rid=req.rid: e.pages(rid))
+            blocks, ntok = pages if pages is not None else await self.runner.call(Pages(req.rid))
             if req.status.state.terminal:
                 return
             req.first_token_id = first
@@ -236,7 +238,7 @@ class PrefillWorker(WorkerBase):
             header = transfer.make_header(req.room, req.rid, ntok, first, wire.prompt_crc(req.prompt_ids),
                                           self.model_sha, self.layouts, conn.attach.checksums)
             if self.engine.tp_size > 1:  # rank 0 gathers every rank's pages (a collective, on the engine thread)
-                shards = await self.runner.call(lambda e, b=blocks[:header.num_pages]: e.gather_pages(b))
+                shards = await self.runner.call(GatherPages(tuple(blocks[:header.num_pages])))
                 sources = [transfer.ShardSource(kv, range(header.num_pages), lay) for kv, lay in zip(shards, self.layouts)]
             else:
                 sources = [transfer.ShardSource(self.engine.kv, blocks, self.layout)]
@@ -247,7 +249,7 @@ class PrefillWorker(WorkerBase):
             # receipt confirmed: the transfer phase (and its watchdog) ends here, before any decoding
             self.watchdog.disarm(req.rid, "transfer")
             req.status.advance(TransferState.SUCCESS, self.clock.now())
-            await self.runner.call(lambda e, rid=req.rid: e.release(rid))
+            await self.runner.call(Release(req.rid))
             self.runner.drop_sink(req.rid)
             self.queues.finish(req)
             self.metrics.transfers.labels(self.role, "success").inc()

@@ -1,0 +1,85 @@
+"""The token events a decode worker streams to the router (SGLang ``/generate`` shape on the wire), typed.
+
+On the wire one event is ``{"text", "delta", "token_ids", "meta_info": {"id", "prompt_tokens",
+"completion_tokens", "finish_reason": {"type": ...} | None}}``, plus ``"index"`` (its choice, 0..n-1) when
+``n`` > 1, ``"prompt_logprobs"`` and ``"logprobs"`` when asked for. :meth:`TokenEvent.to_json` writes that
+shape (the decode worker), :meth:`TokenEvent.from_json` is the one place it is parsed (the router's decode leg).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def choice_index(raw: Any, n: int) -> int:
+    """An event's choice (0 when absent); ValueError unless an integer in [0, n)."""
+    i = 0 if raw is None else raw
+    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+        raise ValueError(f"event choice index {i!r} is outside 0..{n - 1}")
+    return i
+
+
+def _finish_type(raw: Any) -> str | None:
+    """SGLang's finish_reason ({"type": t} or t) -> t; None while generating ("" for a reason without a type)."""
+    if not raw:
+        return None
+    return str((raw.get("type") if isinstance(raw, dict) else raw) or "")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One decode event of one choice. Counts are that choice's; ``text`` is its whole text so far."""
+
+    delta: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    rid: str | None = None  # meta_info.id
+    prompt_tokens: int | None = None  # None: not reported
+    completion_tokens: int | None = None
+    finish: str | None = None  # SGLang's finish_reason type ("length", "stop", "abort", ...); None: generating
+    index: int | None = None  # the choice, when n > 1 (None: not on the wire, choice 0)
+    logprobs: list | None = None  # one entry per token of token_ids (None entries: reported by prefill)
+    prompt_logprobs: list | None = None
+
+    @property
+    def choice(self) -> int:
+        return self.index or 0
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason: None while generating, then "length" or "stop"."""
+        if self.finish is None:
+            return None
+        return "length" if self.finish == "length" else "stop"
+
+    def usage(self) -> dict:
+        p, c = self.prompt_tokens or 0, self.completion_tokens or 0
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"text": self.text, "delta": self.delta, "token_ids": list(self.token_ids),
+                               "meta_info": {"id": self.rid, "prompt_tokens": self.prompt_tokens,
+                                             "completion_tokens": self.completion_tokens,
+                                             "finish_reason": None if self.finish is None else {"type": self.finish}}}
+        if self.index is not None:
+            out["index"] = self.index
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        return out
+
+    @classmethod
+    def from_json(cls, ev: dict, n: int | None = None) -> "TokenEvent":
+        """A wire event (decode's, or prefill's answer) -> TokenEvent. With ``n``: ValueError for a choice outside
+        [0, n)."""
+        mi = ev.get("meta_info") or {}
+        index = ev.get("index")
+        if n is not None:
+            choice_index(index, n)
+        pt, ct = mi.get("prompt_tokens"), mi.get("completion_tokens")
+        return cls(delta=ev.get("delta", ""), token_ids=list(ev.get("token_ids") or ()), text=ev.get("text", ""),
+                   rid=mi.get("id"), prompt_tokens=None if pt is None else int(pt),
+                   completion_tokens=None if ct is None else int(ct), finish=_finish_type(mi.get("finish_reason")),
+                   index=index, logprobs=ev.get("logprobs"), prompt_logprobs=ev.get("prompt_logprobs"))

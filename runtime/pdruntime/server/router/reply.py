@@ -1,0 +1,163 @@
+"""The client's side of one dispatched PD request: decode's token events become OpenAI chunks (streamed) or one
+response, per choice, with the router's token metrics; closing it releases the pair and settles both legs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator
+
+from fastapi.responses import JSONResponse
+
+from pdruntime.server.openai.events import TokenEvent
+from pdruntime.server.openai.format import Choices, OpenAIShape
+from pdruntime.server.openai.schemas import ApiError, ChatCompletionRequest, CompletionRequest, error_body
+from pdruntime.server.router.legs import LegError, Legs
+from pdruntime.server.router.policy import PairState
+from pdruntime.util.sse import SSE_DONE, sse
+
+if TYPE_CHECKING:
+    from pdruntime.server.router.app import LiveRequest, Router
+
+
+@dataclass(frozen=True)
+class EdgeRequest:
+    """One client request as the router's HTTP edge validated it (once); every layer below reads this."""
+
+    body: ChatCompletionRequest | CompletionRequest
+    chat: bool
+    client: str  # who sent it (its API key's name, X-Client-Id, or a token hash)
+    model: str  # the served model id it resolved to
+    deadline: float  # time.monotonic() seconds
+    arrived: float  # time.monotonic() seconds
+    tool_parser: str  # the model's tool-call parser (its workers report it)
+
+    @property
+    def n(self) -> int:
+        return self.body.n
+
+    def shape(self, rid: str) -> OpenAIShape:
+        body, chat = self.body, self.chat
+        return OpenAIShape(chat, ("chatcmpl-" if chat else "cmpl-") + rid, self.model, int(time.time()),
+                           tool_parser=self.tool_parser if chat and body.tools and body.tool_choice != "none" else None,
+                           echo=body.prompt_text() if not chat and body.echo else None)
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """A request whose pair answered: its legs, the pair's state and decode's first event."""
+
+    legs: Legs
+    state: PairState
+    first: TokenEvent
+
+
+class Reply:
+    """Streams (:meth:`stream`) or collects (:meth:`collect`) one request's events; :meth:`finish` runs once."""
+
+    def __init__(self, router: "Router", req: EdgeRequest, live: "LiveRequest", sent: Dispatched,
+                 client_label: str) -> None:
+        self.router, self.req, self.live, self.sent = router, req, live, sent
+        self.metrics = router.metrics
+        self.client_label = client_label
+        self.shape = req.shape(live.rid)
+        self.choices = Choices(req.n)
+        self.outcome = "aborted"  # until it completes ("ok") or fails mid-stream ("failed")
+        self.last_token_at = time.monotonic()
+        self.prompt_logprobs: list | None = None  # echo + logprobs: the prompt's entries (prefill's)
+
+    async def token_events(self) -> AsyncIterator[TokenEvent]:
+        """Decode's events, counted, with choice 0's first-token logprobs from prefill (which sampled it)."""
+        patch = self.req.body.logprobs_n() is not None
+        async for ev in self.sent.legs.events(self.sent.first):
+            if patch and ev.choice == 0:
+                patch = False
+                ev = await self.sent.legs.first_with_prefill_logprobs(ev)
+                self.prompt_logprobs = ev.prompt_logprobs
+            self.choices.see(ev)  # Legs checked the index
+            self._count(ev)
+            yield ev
+        if not self.choices.done:  # e.g. a decode worker that ignores sampling_params.n streams choice 0 alone
+            unfinished = [i for i, f in enumerate(self.choices.finished) if not f]
+            raise LegError(502, f"decode ended its stream with choices {unfinished} of n={self.req.n} unfinished (a "
+                           "decode worker must run choices 1..n-1 as forks of sampling_params.n)", leg="decode",
+                           retryable=False)
+
+    def _count(self, ev: TokenEvent) -> None:
+        n = len(ev.token_ids)
+        if n:
+            now = time.monotonic()
+            if self.live.tokens:
+                self.metrics.itl.labels("router").observe(now - self.last_token_at)
+            self.last_token_at = now
+            self.live.tokens += n
+            self.live.progressed_at = now
+            self.metrics.tokens.labels("router", self.client_label).inc(n)
+
+    async def finish(self, completed: bool) -> None:
+        """Release the pair and the live entry; a finished stream closes decode and reaps prefill, anything else
+        aborts both legs."""
+        legs = self.sent.legs
+        self.router.release(self.sent.state)
+        self.router.live.pop(self.live.rid, None)
+        if completed and self.outcome == "aborted":  # finished normally (not failed mid-stream)
+            self.outcome = "ok"
+            await legs.close()
+            asyncio.get_running_loop().create_task(legs.join_prefill())
+        else:
+            if self.outcome == "aborted":
+                self.metrics.disconnects.inc()
+            await legs.abort()
+        self.metrics.requests.labels("router", self.client_label, self.outcome).inc()
+        self.metrics.e2e.labels("router").observe(time.monotonic() - self.req.arrived)
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """SSE chunks per choice, then ``[DONE]``; a failure after the first token ends it with an error event."""
+        opts = self.req.body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        started = [False] * self.req.n
+        tools = [self.shape.stream_state() for _ in range(self.req.n)]  # per choice
+        try:
+            async for ev in self.token_events():
+                i = ev.choice
+                for c in self.shape.stream_chunks(ev, first=not started[i], include_usage=include_usage,
+                                                  continuous_usage=continuous, state=tools[i], choices=self.choices):
+                    yield sse(c)
+                started[i] = True
+                if self.choices.done:
+                    break
+        except LegError as exc:
+            self.outcome = "failed"
+            yield sse(error_body(exc.status, f"generation failed after the first token: {exc.message}",
+                                 type="server_error", code=exc.code))
+            return
+        yield SSE_DONE
+
+    async def collect(self) -> JSONResponse:
+        """The whole response (every choice), after decode's last event."""
+        n = self.req.n
+        completed = False
+        texts, lps, lasts = [""] * n, [[] for _ in range(n)], [self.sent.first] * n  # per choice
+        try:
+            async for ev in self.token_events():
+                i = ev.choice
+                texts[i] += ev.delta
+                lps[i] += ev.logprobs or []
+                lasts[i] = ev
+                if self.choices.done:
+                    break
+            completed = True
+        except LegError as exc:
+            self.outcome = "failed"
+            raise ApiError(exc.status if exc.status != 499 else 502, f"generation failed: {exc.message}",
+                           type="server_error", code=exc.code) from None
+        finally:
+            await self.finish(completed)
+        want_lps = self.req.body.logprobs_n() is not None
+        if want_lps and self.prompt_logprobs is not None:  # echo: the prompt's entries first (each text starts with it)
+            lps = [self.prompt_logprobs + lp for lp in lps]
+        return JSONResponse(self.shape.response(
+            [self.shape.choice(i, texts[i], lasts[i], logprobs=lps[i] if want_lps else None) for i in range(n)],
+            self.choices.usage()))

@@ -1,0 +1,177 @@
+"""The output side of one admitted decode request: engine outputs of its n choices -> typed token events ->
+SSE (``/generate`` or OpenAI-shaped chunks) or one response, with decode's token metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from fastapi.responses import JSONResponse
+
+from pdruntime.disagg.decode_queues import DecodeRequest
+from pdruntime.server.openai.events import TokenEvent
+from pdruntime.server.openai.format import Choices, OpenAIShape, logprob_entries
+from pdruntime.server.openai.schemas import error_body
+from pdruntime.util.sse import SSE_DONE, sse
+
+if TYPE_CHECKING:
+    from pdruntime.server.worker.decode import DecodeWorker
+
+log = logging.getLogger("pdruntime.decode")
+
+
+class DecodeFailed(Exception):
+    def __init__(self, reason: str, status: int = 502) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+class EarlyToken:
+    """The first token, streamed as soon as decode holds the KV (see DecodeWorker._early_first_token)."""
+
+    early = True
+    finished = False
+    finish_reason = None
+
+    def __init__(self, token_id: int, text: str) -> None:
+        self.new_token_ids = [token_id]
+        self.text_delta = text
+
+
+class _Trimmed:
+    __slots__ = ("new_token_ids", "text_delta", "finished", "finish_reason")
+
+    def __init__(self, ids: list[int], text: str, finished: bool, reason: Any) -> None:
+        self.new_token_ids, self.text_delta, self.finished, self.finish_reason = ids, text, finished, reason
+
+
+def _without_early(out: Any, early: EarlyToken) -> Any:
+    """``out`` minus the already-streamed first token (its id and its text prefix)."""
+    ids = list(out.new_token_ids)
+    if not ids or ids[0] != early.new_token_ids[0]:
+        return out  # aborted or otherwise not the expected report: pass through unchanged
+    text = out.text_delta
+    if text.startswith(early.text_delta):
+        text = text[len(early.text_delta):]
+    else:
+        log.warning("first-token text %r is not a prefix of the engine's %r; streaming both", early.text_delta, text)
+    return _Trimmed(ids[1:], text, out.finished, out.finish_reason)
+
+
+class DecodeStream:
+    """Events of one request, per choice (``req.n``), from its output queue; :meth:`on_close` runs once."""
+
+    def __init__(self, worker: "DecodeWorker", req: DecodeRequest, client_label: str) -> None:
+        self.worker, self.req = worker, req
+        self.metrics, self.role = worker.metrics, worker.role
+        self.tokenizer = worker.loaded.tokenizer
+        self.client_label = client_label
+        self.arrived = time.monotonic()
+        self.choice_of = {eid: i for i, eid in enumerate(req.engine_ids())}
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        """Each engine output as its choice's event, until every choice finished. Raises DecodeFailed."""
+        req = self.req
+        texts, tokens = [""] * req.n, [0] * req.n  # per choice
+        open_ = req.n
+        last = None
+        early: EarlyToken | None = None
+        while True:
+            item = await req.outputs.get()
+            if isinstance(item, DecodeFailed):
+                raise item
+            i = self.choice_of[getattr(item, "request_id", req.rid)]  # the early token is choice 0's
+            if i == 0 and early is not None:  # the engine's first report repeats the early token: drop it once
+                item = _without_early(item, early)
+                early = None
+            elif isinstance(item, EarlyToken):
+                early = item
+            if item.new_token_ids:
+                last = self._count(item, last)
+                tokens[i] += len(item.new_token_ids)
+            texts[i] += item.text_delta
+            yield self._event(item, i, texts[i], tokens[i])
+            if item.finished:
+                open_ -= 1
+                if not open_:
+                    return
+
+    def _count(self, item: Any, last: float | None) -> float:
+        """Token metrics of one output with tokens; -> its time (the next one's ITL reference)."""
+        ts = time.monotonic()
+        if last is None:
+            self.metrics.ttft.labels(self.role).observe(ts - self.arrived)
+        else:
+            self.metrics.itl.labels(self.role).observe(ts - last)
+        self.req.completion_tokens += len(item.new_token_ids)
+        self.req.last_token_at = self.worker.clock.now()
+        self.metrics.tokens.labels(self.role, self.client_label).inc(len(item.new_token_ids))
+        return ts
+
+    def _event(self, item: Any, i: int, text: str, tokens: int) -> TokenEvent:
+        req, ids = self.req, list(item.new_token_ids)
+        prompt_lps = None
+        if getattr(item, "prompt_logprobs", None) is not None:  # monolithic runs (PD: prefill reports them)
+            prompt_lps = [None] + logprob_entries(self.tokenizer, req.prompt_ids[1:], item.prompt_logprobs)
+        lps = None
+        if req.params.logprobs is not None:  # PD: the first token's entry is None here (prefill reports it)
+            lps = logprob_entries(self.tokenizer, ids, getattr(item, "logprobs", None))
+        return TokenEvent(delta=item.text_delta, token_ids=ids, text=text, rid=req.rid,
+                          prompt_tokens=len(req.prompt_ids), completion_tokens=tokens,
+                          finish=item.finish_reason if item.finished else None, index=i if req.forks else None,
+                          logprobs=lps, prompt_logprobs=prompt_lps)
+
+    async def on_close(self, completed: bool) -> None:
+        req = self.req
+        outcome = "ok" if completed else ("failed" if req.failure else "aborted")
+        if not completed and req.failure is None:
+            self.worker._fail(req, "client disconnected", cause="client_disconnect", status=499)
+        self.metrics.requests.labels(self.role, self.client_label, outcome).inc()
+        self.metrics.e2e.labels(self.role).observe(time.monotonic() - self.arrived)
+
+    async def sse_body(self, shape: OpenAIShape | None, include_usage: bool) -> AsyncIterator[bytes]:
+        """SGLang events (``shape`` None) or OpenAI chunks, then ``[DONE]``; a failure ends with an error event."""
+        choices = Choices(self.req.n)
+        states = [shape.stream_state() if shape is not None else None for _ in range(self.req.n)]
+        try:
+            async for ev in self.events():
+                i, first = choices.see(ev)
+                if shape is None:
+                    yield sse(ev.to_json())
+                else:
+                    for c in shape.stream_chunks(ev, first=first, include_usage=include_usage, state=states[i],
+                                                 choices=choices):
+                        yield sse(c)
+        except DecodeFailed as exc:
+            err = error_body(exc.status, exc.reason, type="server_error", code="decode_failed")
+            err["error"]["status"] = exc.status  # the HTTP status this would have had (200 was already sent)
+            yield sse(err)
+            return
+        yield SSE_DONE
+
+    async def respond(self, shape: OpenAIShape | None) -> JSONResponse:
+        """The whole answer: SGLang's last event (a list of them for n > 1), or an OpenAI response."""
+        completed = False
+        n = self.req.n
+        try:
+            choices = Choices(n)
+            finals: list = [None] * n  # per choice: its last event
+            lps: list = [[] for _ in range(n)]
+            async for ev in self.events():
+                i, _ = choices.see(ev)
+                finals[i] = ev
+                lps[i] += ev.logprobs or []
+            completed = True
+            if shape is None:  # SGLang: n > 1 answers a list
+                return JSONResponse(finals[0].to_json() if n == 1 else [f.to_json() for f in finals])
+            want_lps = self.req.params.logprobs is not None
+            return JSONResponse(shape.response(
+                [shape.choice(i, f.text, f, logprobs=lps[i] if want_lps else None) for i, f in enumerate(finals)],
+                choices.usage()))
+        except DecodeFailed as exc:
+            return JSONResponse(error_body(exc.status, exc.reason, type="server_error", code="decode_failed"),
+                                status_code=exc.status)
+        finally:
+            await self.on_close(completed)
