@@ -25,7 +25,7 @@ import importlib.util
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, TypedDict, Unpack
 
 import torch
 
@@ -150,24 +150,35 @@ def kernel_config() -> dict[str, Any]:
     return active_config().as_dict()
 
 
+class SplitOptions(TypedDict, total=False):
+    """The optional split and scale arguments of :func:`decode_attention`."""
+
+    num_splits: int | Sequence[int] | None  # KV splits per sequence (one int for all, or one each); None: heuristic
+    sm_scale: float | None  # softmax scale; None: 1 / sqrt(D)
+    plan: Any  # a SplitPlan built ahead (CUDA graphs); wins over num_splits
+
+
+_SPLIT_OPTIONS = frozenset(SplitOptions.__annotations__)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                     seq_lens: torch.Tensor, *, num_splits: int | Sequence[int] | None = None,
-                     sm_scale: float | None = None, config: KernelConfig | None = None,
-                     out: torch.Tensor | None = None, plan: Any = None) -> torch.Tensor:
+                     seq_lens: torch.Tensor, *, config: KernelConfig | None = None, out: torch.Tensor | None = None,
+                     **split: Unpack[SplitOptions]) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged KV cache.
 
     q: [B, Hq, D]; k_cache, v_cache: [num_blocks, BLOCK_SIZE, Hkv, D];
     block_table: [B, max_blocks] int32; seq_lens: [B] int32 (each >= 1, includes the
     new token's own K/V, already stored). Returns out: [B, Hq, D] in q's dtype.
 
-    num_splits: KV splits per sequence for the Triton kernel (an int for all, or one
-        per sequence); None = ``num_kv_splits`` with the configured knobs. Ignored by torch.
-    sm_scale: softmax scale, default ``1 / sqrt(D)``.
     config: overrides the process-wide ``active_config()`` (tests, benchmarks).
     out: [B, Hq, D] like q, written in place when given.
-    plan: a ``SplitPlan`` built ahead (CUDA graphs: its split counts hold for any lengths up to the
-        plan's, the kernel reads the real ``seq_lens`` on the device). Ignored by torch.
+    split (:class:`SplitOptions`): ``num_splits`` KV splits per sequence for the Triton kernel; ``sm_scale``;
+        ``plan``, a ``SplitPlan`` built ahead (CUDA graphs: its split counts hold for any lengths up to the
+        plan's, the kernel reads the real ``seq_lens`` on the device). Splits are ignored by torch.
     """
+    if split and not split.keys() <= _SPLIT_OPTIONS:
+        raise TypeError(f"decode_attention() got unexpected keyword arguments {sorted(split.keys() - _SPLIT_OPTIONS)}")
+    num_splits, sm_scale, plan = split.get("num_splits"), split.get("sm_scale"), split.get("plan")
     cfg = config if config is not None else active_config()
     if cfg.backend == TORCH:
         return torch_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale, out=out)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, TypedDict, Unpack
 
 import torch
 import triton
@@ -295,18 +295,32 @@ def make_split_plan(lens: Sequence[int], splits: Sequence[int], block_n: int, de
                      num_splits)
 
 
+class LaunchOptions(TypedDict, total=False):
+    """The optional launch arguments of :func:`triton_decode_attention`."""
+
+    sm_scale: float | None  # softmax scale; None: 1 / sqrt(D)
+    block_n: int  # KV positions per inner step (default BLOCK_N)
+    poison_workspace: bool  # tests: NaN-fill the partial-output/LSE buffers first, so an unwritten partial shows
+
+
+_LAUNCH_OPTIONS = frozenset(LaunchOptions.__annotations__)
+
+
 def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, seq_lens: torch.Tensor, splits: Sequence[int] | SplitPlan,
-                            *, sm_scale: float | None = None, block_n: int = BLOCK_N,
-                            out: torch.Tensor | None = None, poison_workspace: bool = False) -> torch.Tensor:
+                            *, out: torch.Tensor | None = None, **launch: Unpack[LaunchOptions]) -> torch.Tensor:
     """Launch stage 1 (and stage 2 when any sequence is split); returns out: [B, Hq, D].
 
     splits: KV splits per sequence (from ``num_kv_splits`` or the caller), or a
     ``SplitPlan`` already built for this ``seq_lens`` (no host sync, no copy).
     out: written in place when given (tests pass it pre-filled with NaN).
-    poison_workspace: fill the partial-output/LSE buffers with NaN first (tests), so a
-    partial that stage 2 reads but stage 1 never wrote shows up as NaN.
+    launch (:class:`LaunchOptions`): ``sm_scale``, ``block_n``, ``poison_workspace``.
     """
+    if launch and not launch.keys() <= _LAUNCH_OPTIONS:
+        raise TypeError(f"triton_decode_attention() got unexpected keyword arguments "
+                        f"{sorted(launch.keys() - _LAUNCH_OPTIONS)}")
+    sm_scale, block_n = launch.get("sm_scale"), launch.get("block_n", BLOCK_N)
+    poison_workspace = launch.get("poison_workspace", False)
     batch, num_q_heads, num_kv_heads, head_dim, page = check_decode_inputs(q, k_cache, v_cache, block_table, seq_lens)
     assert q.device == k_cache.device == v_cache.device == block_table.device == seq_lens.device, \
         "q, caches, block_table and seq_lens must be on one device"

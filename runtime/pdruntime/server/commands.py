@@ -161,18 +161,18 @@ def build_server(args: argparse.Namespace, env=None):
     config = _engine_config(args)
     loaded = load_for(args.model or env.model, config, threads=args.threads, env=env)
     engine = Engine(loaded, config)
+    from pdruntime.server.worker.base import WorkerOptions
+
+    opts = WorkerOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                         generation_config=args.generation_config, tool_call_parser=args.tool_call_parser)
     if args.role == "prefill":
         from pdruntime.server.worker.prefill import PrefillWorker
 
-        worker = PrefillWorker(loaded, engine, env, host=args.host, port=args.port, bootstrap_host=args.host,
-                               bootstrap_port=args.bootstrap_port, served_model_name=args.served_model_name,
-                               generation_config=args.generation_config, tool_call_parser=args.tool_call_parser)
+        worker = PrefillWorker(loaded, engine, env, opts, bootstrap_host=args.host, bootstrap_port=args.bootstrap_port)
     else:
         from pdruntime.server.worker.decode import DecodeWorker
 
-        worker = DecodeWorker(loaded, engine, env, host=args.host, port=args.port,
-                              served_model_name=args.served_model_name, generation_config=args.generation_config,
-                              tool_call_parser=args.tool_call_parser)
+        worker = DecodeWorker(loaded, engine, env, opts)
     return worker.build_app(), worker
 
 

@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import httpx
 import yaml
@@ -214,32 +214,53 @@ def _alive(p: subprocess.Popen | None) -> bool:
     return p is not None and p.poll() is None
 
 
+@dataclass(frozen=True)
+class StackSpec:
+    """What ``pdrt up`` runs: ``pairs`` groups of ``prefill`` P and ``decode`` D workers from ``base_port`` (each group
+    :func:`group_stride` ports), the router on ``port``, and how restarts back off."""
+
+    pairs: int = 1
+    prefill: int = 1
+    decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    base_port: int = 8100
+    model: str | None = None
+    worker_args: tuple[str, ...] | list[str] = ()  # passed to every `pdrt serve` worker
+    extra_env: dict[str, str] | None = None
+    log_dir: str | None = None  # None: the stack's temporary work dir
+    backoff_base_s: float = BACKOFF_BASE_S
+    backoff_cap_s: float = BACKOFF_CAP_S
+    reset_after_s: float = RESET_AFTER_S
+
+    def __post_init__(self) -> None:
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError(f"--prefill {self.prefill} --decode {self.decode}: accepted: at least one of each per group")
+
+
 class LocalStack:
-    def __init__(self, *, pairs: int = 1, prefill: int = 1, decode: int = 1, host: str = "127.0.0.1",
-                 port: int = 8000, base_port: int = 8100,
-                 model: str | None = None, worker_args: list[str] | None = None, extra_env: dict[str, str] | None = None,
-                 log_dir: str | None = None, backoff_base_s: float = BACKOFF_BASE_S, backoff_cap_s: float = BACKOFF_CAP_S,
-                 reset_after_s: float = RESET_AFTER_S) -> None:
+    def __init__(self, **spec: Any) -> None:
+        """``spec``: the fields of :class:`StackSpec` (TypeError for any other, ValueError for a bad group)."""
+        sp = StackSpec(**spec)
+        host, port, model = sp.host, sp.port, sp.model
         self.host, self.port = host, port
         self.model = model
-        self.worker_args = worker_args or []
+        self.worker_args = list(sp.worker_args or ())
         self.workdir = tempfile.mkdtemp(prefix="pdrt-up-")
-        self.log_dir = log_dir or self.workdir
+        self.log_dir = sp.log_dir or self.workdir
         self.topology_path = os.path.join(self.workdir, "topology.yaml")
-        self.env = {**os.environ, **(extra_env or {})}
+        self.env = {**os.environ, **(sp.extra_env or {})}
         self.env.setdefault("PDRT_KV_AUTH_TOKEN", secrets.token_hex(16))  # per-run KV-transfer token
         self.env["PDRT_PARENT_PID"] = str(os.getpid())
         if model:
             self.env["PDRT_MODEL"] = model
         self.run_id = secrets.token_hex(4)
         self.spawned = 0
-        self.backoff_base_s, self.backoff_cap_s, self.reset_after_s = backoff_base_s, backoff_cap_s, reset_after_s
-        if prefill < 1 or decode < 1:
-            raise ValueError(f"--prefill {prefill} --decode {decode}: accepted: at least one of each per group")
-        stride = group_stride(prefill, decode)
+        self.backoff_base_s, self.backoff_cap_s, self.reset_after_s = sp.backoff_base_s, sp.backoff_cap_s, sp.reset_after_s
+        stride = group_stride(sp.prefill, sp.decode)
         self.pairs = []
-        for i in range(pairs):
-            first, extra = group_ports(base_port + stride * i, prefill, decode)
+        for i in range(sp.pairs):
+            first, extra = group_ports(sp.base_port + stride * i, sp.prefill, sp.decode)
             self.pairs.append(PairProcs(i, *first, extra=extra))
         self.router: subprocess.Popen | None = None
         self.router_instance = ""

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,20 +28,32 @@ from pdruntime.server.openai.schemas import (MAX_BODY_BYTES, ApiError, WorkerCha
 log = logging.getLogger("pdruntime.worker")
 
 
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How a worker serves (``pdrt serve`` flags): its address, model name, sampling defaults, tool-call parser."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    clock: Clock | None = None  # None: monotonic (an advanceable OffsetClock with PDRT_TEST_HOOKS)
+    served_model_name: str | None = None  # None: the model file's name
+    generation_config: str = "auto"  # auto | none | a generation_config.json path
+    tool_call_parser: str = "auto"
+
+
 class WorkerBase:
     """Subclasses (prefill, decode) provide ``queues`` (a StageTable of their requests), ``_fail(req, reason,
     cause=...)`` (idempotent: fail one request and free what it holds), ``abort``, ``start_role``/``stop_role``."""
 
     role = "worker"
 
-    def __init__(self, loaded: Any, engine: Any, env: RuntimeEnv, *, host: str = "127.0.0.1", port: int = 8000,
-                 clock: Clock | None = None, served_model_name: str | None = None, generation_config: str = "auto",
-                 tool_call_parser: str = "auto") -> None:
+    def __init__(self, loaded: Any, engine: Any, env: RuntimeEnv, options: WorkerOptions | None = None) -> None:
+        opts = options or WorkerOptions()
+        served_model_name = opts.served_model_name
         self.loaded = loaded
         self.engine = engine
         self.env = env
-        self.host, self.port = host, port
-        self.clock = clock or (OffsetClock() if env.test_hooks else Clock())
+        self.host, self.port = opts.host, opts.port
+        self.clock = opts.clock or (OffsetClock() if env.test_hooks else Clock())
         self.metrics = Metrics(self.role)
         self.watchdog = Watchdog(self.role, self.clock, env.watchdog_tick_s,
                                  on_fired=lambda role, phase: self.metrics.watchdog_fired.labels(role, phase).inc())
@@ -49,10 +62,10 @@ class WorkerBase:
         self.max_model_len = int(engine.config.max_model_len or loaded.info.max_position_embeddings)
         from pdruntime.engine.defaults import resolve as resolve_defaults
 
-        self.generation_defaults = resolve_defaults(generation_config, getattr(loaded.info, "path", None),
+        self.generation_defaults = resolve_defaults(opts.generation_config, getattr(loaded.info, "path", None),
                                                     served_model_name or loaded.info.name)
         self.prompts = PromptBuilder(loaded.tokenizer, self.max_model_len, getattr(loaded.info, "vocab_size", None),
-                                     defaults=self.generation_defaults, tool_parser=tool_call_parser)
+                                     defaults=self.generation_defaults, tool_parser=opts.tool_call_parser)
         self.runner: EngineRunner | None = None
         self.ready = False
         self.started_at = time.time()

@@ -44,8 +44,8 @@ log = logging.getLogger("pdruntime.decode")
 class DecodeWorker(WorkerBase):
     role = "decode"
 
-    def __init__(self, *a: Any, **kw: Any) -> None:
-        super().__init__(*a, **kw)
+    def __init__(self, *a: Any) -> None:
+        super().__init__(*a)
         self.queues = DecodeQueues()
         self.pages_freed = asyncio.Event()
         self.layout = None

@@ -53,8 +53,8 @@ class TransferFailed(Exception):
 class PrefillWorker(WorkerBase):
     role = "prefill"
 
-    def __init__(self, *a: Any, bootstrap_host: str = "0.0.0.0", bootstrap_port: int = 8998, **kw: Any) -> None:
-        super().__init__(*a, **kw)
+    def __init__(self, *a: Any, bootstrap_host: str = "0.0.0.0", bootstrap_port: int = 8998) -> None:
+        super().__init__(*a)
         self.bootstrap_host = bootstrap_host
         self.bootstrap_port = bootstrap_port
         self.queues = PrefillQueues()
