@@ -37,9 +37,6 @@ class StageTable(Generic[T]):
         stage = self._stage_of.get(rid)
         return None if stage is None else self.stages[stage][rid]
 
-    def stage_of(self, rid: str) -> str | None:
-        return self._stage_of.get(rid)
-
     def counts(self) -> dict[str, int]:
         return {s: len(d) for s, d in self.stages.items()}
 

@@ -519,9 +519,6 @@ class FrameSocket:
         except OSError as exc:  # includes socket.timeout
             raise self._io_error(exc, "sending") from None
 
-    def send_preamble(self) -> None:
-        self.send_all(PREAMBLE)
-
     def send_frame(self, ftype: FrameType, payload: bytes) -> None:
         self.send_all(_FRAME.pack(int(ftype), len(payload)), payload)
 

@@ -54,14 +54,6 @@ def resolve_dtype(requested: str, device: str) -> str:
     return req
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch dtype -> 'bf16' | 'fp16' | 'fp32'."""
-    for name, dt in DTYPES.items():
-        if dt == dtype:
-            return name
-    raise ValueError(f"dtype {dtype} is not served; accepted: {', '.join(DTYPES)}")
-
-
 def rank_device(device: str, rank: int) -> str:
     """The device of TP rank ``rank``: cpu stays cpu; cuda:B -> cuda:(B + rank), one GPU per rank."""
     if device == "cpu":

@@ -21,7 +21,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-DEFAULT_MAX_TOKENS = 256  # when the client does not say; clipped to the remaining context by the worker
+# defaults for what a client leaves out: chosen here and nowhere else (the engine's SamplingParams has its own, for
+# callers of the engine itself)
+DEFAULT_MAX_TOKENS = 256  # chat and /generate: clipped to the context left after the prompt (default_max_tokens)
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions: OpenAI's default
 MAX_BODY_BYTES = 8 << 20  # request bodies above this are rejected with 413 (enforced while streaming in)
 MAX_JSON_DEPTH = 32  # nesting of arrays/objects; the deepest valid request is ~5
 MAX_TOKENS_CAP = 1 << 20  # max_tokens upper bound before the per-model context check
@@ -325,7 +328,7 @@ class CompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _prompt(self):
         if self.max_tokens is None:
-            self.max_tokens = 16  # OpenAI's default for /v1/completions
+            self.max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
         if self.echo and self.logprobs is not None and self.stream:
             raise ValueError("echo with logprobs is not supported when streaming; accepted: stream: false, or echo "
                              "or logprobs alone")
@@ -528,6 +531,12 @@ class GenerateRequest(_PDFields):
         if sum(given) != 1:
             raise ValueError("exactly one of text, input_ids or messages is accepted")
         return self
+
+
+def default_max_tokens(room: int) -> int:
+    """max_tokens of a chat or /generate request that does not say: DEFAULT_MAX_TOKENS, clipped to ``room`` (the
+    context left after the prompt)."""
+    return min(DEFAULT_MAX_TOKENS, room)
 
 
 def validate_generate(body: dict) -> GenerateRequest:

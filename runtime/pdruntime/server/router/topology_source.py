@@ -24,10 +24,6 @@ from pdruntime.server.router.topology import Topology, TopologyError, parse_topo
 log = logging.getLogger("pdruntime.topology")
 
 
-class StaleTopology(ValueError):
-    """The offered generation is older than the running one."""
-
-
 class TopologySource:
     """Gatekeeper between the two feeds and the router: ``offer()`` installs a topology if it is not older."""
 

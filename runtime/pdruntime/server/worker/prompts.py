@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import Request
 
-from pdruntime.server.openai.schemas import DEFAULT_MAX_TOKENS, ApiError, GenerateRequest
+from pdruntime.server.openai.schemas import ApiError, GenerateRequest, default_max_tokens
 
 
 def request_id(req: GenerateRequest) -> str:
@@ -80,7 +80,7 @@ class PromptBuilder:
 
         sp = req.sampling_params
         room = self.max_model_len - prompt_len
-        max_tokens = sp.max_new_tokens if sp.max_new_tokens is not None else min(DEFAULT_MAX_TOKENS, room)
+        max_tokens = sp.max_new_tokens if sp.max_new_tokens is not None else default_max_tokens(room)
         if max_tokens > room:
             raise ApiError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context of "
                            f"{self.max_model_len} tokens; accepted: max_tokens <= {room}", param="max_tokens",
