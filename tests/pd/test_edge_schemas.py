@@ -13,8 +13,9 @@ import json
 
 import pytest
 
-from pdruntime.server.openai.schemas import (ACCEPTED, MAX_JSON_DEPTH, ApiError, ChatCompletionRequest, CompletionRequest,
-                                      WorkerChatRequest, WorkerSampling, parse_body, validate, validate_generate)
+from pdruntime.server.openai.schemas import (ACCEPTED, MAX_JSON_DEPTH, ApiError, ChatCompletionRequest,
+                                             CompletionRequest, WorkerChatRequest, WorkerSampling, parse_body, validate,
+                                             validate_generate)
 
 # OpenAI name -> SGLang sampling_params name
 SHARED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",

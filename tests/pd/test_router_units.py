@@ -11,7 +11,8 @@ from pdruntime.server.metrics import ClientLabels
 from pdruntime.server.router.policy import CircuitBreaker, PairPicker
 from pdruntime.server.openai.schemas import ApiError, ChatCompletionRequest, CompletionRequest, parse_body, validate
 from pdruntime.server.local.supervisor import backoff_for, plan_restarts
-from pdruntime.server.router.topology import TopologyError, TopologyWatcher, load_topology_text, parse_topology, topology_from_flags
+from pdruntime.server.router.topology import (TopologyError, TopologyWatcher, load_topology_text, parse_topology,
+                                              topology_from_flags)
 
 TOPO = """
 version: 1

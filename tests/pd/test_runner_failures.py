@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pdruntime.engine import StepOutput
-from pdruntime.server.worker.engine_runner import (OOM_STATUS, REQUEST_ERROR_STATUS, STEP_ERROR_STATUS, EngineRunner,
-                                            FailurePolicy, isolation_verdict, step_backoff)
+from pdruntime.server.worker.engine_runner import (OOM_STATUS, REQUEST_ERROR_STATUS, STEP_ERROR_STATUS,
+                                                   EngineRunner, FailurePolicy, isolation_verdict, step_backoff)
 
 
 class FailingEngine:

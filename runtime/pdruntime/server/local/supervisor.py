@@ -235,7 +235,8 @@ class StackSpec:
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
-            raise ValueError(f"--prefill {self.prefill} --decode {self.decode}: accepted: at least one of each per group")
+            raise ValueError(f"--prefill {self.prefill} --decode {self.decode}: accepted: at least one of each per "
+                             "group")
 
 
 class LocalStack:
@@ -256,7 +257,8 @@ class LocalStack:
             self.env["PDRT_MODEL"] = model
         self.run_id = secrets.token_hex(4)
         self.spawned = 0
-        self.backoff_base_s, self.backoff_cap_s, self.reset_after_s = sp.backoff_base_s, sp.backoff_cap_s, sp.reset_after_s
+        self.backoff_base_s, self.backoff_cap_s = sp.backoff_base_s, sp.backoff_cap_s
+        self.reset_after_s = sp.reset_after_s
         stride = group_stride(sp.prefill, sp.decode)
         self.pairs = []
         for i in range(sp.pairs):

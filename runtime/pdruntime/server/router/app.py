@@ -18,21 +18,20 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-
-from pdruntime.env import RuntimeEnv
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdruntime.env import RuntimeEnv
 from pdruntime.server.edge import BodyGuard, GuardedStream, instance_id, lifespan_app, metrics_response
-from pdruntime.server.router.health_probe import HealthProber
 from pdruntime.server.metrics import Metrics
 from pdruntime.server.openai.events import TokenEvent
+from pdruntime.server.openai.schemas import (MAX_BODY_BYTES, ApiError, ChatCompletionRequest, CompletionRequest,
+                                             error_body, openapi_components, parse_body, validate)
+from pdruntime.server.router.auth import (admin_token, bearer, client_identity, client_request_id, is_loopback,
+                                          key_name, match_api_key, same_secret)
+from pdruntime.server.router.health_probe import HealthProber
 from pdruntime.server.router.legs import LegError, Legs
-from pdruntime.server.router.auth import (admin_token, bearer, client_identity, client_request_id, is_loopback, key_name,
-                                          match_api_key, same_secret)
 from pdruntime.server.router.policy import Outcome, PairPicker, PairState
 from pdruntime.server.router.reply import Dispatched, EdgeRequest, Reply
-from pdruntime.server.openai.schemas import (MAX_BODY_BYTES, ApiError, ChatCompletionRequest, CompletionRequest, error_body,
-                                      openapi_components, parse_body, validate)
 from pdruntime.server.router.topology import Topology, TopologyWatcher
 from pdruntime.server.router.topology_source import TopologySource
 from pdruntime.util.headers import ADMIN_TOKEN_HEADER, CLIENT_CONNECTION_HEADER, PIN_HEADER, REQUEST_ID_HEADER

@@ -17,13 +17,13 @@ from pdruntime.disagg.watchdog import Clock, OffsetClock, Watchdog
 from pdruntime.engine import InvalidRequest
 from pdruntime.env import RuntimeEnv
 from pdruntime.server.edge import BodyGuard, instance_id, lifespan_app, log_unexpected, metrics_response
-from pdruntime.server.worker.faults import TestHooks
-from pdruntime.server.worker.prompts import PromptBuilder, client_of, request_id
-from pdruntime.server.worker.engine_runner import EngineRunner, FailurePolicy
 from pdruntime.server.metrics import Metrics
 from pdruntime.server.openai.format import OpenAIShape
 from pdruntime.server.openai.schemas import (MAX_BODY_BYTES, ApiError, WorkerChatRequest, WorkerCompletionRequest,
-                                      generate_from_openai, parse_body, validate)
+                                             generate_from_openai, parse_body, validate)
+from pdruntime.server.worker.engine_runner import EngineRunner, FailurePolicy
+from pdruntime.server.worker.faults import TestHooks
+from pdruntime.server.worker.prompts import PromptBuilder, client_of, request_id
 
 log = logging.getLogger("pdruntime.worker")
 

@@ -30,12 +30,12 @@ from pdruntime.disagg.decode_queues import DecodeQueues, DecodeRequest
 from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import WireError
 from pdruntime.server.edge import GuardedStream
-from pdruntime.server.worker.faults import STALL_THIS_REQUEST, ConnectionStall, connection_of
 from pdruntime.server.openai.format import OpenAIShape
 from pdruntime.server.openai.schemas import ApiError, GenerateRequest
 from pdruntime.server.worker.base import WorkerBase
 from pdruntime.server.worker.decode_stream import DecodeFailed, DecodeStream, EarlyToken
 from pdruntime.server.worker.engine_commands import Abort, AddRequest, AdmitPrefilled, Reserve, ScatterPages
+from pdruntime.server.worker.faults import STALL_THIS_REQUEST, ConnectionStall, connection_of
 from pdruntime.server.worker.prompts import client_of, read_generate, request_id
 
 log = logging.getLogger("pdruntime.decode")

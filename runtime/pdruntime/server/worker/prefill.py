@@ -26,12 +26,12 @@ from pdruntime.disagg import transfer, wire
 from pdruntime.disagg.prefill_queues import PrefillQueues, PrefillRequest
 from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import WireError
-from pdruntime.server.worker.prompts import client_of, read_generate, request_id
 from pdruntime.server.openai.events import TokenEvent
 from pdruntime.server.openai.format import OpenAIShape, logprob_entries
 from pdruntime.server.openai.schemas import ApiError, GenerateRequest, error_body
 from pdruntime.server.worker.base import WorkerBase
 from pdruntime.server.worker.engine_commands import Abort, AddRequest, GatherPages, Pages, Release
+from pdruntime.server.worker.prompts import client_of, read_generate, request_id
 
 log = logging.getLogger("pdruntime.prefill")
 

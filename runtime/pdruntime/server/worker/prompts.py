@@ -48,7 +48,8 @@ class PromptBuilder:
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.input_ids is not None:
             ids = list(req.input_ids)
-            if self.vocab_size is not None and (bad := next((i for i in ids if i >= self.vocab_size), None)) is not None:
+            bad = next((i for i in ids if i >= self.vocab_size), None) if self.vocab_size is not None else None
+            if bad is not None:
                 raise ApiError(400, f"input_ids: token id {bad} is outside the vocabulary; accepted: token ids in "
                                f"[0, {self.vocab_size})", param="input_ids", code="invalid_value")
         elif req.messages is not None:
@@ -68,10 +69,11 @@ class PromptBuilder:
         else:
             ids = self.tokenizer.encode(req.text or "")
         if not ids:
-            raise ApiError(400, "the prompt is empty; accepted: at least one token", param="prompt", code="invalid_value")
+            raise ApiError(400, "the prompt is empty; accepted: at least one token", param="prompt",
+                           code="invalid_value")
         if len(ids) >= self.max_model_len:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens, "
-                           f"accepted: a prompt under {self.max_model_len} tokens plus max_tokens",
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
+                           f"tokens, accepted: a prompt under {self.max_model_len} tokens plus max_tokens",
                            param="messages" if req.messages is not None else "prompt", code="context_length_exceeded")
         return ids
 
