@@ -150,7 +150,7 @@ class RuntimeEnv:
     kv_auth_token: str | None = field(default=None, repr=False)
     kv_auth_token_file: str | None = None
 
-    # engine failure containment (server/engine_runner.py)
+    # engine failure containment (server/worker/engine_runner.py)
     engine_max_step_failures: int = 5  # consecutive failing steps (not tied to a request) before exit
     engine_failure_exit_grace_s: float = 2.0  # unhealthy (/health 503) -> process exit
 

@@ -280,7 +280,7 @@ def test_engine_reserves_fork_pages_with_the_prompt_all_or_nothing(agent_tiny_mo
 
 
 def test_choices_shape_n_streams_into_one_response():
-    """Pure: openai_format.Choices + OpenAIShape on interleaved events of 2 choices."""
+    """Pure: openai.format.Choices + OpenAIShape on interleaved events of 2 choices."""
     from pdruntime.server.openai.events import TokenEvent
     from pdruntime.server.openai.format import Choices, OpenAIShape
 

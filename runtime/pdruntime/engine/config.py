@@ -114,7 +114,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None  # None = off; n >= 0 = the chosen token's logprob plus the top n
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the request (like EOS; not in the text)
-    grammar: str | None = None  # structured-output grammar (JSON: see server/structured.py); None = free text
+    grammar: str | None = None  # structured-output grammar (JSON: see server/openai/structured.py); None = free text
     prompt_logprobs: int | None = None  # None = off; n >= 0 = each prompt token's logprob (after the first) + top n
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """Structured output: grammar matchers (llguidance) that give the sampler a token bitmask per step.
 
 A request's ``SamplingParams.grammar`` is an llguidance grammar string (JSON schema, Lark; built from OpenAI's
-``response_format`` / ``tools`` by ``server/structured.py``). Each sequence owns one matcher; before each
+``response_format`` / ``tools`` by ``server/openai/structured.py``). Each sequence owns one matcher; before each
 sample the matcher's bitmask (int32 [ceil(V/32)], bit t allows token t) goes into the batched sampler, and the
 sampled token advances it. A decode worker re-creates the matcher and advances it by the tokens prefill already
 emitted, so constrained decoding continues across the PD split.

@@ -10,7 +10,7 @@ Request path (one HTTP handler + one bootstrap connection per request)::
 
 n > 1 (``sampling_params.n``) changes nothing here: the prompt is prefilled and sent once, and the first token
 sampled here (with the request's seed) and its logprobs are choice 0's; the decode worker forks the other choices
-off the transferred pages and samples their first tokens itself (see decode_app).
+off the transferred pages and samples their first tokens itself (see worker/decode.py).
 """
 
 from __future__ import annotations
