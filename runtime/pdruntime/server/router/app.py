@@ -13,7 +13,6 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -29,9 +28,9 @@ from pdruntime.server.openai.schemas import (MAX_BODY_BYTES, ApiError, ChatCompl
 from pdruntime.server.router.auth import (admin_token, bearer, client_identity, client_request_id, is_loopback,
                                           key_name, match_api_key, same_secret)
 from pdruntime.server.router.health_probe import HealthProber
-from pdruntime.server.router.legs import LegError, Legs
+from pdruntime.server.router.legs import LegError, Legs, Outbound
 from pdruntime.server.router.policy import Outcome, PairPicker, PairState
-from pdruntime.server.router.reply import Dispatched, EdgeRequest, Reply
+from pdruntime.server.router.reply import Dispatched, EdgeRequest, LiveRequest, Reply
 from pdruntime.server.router.topology import Topology, TopologyWatcher
 from pdruntime.server.router.topology_source import TopologySource
 from pdruntime.util.headers import ADMIN_TOKEN_HEADER, CLIENT_CONNECTION_HEADER, PIN_HEADER, REQUEST_ID_HEADER
@@ -53,28 +52,6 @@ class RouterConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     api_keys: dict[str, str] = field(default_factory=dict, repr=False)  # key -> client name; empty: no auth
     admin_token: str | None = field(default=None, repr=False)  # /config, /debug/*: None = loopback clients only
-
-
-@dataclass(eq=False)
-class LiveRequest:
-    rid: str
-    client: str
-    conversation: str | None
-    started: float  # time.monotonic()
-    stage: str = "dispatching"
-    pair: int | None = None
-    tokens: int = 0
-    attempts: int = 0
-    client_request_id: str | None = None  # the client's X-Request-Id
-    pinned: int | None = None  # the group X-PDStack-Pair pinned it to
-    progressed_at: float = 0.0  # time.monotonic() of its last progress: arrival, a stage change, a token
-
-    def __post_init__(self) -> None:
-        self.progressed_at = self.progressed_at or self.started
-
-    def advance(self, stage: str) -> None:
-        self.stage = stage
-        self.progressed_at = time.monotonic()
 
 
 class Router:
@@ -188,8 +165,7 @@ class Router:
             timeout = min(timeout, asked)
         return time.monotonic() + timeout
 
-    async def _dispatch(self, live: LiveRequest, body: dict, headers: dict,
-                        deadline: float) -> tuple[Legs, PairState, TokenEvent]:
+    async def _dispatch(self, live: LiveRequest, out: Outbound) -> tuple[Legs, PairState, TokenEvent]:
         """Try pairs until one yields a first token. Raises ApiError.
 
         Every dispatch resolves its pair's breaker exactly once (success, failure or neutral), whatever ends
@@ -213,7 +189,7 @@ class Router:
             self.metrics.pair_outstanding.labels(state.pair.key).set(state.outstanding)
             outcome = Outcome.NEUTRAL  # client gone, 4xx, deadline, unexpected error: says nothing about the pair
             try:
-                legs = Legs(self.client, state.pair, live.rid, body, headers, deadline)
+                legs = Legs(self.client, state.pair, out)
                 first = await legs.first_event()
                 outcome = Outcome.SUCCESS
                 return legs, state, first
@@ -254,8 +230,8 @@ class Router:
         return ApiError(503, f"no ready PD pair: every ready pair's circuit breaker is open after failures; the next "
                         f"trial is in {wait}s", type="server_error", code="no_ready_pair", headers={"Retry-After": str(wait)})
 
-    async def _dispatch_unless_gone(self, request: Request, live: LiveRequest, body: dict, headers: dict,
-                                    deadline: float) -> tuple[Legs, PairState, TokenEvent]:
+    async def _dispatch_unless_gone(self, request: Request, live: LiveRequest,
+                                    out: Outbound) -> tuple[Legs, PairState, TokenEvent]:
         """_dispatch, abandoned (legs aborted by their own cleanup) if the client disconnects first."""
 
         async def gone() -> None:
@@ -263,7 +239,7 @@ class Router:
                 pass
 
         live.pinned = self.pinned_group(request)
-        dispatch = asyncio.create_task(self._dispatch(live, body, headers, deadline))
+        dispatch = asyncio.create_task(self._dispatch(live, out))
         watcher = asyncio.create_task(gone())
         try:
             await asyncio.wait({dispatch, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -278,6 +254,11 @@ class Router:
                 pass
             raise ApiError(499, "client disconnected before the first token", code="client_disconnected")
         return dispatch.result()
+
+    def _forget(self, live: LiveRequest, state: PairState) -> None:
+        """A reply finished (or was abandoned): its pair slot and its /debug/requests entry go."""
+        self.release(state)
+        self.live.pop(live.rid, None)
 
     def release(self, state: PairState) -> None:
         state.outstanding = max(0, state.outstanding - 1)
@@ -366,14 +347,15 @@ class Router:
         their choice's ``index``, and failing or aborting the request ends every choice."""
         client_label = self.metrics.clients.label(req.client)
         rid = uuid.uuid4().hex
-        worker_body: dict[str, Any] = {"sampling_params": req.body.sampling_params(), **req.body.worker_input()}
-        headers = {"x-client-id": req.client, REQUEST_ID_HEADER: rid,
-                   CLIENT_CONNECTION_HEADER: f"{request.client.host}:{request.client.port}" if request.client else ""}
+        connection = f"{request.client.host}:{request.client.port}" if request.client else ""
+        headers = {"x-client-id": req.client, REQUEST_ID_HEADER: rid, CLIENT_CONNECTION_HEADER: connection}
+        body = {"sampling_params": req.body.sampling_params(), **req.body.worker_input()}
+        out = Outbound(rid, body, headers, req.deadline, req.n)
         live = LiveRequest(rid, req.client, req.body.user or request.headers.get("x-session-id"), req.arrived,
                            client_request_id=client_request_id(request.headers))
         self.live[rid] = live
         try:
-            sent = Dispatched(*await self._dispatch_unless_gone(request, live, worker_body, headers, req.deadline))
+            sent = Dispatched(*await self._dispatch_unless_gone(request, live, out))
         except BaseException as exc:  # rejected, cancelled or a bug: the live entry never outlives its request
             self.live.pop(rid, None)
             if isinstance(exc, ApiError):
@@ -385,7 +367,7 @@ class Router:
             raise
         live.advance("streaming")
         self.metrics.ttft.labels("router").observe(time.monotonic() - req.arrived)
-        reply = Reply(self, req, live, sent, client_label)
+        reply = Reply(self.metrics, req, live, sent, client_label, self._forget)
         if req.body.stream:
             return GuardedStream(reply.stream(), reply.finish)
         return await reply.collect()

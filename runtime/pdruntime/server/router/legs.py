@@ -9,7 +9,7 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 import httpx
@@ -57,19 +57,30 @@ def _stream_error(ev: dict) -> LegError:
                     retryable=st >= 500 or st == 499, code=code, param=param)
 
 
+@dataclass(frozen=True)
+class Outbound:
+    """What the router sends for one request, to whichever pair it goes: the workers' body and headers."""
+
+    rid: str
+    body: dict  # SGLang /generate body without the bootstrap fields
+    headers: dict
+    deadline: float  # time.monotonic() seconds
+    n: int = 1  # choices decode streams
+
+
 class Legs:
-    def __init__(self, client: httpx.AsyncClient, pair: Pair, rid: str, body: dict, headers: dict, deadline: float) -> None:
+    def __init__(self, client: httpx.AsyncClient, pair: Pair, out: Outbound) -> None:
         self.client = client
         self.pair = pair
-        self.rid = rid
+        self.rid = out.rid
         self.room = random.getrandbits(63)
-        self.deadline = deadline  # time.monotonic() seconds
-        common = {**body, "rid": rid, "bootstrap_host": pair.bootstrap_host, "bootstrap_port": pair.bootstrap_port,
-                  "bootstrap_room": self.room}
+        self.deadline = out.deadline  # time.monotonic() seconds
+        common = {**out.body, "rid": out.rid, "bootstrap_host": pair.bootstrap_host,
+                  "bootstrap_port": pair.bootstrap_port, "bootstrap_room": self.room}
         self.prefill_body = {**common, "stream": False}
         self.decode_body = {**common, "stream": True}
-        self.headers = headers
-        self.n = int((body.get("sampling_params") or {}).get("n") or 1)  # choices decode streams
+        self.headers = out.headers
+        self.n = out.n
         self.prefill_task: asyncio.Task | None = None
         self.decode_resp: httpx.Response | None = None
         self._events: AsyncIterator[Any] | None = None  # decode's SSE payloads

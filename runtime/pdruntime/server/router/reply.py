@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse
 
+from pdruntime.server.metrics import Metrics
 from pdruntime.server.openai.events import TokenEvent
 from pdruntime.server.openai.format import Choices, OpenAIShape
 from pdruntime.server.openai.schemas import ApiError, ChatCompletionRequest, CompletionRequest, error_body
@@ -17,8 +18,27 @@ from pdruntime.server.router.legs import LegError, Legs
 from pdruntime.server.router.policy import PairState
 from pdruntime.util.sse import SSE_DONE, sse
 
-if TYPE_CHECKING:
-    from pdruntime.server.router.app import LiveRequest, Router
+
+@dataclass(eq=False)
+class LiveRequest:
+    rid: str
+    client: str
+    conversation: str | None
+    started: float  # time.monotonic()
+    stage: str = "dispatching"
+    pair: int | None = None
+    tokens: int = 0
+    attempts: int = 0
+    client_request_id: str | None = None  # the client's X-Request-Id
+    pinned: int | None = None  # the group X-PDStack-Pair pinned it to
+    progressed_at: float = 0.0  # time.monotonic() of its last progress: arrival, a stage change, a token
+
+    def __post_init__(self) -> None:
+        self.progressed_at = self.progressed_at or self.started
+
+    def advance(self, stage: str) -> None:
+        self.stage = stage
+        self.progressed_at = time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -56,10 +76,11 @@ class Dispatched:
 class Reply:
     """Streams (:meth:`stream`) or collects (:meth:`collect`) one request's events; :meth:`finish` runs once."""
 
-    def __init__(self, router: "Router", req: EdgeRequest, live: "LiveRequest", sent: Dispatched,
-                 client_label: str) -> None:
-        self.router, self.req, self.live, self.sent = router, req, live, sent
-        self.metrics = router.metrics
+    def __init__(self, metrics: Metrics, req: EdgeRequest, live: LiveRequest, sent: Dispatched, client_label: str,
+                 forget: Callable[[LiveRequest, PairState], None]) -> None:
+        self.req, self.live, self.sent = req, live, sent
+        self.metrics = metrics
+        self.forget = forget  # releases the pair slot and the live entry
         self.client_label = client_label
         self.shape = req.shape(live.rid)
         self.choices = Choices(req.n)
@@ -99,8 +120,7 @@ class Reply:
         """Release the pair and the live entry; a finished stream closes decode and reaps prefill, anything else
         aborts both legs."""
         legs = self.sent.legs
-        self.router.release(self.sent.state)
-        self.router.live.pop(self.live.rid, None)
+        self.forget(self.live, self.sent.state)
         if completed and self.outcome == "aborted":  # finished normally (not failed mid-stream)
             self.outcome = "ok"
             await legs.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 from fastapi.responses import JSONResponse
 
@@ -14,9 +14,6 @@ from pdruntime.server.openai.events import TokenEvent
 from pdruntime.server.openai.format import Choices, OpenAIShape, logprob_entries
 from pdruntime.server.openai.schemas import error_body
 from pdruntime.util.sse import SSE_DONE, sse
-
-if TYPE_CHECKING:
-    from pdruntime.server.worker.decode import DecodeWorker
 
 log = logging.getLogger("pdruntime.decode")
 
@@ -60,10 +57,21 @@ def _without_early(out: Any, early: EarlyToken) -> Any:
     return _Trimmed(ids[1:], text, out.finished, out.finish_reason)
 
 
+class _Worker(Protocol):
+    """What a stream needs of its decode worker."""
+
+    role: str
+    metrics: Any  # pdruntime.server.metrics.Metrics
+    clock: Any  # the watchdog clock: progress times
+    loaded: Any  # the model: its tokenizer renders logprobs
+
+    def _fail(self, req: DecodeRequest, reason: str, *, cause: str = ..., status: int = ...) -> None: ...
+
+
 class DecodeStream:
     """Events of one request, per choice (``req.n``), from its output queue; :meth:`on_close` runs once."""
 
-    def __init__(self, worker: "DecodeWorker", req: DecodeRequest, client_label: str) -> None:
+    def __init__(self, worker: _Worker, req: DecodeRequest, client_label: str) -> None:
         self.worker, self.req = worker, req
         self.metrics, self.role = worker.metrics, worker.role
         self.tokenizer = worker.loaded.tokenizer
