@@ -14,7 +14,8 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "pd"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-from pd_harness import base_env, free_port, free_port_block  # noqa: E402
+from pd_harness import base_env, free_port  # noqa: E402
+from pdruntime.util.ports import free_port_block  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900)]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pdruntime.util.ports import free_port, free_port_block  # noqa: F401 - the harness's port pickers
+from pdruntime.util.ports import free_port
 
 KV_TOKEN = "pd-test-token"
 TIMEOUTS = {  # seconds; short so failures show quickly, long enough for a loaded 2-core machine

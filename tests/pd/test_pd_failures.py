@@ -12,7 +12,8 @@ import time
 import httpx
 import pytest
 
-from pd_harness import base_env, free_port, free_port_block, start_stack, wait_for, stop_up
+from pd_harness import base_env, free_port, start_stack, wait_for, stop_up
+from pdruntime.util.ports import free_port_block
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -12,7 +12,8 @@ import time
 
 import httpx
 
-from pd_harness import base_env, free_port, free_port_block, stop_up
+from pd_harness import base_env, free_port, stop_up
+from pdruntime.util.ports import free_port_block
 
 
 def _decode_requests(port: int) -> float:

@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from pd_harness import base_env, free_port, free_port_block, wait_for
+from pd_harness import base_env, free_port, wait_for
+from pdruntime.util.ports import free_port_block
 
 pytestmark = pytest.mark.timeout(240)
 
