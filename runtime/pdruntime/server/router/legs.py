@@ -47,14 +47,19 @@ def _error_message(resp_json: Any, fallback: str) -> tuple[str, str, str | None]
     return fallback, "upstream_error", None
 
 
+def _worker_error(status: int, payload: Any, fallback: str, leg: str) -> LegError:
+    """A worker's error answer as a LegError: its 4xx passes on (the request's fault: not retried, another pair
+    would reject it too); 5xx and 499 (the worker lost its peer) become a retryable 502."""
+    msg, code, param = _error_message(payload, fallback)
+    return LegError(status if 400 <= status < 500 and status != 499 else 502, msg, leg=leg,
+                    retryable=status >= 500 or status == 499, code=code, param=param)
+
+
 def _stream_error(ev: dict) -> LegError:
-    """The LegError of an error event in decode's stream. Before the first token a pair failure may be retried
-    elsewhere (Legs.first_event's caller decides); a request error (4xx) would fail on every pair."""
-    msg, code, param = _error_message(ev, "decode failed")
+    """The LegError of an error event in decode's stream (its ``status``: what the HTTP status would have been).
+    Before the first token a pair failure may be retried elsewhere (Legs.first_event's caller decides)."""
     st = ev["error"].get("status") if isinstance(ev["error"], dict) else None
-    st = st if isinstance(st, int) else 502
-    return LegError(st if 400 <= st < 500 and st != 499 else 502, msg, leg="decode",
-                    retryable=st >= 500 or st == 499, code=code, param=param)
+    return _worker_error(st if isinstance(st, int) else 502, ev, "decode failed", "decode")
 
 
 @dataclass(frozen=True)
@@ -109,10 +114,7 @@ class Legs:
                 payload = resp.json()
             except ValueError:
                 payload = None
-            msg, code, param = _error_message(payload, f"prefill answered HTTP {resp.status_code}")
-            st = resp.status_code
-            raise LegError(st if 400 <= st < 500 and st != 499 else 502, msg, leg="prefill",
-                           retryable=st >= 500 or st == 499, code=code, param=param)
+            raise _worker_error(resp.status_code, payload, f"prefill answered HTTP {resp.status_code}", "prefill")
 
     # ---- decode leg ----------------------------------------------------------------------------
     async def _open_decode(self) -> TokenEvent:
@@ -130,9 +132,7 @@ class Legs:
             except ValueError:
                 payload = None
             st = self.decode_resp.status_code
-            msg, code, param = _error_message(payload, f"decode answered HTTP {st}")
-            raise LegError(st if 400 <= st < 500 and st != 499 else 502, msg, leg="decode",
-                           retryable=st >= 500 or st == 499, code=code, param=param)
+            raise _worker_error(st, payload, f"decode answered HTTP {st}", "decode")
         self._events = aiter_sse(self.decode_resp.aiter_lines())
         ev = await self._next_event()
         if ev is None:
