@@ -411,7 +411,12 @@ def test_fuzz_decode_side_never_accepts_corrupt_kv_and_never_crashes(flips):
                  .map(lambda d: wire.PREAMBLE + wire.encode_control(FrameType.ATTACH, d))))
 def test_fuzz_prefill_side_rejects_random_attach_bytes_with_a_wire_error(data):
     with pytest.raises(WireError):
-        _feed(data, lambda fs: transfer._server_handshake(fs, TOKEN))
+        _feed(data, _prefill_side)
+
+
+def _prefill_side(fs: FrameSocket):
+    """The prefill half of the handshake as the bootstrap server runs it: on an event loop, deadline-bounded."""
+    return asyncio.run(transfer.accept_attach(transfer.KVConn(fs.sock), TOKEN, deadline_s=2.0))
 
 
 # ---- CUDA ------------------------------------------------------------------------------------------

@@ -40,13 +40,16 @@ from pdruntime.disagg import wire
 from pdruntime.disagg.kv_staging import ShardSink, ShardSource, layout_of
 from pdruntime.disagg.wire import Attach, ChunkHead, FrameSocket, FrameType, KVHeader, KVLayout, WireError
 
-CONNECT_TIMEOUT_S = 5.0  # seconds for TCP connect + each handshake frame
+CONNECT_TIMEOUT_S = 5.0  # seconds for TCP connect + each handshake frame (decode side)
+HANDSHAKE_DEADLINE_S = 5.0  # seconds, absolute, from accept to a verified ATTACH (prefill side; not per byte)
+MAX_PENDING_PER_PEER = 64  # unauthenticated handshakes one address may hold; beyond it its oldest is evicted
+MAX_PENDING = 1024  # unauthenticated handshakes of all peers together; beyond it the largest holder's oldest goes
 IO_TIMEOUT_S = 30.0  # seconds without progress in one send/recv of the bulk phase (watchdogs cut sooner)
 MAX_TRANSFER_THREADS = 32  # concurrent bulk phases per process (waiting for a peer holds no thread)
 
 _EXECUTOR = ThreadPoolExecutor(max_workers=MAX_TRANSFER_THREADS, thread_name_prefix="pdkv")
 
-__all__ = ["Attach", "BootstrapServer", "KVConn", "LogLimiter", "ShardSink", "ShardSource", "TransferStats",
+__all__ = ["Attach", "BootstrapServer", "KVConn", "LogLimiter", "PendingHandshakes", "ShardSink", "ShardSource", "TransferStats",
            "accept_attach", "check_header", "layout_of", "make_header", "open_attach", "recv_header", "recv_kv",
            "send_error", "send_kv"]
 
@@ -124,6 +127,9 @@ class KVConn:
         self.fs = FrameSocket(sock, timeout_s)
         self.stats = TransferStats()
         self.attach: Attach | None = None  # what the peer attached with (prefill side, after accept_attach)
+        self.peer = ""  # the peer's address (prefill side): unauthenticated handshakes are capped per peer
+        self._handshake: asyncio.Timeout | None = None  # the deadline of a handshake in progress (prefill side)
+        self._evicted = ""  # why the handshake was cut short, if it was
         self._io: Future | None = None  # the blocking step running on the transfer pool, if any
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future, int] | None = None
         self._lock = threading.Lock()
@@ -145,6 +151,17 @@ class KVConn:
                 loop.call_soon_threadsafe(self.close)
                 return
         self.fs.close()
+
+    @property
+    def pending(self) -> bool:
+        """Accepted, not yet authenticated, not closed (prefill side)."""
+        return self.attach is None and not self.closed
+
+    def evict(self, why: str) -> None:
+        """End a pending handshake now (loop thread): accept_attach raises WireError('timeout', why)."""
+        if self._handshake is not None and self.pending and not self._evicted:
+            self._evicted = why
+            self._handshake.reschedule(asyncio.get_running_loop().time())
 
     async def run(self, fn: Callable, *args):
         """Run blocking ``fn(*args)`` on the transfer pool. Cancelling the caller does not stop the thread:
@@ -201,11 +218,51 @@ def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return False
 
 
-class BootstrapServer:
-    """Prefill's bootstrap listener: one ``handler(KVConn)`` task per accepted connection."""
+class PendingHandshakes:
+    """Unauthenticated connections by peer, oldest first, bounded per peer and in total.
 
-    def __init__(self, sock: socket.socket, task: asyncio.Task) -> None:
-        self.sock, self._task = sock, task
+    A flood of silent or dripping connections evicts its own oldest members: it never holds a transfer
+    thread (the handshake runs on the event loop) and never pushes out a peer that authenticates in time.
+    ``admit(conn)`` -> the connections to evict (callers ``evict()`` them). Pure apart from its own queues."""
+
+    def __init__(self, per_peer: int = MAX_PENDING_PER_PEER, total: int = MAX_PENDING) -> None:
+        if not 1 <= per_peer <= total:
+            raise ValueError(f"accepted: 1 <= per_peer <= total (got {per_peer}, {total})")
+        self.per_peer, self.total = per_peer, total
+        self._by_peer: dict[str, list[KVConn]] = {}
+
+    def _pending(self, peer: str) -> list[KVConn]:
+        live = [c for c in self._by_peer.get(peer, ()) if c.pending]
+        if live:
+            self._by_peer[peer] = live
+        else:
+            self._by_peer.pop(peer, None)
+        return live
+
+    def count(self) -> int:
+        return sum(len(self._pending(p)) for p in list(self._by_peer))
+
+    def admit(self, conn: KVConn) -> list[tuple[KVConn, str]]:
+        mine = self._pending(conn.peer)
+        mine.append(conn)
+        self._by_peer[conn.peer] = mine
+        out = [(c, f"peer {conn.peer} holds more than {self.per_peer} unauthenticated KV connections")
+               for c in mine[:-self.per_peer]]
+        del mine[:-self.per_peer]
+        over = self.count() - self.total
+        while over > 0:
+            peer = max(self._by_peer, key=lambda p: len(self._by_peer[p]))
+            out.append((self._by_peer[peer].pop(0), f"more than {self.total} unauthenticated KV connections"))
+            over -= 1
+        return out
+
+
+class BootstrapServer:
+    """Prefill's bootstrap listener: one ``handler(KVConn)`` task per accepted connection; the handler's
+    ``accept_attach`` is bounded by HANDSHAKE_DEADLINE_S and by :class:`PendingHandshakes`."""
+
+    def __init__(self, sock: socket.socket, task: asyncio.Task, pending: PendingHandshakes) -> None:
+        self.sock, self._task, self.pending = sock, task, pending
         self.port = sock.getsockname()[1]
 
     @classmethod
@@ -218,22 +275,26 @@ class BootstrapServer:
         lsock.setblocking(False)
         loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task] = set()
+        pending = PendingHandshakes()
 
         async def accept_loop() -> None:
             while True:
                 try:
-                    sock, _ = await loop.sock_accept(lsock)
+                    sock, addr = await loop.sock_accept(lsock)
                 except OSError:
                     if lsock.fileno() < 0:
                         return
                     await asyncio.sleep(0.05)  # EMFILE and friends: back off instead of spinning
                     continue
                 conn = KVConn(sock)
+                conn.peer = str(addr[0])
                 t = loop.create_task(handler(conn))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
+                for victim, why in pending.admit(conn):
+                    victim.evict(why)
 
-        return cls(lsock, loop.create_task(accept_loop()))
+        return cls(lsock, loop.create_task(accept_loop()), pending)
 
     def close(self) -> None:
         self._task.cancel()
@@ -242,11 +303,26 @@ class BootstrapServer:
 
 # ---- prefill side -------------------------------------------------------------------------------
 
-def _server_handshake(fs: FrameSocket, token: str | None) -> Attach:
+async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int, what: str) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        piece = await loop.sock_recv(sock, n - len(buf))
+        if not piece:
+            raise WireError("closed", f"peer closed the connection while {what} ({len(buf)} of {n} bytes)")
+        buf += piece
+    return bytes(buf)
+
+
+async def _server_handshake(conn: KVConn, token: str | None) -> Attach:
+    """CHALLENGE out, PREAMBLE + ATTACH in, MAC verified: on the event loop, so no thread is held for a
+    peer that has not authenticated. The caller bounds the whole exchange."""
+    loop, sock = asyncio.get_running_loop(), conn.fs.sock
     nonce = secrets.token_hex(16)
-    fs.send_all(wire.PREAMBLE + wire.encode_control(FrameType.CHALLENGE, {"nonce": nonce}))
-    fs.read_preamble()
-    msg = fs.read_control(FrameType.ATTACH)
+    await loop.sock_sendall(sock, wire.PREAMBLE + wire.encode_control(FrameType.CHALLENGE, {"nonce": nonce}))
+    wire.check_preamble(await _recv_exactly(loop, sock, len(wire.PREAMBLE), "reading the preamble"))
+    ftype, length = wire.decode_frame_head(await _recv_exactly(loop, sock, wire.FRAME_HEAD_SIZE, "reading ATTACH"),
+                                           wire.MAX_CONTROL_BYTES)
+    msg = wire.expect_control(FrameType.ATTACH, ftype, await _recv_exactly(loop, sock, length, "reading ATTACH"))
     att = Attach.from_json(msg)
     mac = msg.get("mac")
     if token and not mac:
@@ -256,15 +332,25 @@ def _server_handshake(fs: FrameSocket, token: str | None) -> Attach:
     return att
 
 
-async def accept_attach(conn: KVConn, token: str | None) -> Attach:
-    """Server half of the handshake (bounded by CONNECT_TIMEOUT_S per frame). WireError on auth/protocol."""
-    conn.fs.set_timeout(CONNECT_TIMEOUT_S)
+async def accept_attach(conn: KVConn, token: str | None, deadline_s: float = HANDSHAKE_DEADLINE_S) -> Attach:
+    """Server half of the handshake, within ``deadline_s`` in all (a peer dripping bytes gains nothing), holding
+    no thread. WireError on auth/protocol, 'timeout' past the deadline or when evicted by a flood."""
+    sock = conn.fs.sock
+    sock.setblocking(False)
     try:
-        conn.attach = await conn.run(_server_handshake, conn.fs, token)
+        async with asyncio.timeout(deadline_s) as tm:
+            conn._handshake = tm
+            conn.attach = await _server_handshake(conn, token)
         return conn.attach
+    except TimeoutError:
+        raise WireError("timeout", conn._evicted or f"no verified ATTACH within the {deadline_s:g}s handshake "
+                                                      "deadline") from None
+    except OSError as exc:
+        raise WireError("closed", f"connection lost during the handshake: {type(exc).__name__}") from None
     finally:
-        if not conn.closed:
-            conn.fs.set_timeout(IO_TIMEOUT_S)
+        conn._handshake = None
+        if conn.attach is not None and not conn.closed:
+            conn.fs.set_timeout(IO_TIMEOUT_S)  # back to blocking, kernel-bounded I/O for the transfer thread
 
 
 def _send_error(fs: FrameSocket, reason: str, message: str) -> None:
@@ -276,9 +362,21 @@ def _send_error(fs: FrameSocket, reason: str, message: str) -> None:
         pass
 
 
+def _send_error_nowait(conn: KVConn, reason: str, message: str) -> None:
+    """To a peer that never authenticated: one non-blocking send (no thread, no wait), then close."""
+    try:
+        conn.fs.sock.setblocking(False)
+        conn.fs.sock.send(wire.encode_control(FrameType.ERROR, {"reason": reason, "message": message[:2000]}))
+        conn.fs.sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+
+
 async def send_error(conn: KVConn, reason: str, message: str) -> None:
     """Best effort: tell the peer why (ERROR frame), then close."""
-    if not conn.closed:
+    if conn.attach is None and not conn.closed and conn.peer:
+        _send_error_nowait(conn, reason, message)
+    elif not conn.closed:
         try:
             await conn.run(_send_error, conn.fs, reason, message)
         except WireError:

@@ -80,6 +80,7 @@ MAX_DIM = 1 << 20  # bound on any layout integer: a header cannot make the recei
 MAX_IOV = 512  # buffers per sendmsg/recvmsg_into call (Linux IOV_MAX is 1024)
 
 _FRAME = struct.Struct(">BI")
+FRAME_HEAD_SIZE = _FRAME.size  # bytes: u8 type, u32 length
 _CHUNK = struct.Struct(">BHBII")
 _DIGEST = struct.Struct(">Q")
 DIGEST_SIZE = _DIGEST.size
@@ -443,6 +444,16 @@ def peer_error(payload: bytes) -> WireError:
     return WireError(str(err.get("reason", "peer_error"))[:64], str(err.get("message", ""))[:2000])
 
 
+def expect_control(expect: FrameType, ftype: FrameType, payload: bytes) -> dict:
+    """Pure: a received control frame as the JSON object of type ``expect``; a peer ERROR raises its
+    WireError, any other type 'protocol'."""
+    if ftype is FrameType.ERROR:
+        raise peer_error(payload)
+    if ftype is not expect:
+        raise WireError("protocol", f"expected {expect.name}, got {ftype.name}")
+    return parse_json(payload)
+
+
 def check_preamble(got: bytes) -> None:
     if got[:4] != MAGIC:
         raise WireError("protocol", "peer did not send the PDKV preamble")
@@ -608,9 +619,4 @@ class FrameSocket:
 
     def read_control(self, expect: FrameType) -> dict:
         """One control frame of type ``expect``; a peer ERROR raises its WireError, anything else 'protocol'."""
-        ftype, payload = self.read_frame(MAX_CONTROL_BYTES)
-        if ftype is FrameType.ERROR:
-            raise peer_error(payload)
-        if ftype is not expect:
-            raise WireError("protocol", f"expected {expect.name}, got {ftype.name}")
-        return parse_json(payload)
+        return expect_control(expect, *self.read_frame(MAX_CONTROL_BYTES))

@@ -7,7 +7,9 @@ Policy:
 * Admission is FIFO: a WAITING sequence is admitted when a sequence slot is free and the pool holds
   pages for its whole prompt (allocated at once, so chunked prefills can never deadlock on pages).
 * Prefill runs in chunks of at most ``max_prefill_tokens`` tokens per step, shared across sequences,
-  so new requests join while the running batch keeps decoding.
+  so new requests join while the running batch keeps decoding. The budget is shared max-min fairly
+  (:func:`fair_chunks`): a long prompt takes what the others leave, never the whole step while another
+  prompt waits, so a short request's first token waits about one chunk-time, not the long prompt's length.
 """
 
 from __future__ import annotations
@@ -29,6 +31,31 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         return not self.decode and not self.prefill
+
+
+def fair_chunks(remaining: list[int], budget: int) -> list[int]:
+    """Max-min fair split of ``budget`` prompt tokens over sequences needing ``remaining`` tokens each.
+
+    Water-filling: every sequence gets min(its need, an equal share), what the small ones leave is shared
+    again among the rest. Pure; sum(result) == min(budget, sum(remaining)); the earliest get the remainder
+    tokens of an uneven split (admission order breaks ties)."""
+    grant = [0] * len(remaining)
+    open_ = [i for i, r in enumerate(remaining) if r > 0]
+    left = budget
+    while open_ and left > 0:
+        share, extra = divmod(left, len(open_))
+        still = []
+        for rank, i in enumerate(open_):
+            want = remaining[i] - grant[i]
+            give = min(want, share + (1 if rank < extra else 0))
+            grant[i] += give
+            left -= give
+            if grant[i] < remaining[i]:
+                still.append(i)
+        if len(still) == len(open_):  # nobody was capped by its need: the split is final
+            break
+        open_ = still
+    return grant
 
 
 class Scheduler:
@@ -93,14 +120,9 @@ class Scheduler:
             seq.blocks.extend(self.pool.allocate(need))
             seq.status = Status.PREFILLING
             self.active.append(seq)
-        # 3. prefill chunks within the token budget, oldest first
-        budget = self.config.max_prefill_tokens
-        for seq in self.active:
-            if budget <= 0:
-                break
-            if seq.status is Status.PREFILLING and (only is None or seq.request_id in only):
-                start = seq.num_cached
-                end = min(seq.num_tokens, start + budget)
-                plan.prefill.append((seq, start, end))
-                budget -= end - start
+        # 3. prefill chunks within the token budget, shared fairly (admission order breaks ties)
+        filling = [s for s in self.active
+                   if s.status is Status.PREFILLING and (only is None or s.request_id in only)]
+        grants = fair_chunks([s.num_tokens - s.num_cached for s in filling], self.config.max_prefill_tokens)
+        plan.prefill = [(s, s.num_cached, s.num_cached + g) for s, g in zip(filling, grants) if g > 0]
         return plan

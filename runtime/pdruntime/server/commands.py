@@ -8,6 +8,8 @@ import logging
 import sys
 from typing import Any
 
+from pdruntime.server import connections
+
 ROLES = ("prefill", "decode", "router")
 
 
@@ -41,6 +43,22 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="model id clients send (default: the GGUF file name without its quant tag, or the HF dir name)")
 
 
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: a number of seconds > 0")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: an integer >= 1")
+    return int(text)
+
+
 def register(subparsers: Any) -> None:
     serve = subparsers.add_parser("serve", help="run one server: prefill worker, decode worker or router")
     serve.add_argument("--role", choices=ROLES, required=True)
@@ -59,6 +77,14 @@ def register(subparsers: Any) -> None:
                        help="router: token for /config and /debug/* (without one they answer loopback clients only)")
     serve.add_argument("--body-timeout-s", type=float, default=30.0, help="router: seconds to receive a request body")
     serve.add_argument("--breaker-cooldown-s", type=float, default=5.0, help="router: seconds a tripped pair rests")
+    serve.add_argument("--header-timeout-s", type=_positive_float, default=connections.HEADER_TIMEOUT_S,
+                       help="seconds a connection may take to send a whole request head (from connecting, or from "
+                            "the first byte of its next request); then it is closed")
+    serve.add_argument("--max-connections", type=_positive_int, default=connections.MAX_CONNECTIONS,
+                       help="open connections per server; beyond it the largest holder's oldest idle one is closed")
+    serve.add_argument("--max-connections-per-client", type=_positive_int,
+                       default=connections.MAX_CONNECTIONS_PER_CLIENT,
+                       help="open connections per client address; beyond it that client's oldest idle one is closed")
     serve.add_argument("--log-level", default="info")
     _engine_flags(serve)
     serve.set_defaults(func=cmd_serve, handler=cmd_serve)
@@ -188,7 +214,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if parent:
         watch_parent(parent)  # started by `pdrt up`: die with it (PR_SET_PDEATHSIG covers the same on Linux)
     try:
-        app, _ = build_server(args)
+        limits = connections.ConnectionLimits(args.header_timeout_s, args.max_connections,
+                                              args.max_connections_per_client)
+        app, server = build_server(args)
     except Exception as exc:  # the router must not import torch just to name ModelLoadError
         if not isinstance(exc, ValueError) and type(exc).__name__ != "ModelLoadError":
             raise
@@ -196,7 +224,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     # keep-alive above the router's client idle expiry (30 s), so a worker never closes a connection
     # the router is about to reuse
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_keep_alive=75)
+    m = server.metrics
+    protocol = connections.guarded_protocol(limits, on_close=lambda why: m.connections_closed.labels(why).inc(),
+                                            on_count=m.connections_open.set)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_keep_alive=75,
+                http=protocol)
     return 0
 
 

@@ -55,6 +55,11 @@ class Metrics:
         self.tokens = Counter("pdrt_generated_tokens_total", "Tokens generated, by role and client",
                               ["role", "client"], registry=r)
         self.live = Gauge("pdrt_live_requests", "Requests live in this server (any stage)", ["role"], registry=r)
+        self.connections_open = Gauge("pdrt_http_connections_open", "HTTP connections open on this server",
+                                      registry=r)
+        self.connections_closed = Counter("pdrt_http_connections_closed_total", "HTTP connections closed or refused "
+                                          "by the connection guard (header_timeout, client_cap, server_cap, refused)",
+                                          ["reason"], registry=r)
         self.oldest_age = Gauge("pdrt_oldest_live_request_age_seconds", "Age of the oldest live request per stage, "
                                 "seconds, computed at scrape time (no series for a stage with none)", ["role", "stage"],
                                 registry=r)

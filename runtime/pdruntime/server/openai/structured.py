@@ -30,9 +30,42 @@ def _lark_json(schema: dict) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
-def _call_schema(fn: Any, args_key: str) -> dict:
+def _rebase_refs(node: Any, prefix: str) -> Any:
+    """A copy of a tool's ``parameters`` whose local ``$ref``s point into the call schema's root ``$defs``:
+    ``#/$defs/X`` and ``#/definitions/X`` -> ``#/$defs/{prefix}X``, any other ``#...`` (the parameters'
+    own root, e.g. a recursive ``#``) -> ``#/$defs/{prefix}`` + the same pointer. Remote refs stay."""
+    if isinstance(node, list):
+        return [_rebase_refs(v, prefix) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _rebase_refs(v, prefix) for k, v in node.items() if k not in ("$defs", "definitions")}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        ptr = ref[1:]
+        for defs in ("/$defs/", "/definitions/"):
+            if ptr.startswith(defs):
+                out["$ref"] = f"#/$defs/{prefix}{ptr[len(defs):]}"
+                break
+        else:
+            out["$ref"] = f"#/$defs/{prefix}{ptr}"
+    return out
+
+
+def _hoisted_defs(params: dict, prefix: str) -> dict:
+    """The parameters' ``$defs``/``definitions`` (rebased), plus the parameters themselves under ``{prefix}``
+    (the target of refs to their root)."""
+    defs = {**params.get("definitions", {}), **params.get("$defs", {})}
+    out = {f"{prefix}{name}": _rebase_refs(d, prefix) for name, d in defs.items()}
+    out[prefix] = _rebase_refs(params, prefix)
+    return out
+
+
+def _call_schema(fn: Any, args_key: str, prefix: str, defs: dict) -> dict:
+    """One call ``{"name": const, args_key: parameters}``; the parameters' definitions go into ``defs`` (the
+    root's: a ``$ref`` resolves against the document root, and the parameters are nested under it)."""
     params = fn.parameters or {"type": "object"}
-    return {"type": "object", "properties": {"name": {"const": fn.name}, args_key: params},
+    defs.update(_hoisted_defs(params, prefix))
+    return {"type": "object", "properties": {"name": {"const": fn.name}, args_key: {"$ref": f"#/$defs/{prefix}"}},
             "required": ["name", args_key], "additionalProperties": False}
 
 
@@ -40,7 +73,9 @@ def tool_grammar(tools: list, named: str | None, parallel: bool, parser: str) ->
     """Lark grammar forcing tool calls (of ``named`` only, when given) in ``parser``'s format."""
     fns = [t.function for t in tools if named is None or t.function.name == named]
     p = parser_for(parser)
-    schema = _call_schema(fns[0], p.args_key) if len(fns) == 1 else {"anyOf": [_call_schema(f, p.args_key) for f in fns]}
+    defs: dict = {}
+    calls = [_call_schema(f, p.args_key, f"tool{i}_", defs) for i, f in enumerate(fns)]
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "$defs": defs}
     many = "+" if parallel and named is None else ""
     return p.lark(_lark_json(schema), many)
 
