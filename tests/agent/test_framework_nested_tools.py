@@ -12,9 +12,9 @@ import llguidance
 import pytest
 from pydantic import BaseModel, Field
 
-from pdruntime.server.schemas import Tool
-from pdruntime.server.structured import tool_grammar
-from pdruntime.server.tools import parser_for
+from pdruntime.server.openai.schemas import Tool
+from pdruntime.server.openai.structured import tool_grammar
+from pdruntime.server.openai.tools import parser_for
 
 pytestmark = pytest.mark.timeout(600)
 
