@@ -50,6 +50,11 @@ class DecodeRequest:
     def n(self) -> int:
         return 1 + len(self.forks)
 
+    @property
+    def gone(self) -> bool:
+        """Failed or aborted: nothing may give it pages any more (engine commands check this)."""
+        return self.failure is not None
+
     def engine_ids(self) -> list[str]:
         """The engine request id of each choice, by choice index."""
         return [self.rid] + [fid for fid, _ in self.forks]

@@ -16,6 +16,7 @@ from typing import Any
 
 from pdruntime.disagg.queues import StageTable
 from pdruntime.disagg.states import TransferStatus
+from pdruntime.util.aio import within
 
 STAGES = ("bootstrap", "waiting", "inflight")
 
@@ -39,6 +40,11 @@ class PrefillRequest:
     prompt_logprobs: Any = None  # per prompt token after the first, when the request asked (echo + logprobs)
     bytes_sent: int = 0
     kv_stats: Any = None  # transfer.TransferStats of the bulk phase (live; /debug/requests)
+
+    @property
+    def gone(self) -> bool:
+        """Failed, aborted or done: nothing may give it pages any more (engine commands check this)."""
+        return self.status.state.terminal
 
 
 class PrefillQueues(StageTable[PrefillRequest]):
@@ -70,7 +76,7 @@ class PrefillQueues(StageTable[PrefillRequest]):
         fut = asyncio.get_running_loop().create_future()
         self._room_waiters.setdefault(room, []).append(fut)
         try:
-            return await asyncio.wait_for(fut, timeout_s)
+            return await within(fut, timeout_s)
         except asyncio.TimeoutError:
             return None
         finally:

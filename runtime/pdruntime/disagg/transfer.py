@@ -39,6 +39,7 @@ from typing import Awaitable, Callable, Sequence
 from pdruntime.disagg import wire
 from pdruntime.disagg.kv_staging import ShardSink, ShardSource, layout_of
 from pdruntime.disagg.wire import Attach, ChunkHead, FrameSocket, FrameType, KVHeader, KVLayout, WireError
+from pdruntime.util.aio import within
 
 CONNECT_TIMEOUT_S = 5.0  # seconds for TCP connect + each handshake frame (decode side)
 HANDSHAKE_DEADLINE_S = 5.0  # seconds, absolute, from accept to a verified ATTACH (prefill side; not per byte)
@@ -197,7 +198,7 @@ class KVConn:
         with self._lock:
             self._waiter = (loop, fut, fd)
         try:
-            await asyncio.wait_for(fut, timeout_s)
+            await within(fut, timeout_s)
         except asyncio.TimeoutError:
             raise WireError("timeout", f"peer sent nothing within {timeout_s}s") from None
         finally:
@@ -456,7 +457,7 @@ async def open_attach(host: str, port: int, token: str | None, att: Attach) -> K
         raise WireError("closed", f"cannot resolve prefill bootstrap address {host}:{port}: {exc}") from None
     sock.setblocking(False)
     try:
-        await asyncio.wait_for(loop.sock_connect(sock, addr), CONNECT_TIMEOUT_S)
+        await within(loop.sock_connect(sock, addr), CONNECT_TIMEOUT_S)
     except (OSError, asyncio.TimeoutError) as exc:
         sock.close()
         raise WireError("closed", f"cannot connect to prefill bootstrap {host}:{port}: {type(exc).__name__}") from None

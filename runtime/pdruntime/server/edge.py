@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdruntime.server.openai.schemas import ApiError, error_body
+from pdruntime.util.aio import within
 
 log = logging.getLogger("pdruntime.server")
 
@@ -161,7 +162,7 @@ class BodyGuard:
         total = 0
         while True:
             try:
-                msg = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+                msg = await within(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 return await self._reject(scope, send, 408, f"request body not received within {self.timeout_s:g}s "
                                           f"({total} bytes arrived); accepted: a body sent within {self.timeout_s:g}s",

@@ -16,6 +16,7 @@ import httpx
 
 from pdruntime.server.openai.events import TokenEvent
 from pdruntime.server.router.topology import Pair
+from pdruntime.util.aio import within
 from pdruntime.util.sse import DONE, aiter_sse
 
 ABORT_TIMEOUT_S = 2.0  # seconds for the best-effort /abort_request calls
@@ -196,7 +197,7 @@ class Legs:
         if not lps or lps[0] is not None or self.prefill_task is None:
             return first
         try:
-            await asyncio.wait_for(asyncio.shield(self.prefill_task), self.remaining() + 1.0)
+            await within(asyncio.shield(self.prefill_task), self.remaining() + 1.0)
         except (LegError, asyncio.TimeoutError, asyncio.CancelledError):
             return first
         mi = (self.prefill_result or {}).get("meta_info") or {}
@@ -211,7 +212,7 @@ class Legs:
             yield first
         while True:
             try:
-                ev = await asyncio.wait_for(self._next_event(), self.remaining())
+                ev = await within(self._next_event(), self.remaining())
             except asyncio.TimeoutError:
                 raise LegError(504, "deadline expired mid-generation", leg="router", retryable=False,
                                code="deadline_exceeded") from None
@@ -243,6 +244,6 @@ class Legs:
         """Reap the prefill leg after a successful decode (its outcome no longer matters)."""
         if self.prefill_task is not None:
             try:
-                await asyncio.wait_for(asyncio.shield(self.prefill_task), self.remaining() + 1.0)
+                await within(asyncio.shield(self.prefill_task), self.remaining() + 1.0)
             except (LegError, asyncio.TimeoutError, asyncio.CancelledError):
                 pass

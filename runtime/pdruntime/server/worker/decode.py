@@ -34,9 +34,11 @@ from pdruntime.server.openai.format import OpenAIShape
 from pdruntime.server.openai.schemas import ApiError, GenerateRequest
 from pdruntime.server.worker.base import WorkerBase
 from pdruntime.server.worker.decode_stream import DecodeFailed, DecodeStream, EarlyToken
-from pdruntime.server.worker.engine_commands import Abort, AddRequest, AdmitPrefilled, Reserve, ScatterPages
+from pdruntime.server.worker.engine_commands import (Abort, AddRequest, AdmitPrefilled, RequestGone, Reserve,
+                                                     ScatterPages)
 from pdruntime.server.worker.faults import STALL_THIS_REQUEST, ConnectionStall, connection_of
 from pdruntime.server.worker.prompts import client_of, read_generate, request_id
+from pdruntime.util.aio import within
 
 log = logging.getLogger("pdruntime.decode")
 
@@ -130,14 +132,14 @@ class DecodeWorker(WorkerBase):
         while True:
             event = self.pages_freed
             try:
-                return await self.runner.call(Reserve(req))
+                return await self.runner.call(Reserve(req))  # RequestGone once failed: no page without an owner
             except OutOfBlocks as exc:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise DecodeFailed(f"decode KV pool is full: {exc}", 503) from None
                 try:
-                    await asyncio.wait_for(event.wait(), min(left, 0.5))
-                except asyncio.TimeoutError:
+                    await within(event.wait(), min(left, 0.5))  # within: a cancel (router failed it) propagates
+                except TimeoutError:
                     pass
 
     async def _pull(self, req: DecodeRequest) -> None:
@@ -203,6 +205,8 @@ class DecodeWorker(WorkerBase):
             self.metrics.queue_time.labels(self.role).observe(self.clock.now() - req.created_at)
         except asyncio.CancelledError:
             raise
+        except RequestGone:
+            return  # failed meanwhile; its failure freed whatever it held
         except DecodeFailed as exc:
             self._fail(req, exc.reason, status=exc.status)
         except WireError as exc:
@@ -243,6 +247,8 @@ class DecodeWorker(WorkerBase):
             await self.runner.call(AddRequest(req))
         except asyncio.CancelledError:
             raise
+        except RequestGone:
+            return  # failed before the engine took it
         except Exception as exc:
             self._fail_unexpected(req, exc, "monolithic admission")
 

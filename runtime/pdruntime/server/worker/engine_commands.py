@@ -11,6 +11,16 @@ from dataclasses import dataclass
 from typing import Any
 
 
+class RequestGone(Exception):
+    """A command that would give pages to a request found it already failed or aborted (``req.gone``): the
+    failure's Abort was queued before this command, so nothing would ever free what it allocated."""
+
+
+def _alive(req: Any) -> None:
+    if getattr(req, "gone", False):
+        raise RequestGone(f"request {req.rid} already ended; no pages given")
+
+
 @dataclass(frozen=True)
 class Reserve:
     """Decode: reserve pages for ``req``'s prompt and its forks' copied pages -> the prompt's block ids."""
@@ -18,6 +28,7 @@ class Reserve:
     req: Any  # DecodeRequest
 
     def __call__(self, engine: Any) -> list[int]:
+        _alive(self.req)  # on the engine thread, after every command queued before it: race-free
         return engine.reserve(self.req.rid, len(self.req.prompt_ids), [fid for fid, _ in self.req.forks])
 
 
@@ -30,6 +41,7 @@ class AddRequest:
 
     def __call__(self, engine: Any) -> None:
         r = self.req
+        _alive(r)
         if self.prefill_only:
             return engine.add_request(r.rid, r.prompt_ids, r.params, prefill_only=True)
         return engine.add_request(r.rid, r.prompt_ids, r.params, forks=r.forks)

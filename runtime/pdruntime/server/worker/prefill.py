@@ -30,7 +30,7 @@ from pdruntime.server.openai.events import TokenEvent
 from pdruntime.server.openai.format import OpenAIShape, logprob_entries
 from pdruntime.server.openai.schemas import ApiError, GenerateRequest, error_body
 from pdruntime.server.worker.base import WorkerBase
-from pdruntime.server.worker.engine_commands import Abort, AddRequest, GatherPages, Pages, Release
+from pdruntime.server.worker.engine_commands import Abort, AddRequest, GatherPages, Pages, Release, RequestGone
 from pdruntime.server.worker.prompts import client_of, read_generate, request_id
 
 log = logging.getLogger("pdruntime.prefill")
@@ -266,6 +266,8 @@ class PrefillWorker(WorkerBase):
             self._fail(req, f"decode peer connection lost during {req.status.state.label}: {type(exc).__name__}", status=502)
         except TransferFailed:
             pass  # already failed (watchdog, abort, engine)
+        except RequestGone:
+            self.runner.drop_sink(req.rid)  # failed before the engine took it: nothing else to free
         except Exception as exc:
             self._fail_unexpected(req, exc, "prefill transfer")
 

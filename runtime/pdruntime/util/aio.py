@@ -1,0 +1,21 @@
+"""``within``: await with a deadline, never swallowing a cancellation.
+
+Python 3.11's ``asyncio.wait_for`` returns the inner result when the caller is cancelled in the same moment the
+awaited thing completes (the cancellation is lost; CPython gh-86296, fixed in 3.12 by building wait_for on
+``asyncio.timeout``). In the decode worker that let a request already failed by the router go on to reserve
+KV pages nobody would free. Every deadline-bounded await in pdstack goes through here instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, TypeVar
+
+T = TypeVar("T")
+
+
+async def within(aw: Awaitable[T], seconds: float | None) -> T:
+    """``await aw`` for at most ``seconds`` (None: unbounded); TimeoutError past it. A cancellation of the
+    caller always propagates, completed or not."""
+    async with asyncio.timeout(seconds):
+        return await aw
