@@ -701,6 +701,13 @@ class Engine:
             "num_preemptions": self.num_preemptions, "num_generated_tokens": self.num_generated_tokens,
         }
 
+    def page_owners(self) -> tuple[dict[str, int], int]:
+        """({request id: pages it holds}, pages in use that no sequence holds). O(pages held): for views (the
+        leak check, /debug/requests, a scrape), never the step loop. The second number is 0 unless pages leak."""
+        owners = {rid: len(s.blocks) for rid, s in self._seqs.items()}
+        held = set().union(*(s.blocks for s in self._seqs.values())) if self._seqs else set()
+        return owners, self.pool.num_used - len(held)
+
     def describe(self) -> dict[str, Any]:
         """Effective configuration for /config."""
         out = {

@@ -64,6 +64,8 @@ class Metrics:
                                 "seconds, computed at scrape time (no series for a stage with none)", ["role", "stage"],
                                 registry=r)
         # workers
+        self.pages_orphaned = Gauge("pdrt_kv_pages_orphaned", "KV pages in use that no live request holds (a leak; "
+                                    "0 at every scrape in a healthy worker)", ["role"], registry=r)
         self.pool_blocks = Gauge("pdrt_kv_pool_blocks", "KV pool blocks by state (free, used, total)",
                                  ["role", "state"], registry=r)
         self.prefill_queue = Gauge("pdrt_prefill_queue_requests", "Prefill requests per queue "

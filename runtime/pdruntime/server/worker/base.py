@@ -21,6 +21,7 @@ from pdruntime.server.metrics import Metrics
 from pdruntime.server.openai.format import OpenAIShape
 from pdruntime.server.openai.schemas import (MAX_BODY_BYTES, ApiError, WorkerChatRequest, WorkerCompletionRequest,
                                              generate_from_openai, parse_body, validate)
+from pdruntime.server.worker.engine_commands import PageOwners
 from pdruntime.server.worker.engine_runner import EngineRunner, FailurePolicy
 from pdruntime.server.worker.faults import TestHooks
 from pdruntime.server.worker.prompts import PromptBuilder, client_of, request_id
@@ -149,6 +150,28 @@ class WorkerBase:
     def debug_extra(self, req: Any) -> dict:
         return {}
 
+    def owner_of(self, engine_id: str) -> str:
+        """The worker request an engine sequence belongs to (decode forks map to their request)."""
+        return engine_id
+
+    async def page_ownership(self) -> tuple[dict[str, int], int]:
+        """({live request id: pages its sequences hold}, pages held by no live request). A sequence whose worker
+        request is gone counts as orphaned, as do pages no sequence holds; the engine's own failure-isolation
+        canaries are owned by the engine."""
+        if self.runner is None:
+            return {}, 0
+        owners, unheld = await self.runner.call(PageOwners())
+        held: dict[str, int] = {}
+        orphaned = unheld
+        for eid, n in owners.items():
+            rid = self.owner_of(eid)
+            if rid in self.queues or eid.startswith("__canary-"):
+                held[rid] = held.get(rid, 0) + n
+            else:
+                orphaned += n
+        self.metrics.pages_orphaned.labels(self.role).set(orphaned)
+        return held, orphaned
+
     def queue_counts(self) -> dict[str, int]:
         return self.queues.counts()
 
@@ -202,6 +225,7 @@ class WorkerBase:
 
         @app.get("/metrics")
         async def metrics():
+            await self.page_ownership()
             counts = self.queue_counts()
             gauge = self.metrics.prefill_queue if self.role == "prefill" else self.metrics.decode_queue
             for q, n in counts.items():
@@ -216,9 +240,13 @@ class WorkerBase:
 
         @app.get("/debug/requests")
         async def debug_requests():
+            held, orphaned = await self.page_ownership()
             rows = self.debug_rows()
+            for row in rows:
+                row["pages"] = held.get(row["id"], 0)
             return {"role": self.role, "url": f"http://{self.host}:{self.port}", "live": len(rows), "requests": rows,
-                    "queues": self.queue_counts(), "pool": self.pool(), "watchdog_ticks": self.watchdog.ticks,
+                    "queues": self.queue_counts(), "pool": {**self.pool(), "orphaned": orphaned},
+                    "watchdog_ticks": self.watchdog.ticks,
                     "armed": [{"key": d.key, "phase": d.phase, "age_s": round(self.clock.now() - d.started_at, 3),
                                "timeout_s": d.timeout_s} for d in self.watchdog.armed()]}
 

@@ -81,6 +81,9 @@ class DecodeWorker(WorkerBase):
     def _on_engine_error(self, rid: str, message: str, status: int) -> None:
         super()._on_engine_error(self.fork_owner.get(rid, rid), message, status)  # a fork fails its whole request
 
+    def owner_of(self, engine_id: str) -> str:
+        return self.fork_owner.get(engine_id, engine_id)
+
     def _forget(self, req: DecodeRequest) -> None:
         self.queues.remove(req.rid)
         for fid, _ in req.forks:

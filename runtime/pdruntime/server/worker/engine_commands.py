@@ -115,3 +115,11 @@ class ScatterPages:
 
     def __call__(self, engine: Any) -> None:
         return engine.scatter_pages(list(self.blocks), self.staged)
+
+
+@dataclass(frozen=True)
+class PageOwners:
+    """-> ({engine request id: pages held}, pages in use that no sequence holds): the ownership snapshot."""
+
+    def __call__(self, engine: Any) -> tuple[dict[str, int], int]:
+        return engine.page_owners()
