@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import aiohttp
 
-from .pairs import RouterView
+from .pairs import RouterView, pod_ready
 from .render import group_of
 
 DEBUG_TIMEOUT_S = 5.0  # a router's /debug/requests waits up to 2 s (in parallel) for each worker's rows
@@ -23,8 +23,7 @@ def router_pods_ready(pods: Sequence[Mapping[str, Any]]) -> list[str]:
     out = []
     for p in pods:
         st = p.get("status") or {}
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions", []) or [])
-        if st.get("phase") == "Running" and ready and st.get("podIP") and not p["metadata"].get("deletionTimestamp"):
+        if st.get("phase") == "Running" and pod_ready(p) and st.get("podIP") and not p["metadata"].get("deletionTimestamp"):
             out.append(st["podIP"])
     return out
 

@@ -11,7 +11,7 @@ import aiohttp
 import yaml
 
 from pdop_harness import NS, PDDS, R, eventually, manifest
-from pdoperator.pairs import CoRestart, CreatePods, PodView, plan_pairs
+from pdoperator.pairs import CoRestart, CreatePods, PodView, PlanInput, plan_pairs
 from pdoperator.render import Owner, TopologyPair, group_slots, render, topology_doc
 from pdoperator.spec import CoRestartSpec, parse_spec
 from pdruntime.server.router_policy import PairPicker
@@ -65,15 +65,15 @@ def test_planner_co_restarts_the_whole_group_when_one_decode_goes():
     group = lambda k: [_view(f"g{k}-p", k, "prefill"), _view(f"g{k}-d0", k, "decode"),  # noqa: E731
                        _view(f"g{k}-d1", k, "decode", 1)]
     pods = group(0) + group(1)[:2]  # group 1 lost decode-1
-    plan = plan_pairs(desired_revision="r1", pairs=2, policy=CoRestartSpec(), max_unavailable=1, pods=pods,
-                      memory={}, now=100.0, slots=SLOTS)
+    plan = plan_pairs(PlanInput(desired_revision="r1", pairs=2, policy=CoRestartSpec(), max_unavailable=1, pods=pods,
+                      memory={}, now=100.0, slots=SLOTS))
     co = [a for a in plan.actions if isinstance(a, CoRestart)]
     assert len(co) == 1 and co[0].pair == 1 and set(co[0].pods) == {"g1-p", "g1-d0"} and "decode-1" in co[0].detail
     assert plan.pairs[0].ready and plan.pairs[0].members == {"prefill": "10.0.0.4", "decode": "10.0.0.5",
                                                                "decode-1": "10.0.0.5"}
     # once gone, the group is created whole
-    plan = plan_pairs(desired_revision="r1", pairs=2, policy=CoRestartSpec(backoff_initial_s=0), max_unavailable=1,
-                      pods=group(0), memory={}, now=200.0, slots=SLOTS)
+    plan = plan_pairs(PlanInput(desired_revision="r1", pairs=2, policy=CoRestartSpec(backoff_initial_s=0), max_unavailable=1,
+                      pods=group(0), memory={}, now=200.0, slots=SLOTS))
     assert [a for a in plan.actions if isinstance(a, CreatePods)] == [CreatePods(1, "r1", SLOTS)]
 
 
@@ -179,7 +179,7 @@ def test_rollout_replaces_one_whole_group_at_a_time():
 
     pods = [_view(f"g{k}-{s}", k, s.split("-")[0], int(s.split("-")[1]) if "-" in s else 0)
             for k in (0, 1) for s in SLOTS]
-    plan = plan_pairs(desired_revision="r2", pairs=2, policy=CoRestartSpec(), max_unavailable=1, pods=pods,
-                      memory={}, now=100.0, slots=SLOTS)
+    plan = plan_pairs(PlanInput(desired_revision="r2", pairs=2, policy=CoRestartSpec(), max_unavailable=1, pods=pods,
+                      memory={}, now=100.0, slots=SLOTS))
     rolls = [a for a in plan.actions if isinstance(a, RolloutPair)]
     assert len(rolls) == 1 and set(rolls[0].pods) == {f"g{rolls[0].pair}-{s}" for s in SLOTS}

@@ -59,8 +59,12 @@ def test_rollout_unschedulable_drift():
     uns = build_status({}, Plan((), (state(0, "r1", False, "Unschedulable"),)),
                        Facts(1, "r1", unschedulable_message="requests 32, 16 allocatable"), NOW)
     assert conds(uns)["Progressing"] == ("False", "Unschedulable") and uns["phase"] == "Pending"
-    dr = build_status({}, Plan((), (state(0),)), Facts(1, "r1", router_ready=True, drift=["Service/x: spec"]), NOW)
+    entry = drift.DriftEntry("children", "Service/x", "spec")
+    dr = build_status({}, Plan((), (state(0),)), Facts(1, "r1", router_ready=True, drift=[entry]), NOW)
     assert conds(dr)["ConfigDrift"] == ("True", "Drifted")
+    assert next(c for c in dr["conditions"] if c["type"] == "ConfigDrift")["message"] == "Service/x: spec"
+    assert dr["drift"] == [{"source": "children", "object": "Service/x", "field": "spec", "declared": None,
+                            "seen": None}]
 
 
 def test_invalid_spec_status_keeps_pair_records_and_stalls():
