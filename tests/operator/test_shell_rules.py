@@ -1,0 +1,83 @@
+"""The pure rules the operator shell and ``kubectl pd`` share (one each): pod readiness, known-good, drift as
+entries; and the reconcile's plan phase on its own (no cluster)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pdoperator import drift
+from pdoperator.config import OperatorConfig
+from pdoperator.context import Context, EventSink, Observed
+from pdoperator.pairs import CreatePods, PodView, pod_ready
+from pdoperator.reconcile import plan
+from pdoperator.revisions import ANN_KNOWN_GOOD, known_good, last_known_good, revision_hash
+from pdoperator.routerlink import router_pods_ready
+from pdoperator.spec import parse_spec
+from pdoperator.state import DeploymentState
+
+
+def pod(ready=None, phase="Running", ip="10.0.0.1"):
+    conds = [] if ready is None else [{"type": "Ready", "status": ready}]
+    return {"metadata": {"name": "p"}, "status": {"phase": phase, "podIP": ip, "conditions": conds}}
+
+
+@pytest.mark.parametrize("p,ready", [(pod("True"), True), (pod("False"), False), (pod(None), False), ({}, False),
+                                     ({"status": {"conditions": None}}, False)])
+def test_one_pod_readiness_rule(p, ready):
+    assert pod_ready(p) is ready
+    assert router_pods_ready([p]) == (["10.0.0.1"] if ready else [])
+
+
+def cr(rev, since=None):
+    ann = {ANN_KNOWN_GOOD: since} if since else {}
+    return {"metadata": {"name": f"x-{rev}", "annotations": ann}, "data": {"revision": rev}}
+
+
+def test_one_known_good_rule():
+    crs = [cr("a", "2026-12-01T10:00:00.000Z"), cr("b", "2026-12-01T12:00:00.000Z"), cr("c"), cr("d", "garbage")]
+    assert [rev for _, rev in known_good(crs)] == ["b", "a"]  # newest first; unannotated or unreadable: not
+    assert last_known_good(None, crs) == "b"  # no status: rebuilt from the records
+    assert last_known_good("a", crs) == "a"  # the status says
+    assert last_known_good(None, [cr("c")]) is None
+
+
+def test_drift_entries_round_trip_and_make_the_same_lines():
+    entries = [drift.DriftEntry("children", "Service/x-router", "spec.ports[0].port", "8000", "9000"),
+               drift.DriftEntry("children", "Service/x-router", "spec.type", "ClusterIP", "NodePort"),
+               drift.DriftEntry("process", "Pod/x-0-decode-a", "PDRT_X", "1", "2"),
+               drift.DriftEntry("process", "Pod/x-0-decode-a", "HF_TOKEN", drift.FROM_REFERENCE, None),
+               drift.DriftEntry("image", "revision r1", "container worker", None, "2 digests: a (p), b (q)")]
+    assert drift.from_status([e.to_status() for e in entries] + [{"source": "?"}, "x"]) == entries
+    assert drift.message_lines(entries) == [
+        "Service/x-router: spec.ports[0].port, spec.type",
+        "process: Pod/x-0-decode-a: PDRT_X: declared 1, process sees 2",
+        "process: Pod/x-0-decode-a: HF_TOKEN: declared from a reference, not in the process",
+        "image: revision r1 container worker runs 2 digests: a (p), b (q)"]
+
+
+def test_children_entries_carry_the_declared_and_live_values():
+    desired = {"spec": {"ports": [{"port": 8000, "targetPort": 8000}], "selector": {"a": "b"}}}
+    live = {"spec": {"ports": [{"port": 8000, "targetPort": 9999}], "selector": {"a": "c"}}}
+    got = drift.children_entries("Service/x", desired, live, ["spec.ports[0].targetPort", "spec.selector", "spec.no"])
+    assert [(e.field, e.declared, e.seen) for e in got] == [
+        ("spec.ports[0].targetPort", "8000", "9999"), ("spec.selector", '{"a": "b"}', '{"a": "c"}'),
+        ("spec.no", None, None)]
+
+
+def test_the_plan_phase_alone_decides_from_what_was_observed():
+    raw = {"image": "i", "pairs": 2}
+    spec = parse_spec(raw, name="llm")
+    body = {"metadata": {"name": "llm", "namespace": "default", "uid": "u"}, "spec": raw, "status": {}}
+    ctx = Context(None, body, spec, revision_hash(spec), OperatorConfig(), 100.0,  # type: ignore[arg-type]
+                  EventSink(None, body), DeploymentState("default", "llm"),  # type: ignore[arg-type]
+                  logging.getLogger("test"))
+    up = [PodView(f"llm-0-{r}-a", 0, r, ctx.revision, "Running", True, ip=f"10.0.0.{i}")
+          for i, r in enumerate(("prefill", "decode"))]
+    obs = Observed(crs={}, token=None, owned=[], views=up, prior=None, canary=None, specs={ctx.revision: spec},
+                   pod_drift=[], reverts={}, lost_nodes=frozenset())
+    planned = plan(ctx, obs)
+    assert [a for a in planned.plan.actions] == [CreatePods(1, ctx.revision, ("prefill", "decode"))]
+    assert [p["ready"] for p in planned.topology["pairs"]] == [True, False]
+    assert planned.topology_cm in planned.children
