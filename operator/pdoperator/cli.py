@@ -176,7 +176,8 @@ async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
             return await cliview.show_requests(kube, ns, args.name, args.output, out)
         if args.cmd == "drift":
             return await cliview.show_drift(kube, ns, args.name, args.output, out)
-        revs = await kube.list(path("apps/v1", "ControllerRevision", ns), label_selector=f"{LABEL_DEPLOYMENT}={args.name}")
+        revs = await kube.list(path("apps/v1", "ControllerRevision", ns),
+                               label_selector=f"{LABEL_DEPLOYMENT}={args.name}")
         entries = history(revs)
         if args.cmd == "rollback":
             obj = await kube.get(path(f"{GROUP}/{VERSION}", KIND, ns, args.name))

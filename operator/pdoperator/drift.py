@@ -202,7 +202,8 @@ class Decision:
     paths: tuple[str, ...] = ()
 
 
-def decide(desired: Mapping[str, Any], live: Mapping[str, Any] | None, policy: str, *, enforce: bool = False) -> Decision:
+def decide(desired: Mapping[str, Any], live: Mapping[str, Any] | None, policy: str, *,
+           enforce: bool = False) -> Decision:
     """What to do with one child. ``enforce``: operator-owned live state (topology) is always reverted."""
     if live is None:
         return Decision("create")

@@ -11,7 +11,7 @@ what the operator needs on top, as plain JSON (no model classes, so no field is 
   ``certificate-authority-data``);
 * :class:`Kube`: get / list (label + field selectors) / server-side apply / create / delete /
   status patch with a resourceVersion precondition / a merge patch recomputed on conflict (rollbacks, by the
-  operator and ``kubectl pd``) / eviction, every failure an :class:`ApiError`
+  operator and ``kubectl pd``), every failure an :class:`ApiError`
   naming the verb, the object and the server's message.
 """
 
@@ -266,10 +266,6 @@ class Kube:
                     raise
                 cur = await self.get(url_path)
         return cur
-
-    async def evict(self, namespace: str, name: str) -> None:
-        body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": namespace}}
-        await self.request("POST", path("v1", "Pod", namespace, name, "eviction"), body=body)
 
     async def delete(self, url_path: str, *, grace_period_s: int | None = None,
                      uid: str | None = None) -> bool:

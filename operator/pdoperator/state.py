@@ -108,6 +108,3 @@ class Deployments:
     def __iter__(self) -> Iterator[tuple[str, str]]:
         with self._lock:
             return iter(list(self._states))
-
-    def __len__(self) -> int:
-        return len(self._states)

@@ -154,7 +154,8 @@ def build_status(old: Mapping[str, Any] | None, plan: Plan, facts: Facts, now: f
                             f"all {n} pairs run revision {facts.desired_revision}")
     down = [p for p in pairs if not p.ready and p.memory.restarts > 0 and p.memory.recovering]
     degraded = _cond("Degraded", bool(down), "PairsDown" if down else "AsExpected",
-                     f"pairs {[p.index for p in down]} down after co-restart" if down else "no pair down after a failure")
+                     f"pairs {[p.index for p in down]} down after co-restart" if down
+                     else "no pair down after a failure")
     co = _cond("CoRestarting", bool(restarting), "PairCoRestart" if restarting else "Idle",
                "; ".join(f"pair {p.index}: {p.memory.last_co_restart_reason} ({p.phase})" for p in restarting))
     drift = _cond("ConfigDrift", bool(facts.drift), "Drifted" if facts.drift else "NoDrift",

@@ -72,7 +72,8 @@ def test_planner_co_restarts_the_whole_group_when_one_decode_goes():
     assert plan.pairs[0].ready and plan.pairs[0].members == {"prefill": "10.0.0.4", "decode": "10.0.0.5",
                                                                "decode-1": "10.0.0.5"}
     # once gone, the group is created whole
-    plan = plan_pairs(PlanInput(desired_revision="r1", pairs=2, policy=CoRestartSpec(backoff_initial_s=0), max_unavailable=1,
+    plan = plan_pairs(PlanInput(desired_revision="r1", pairs=2, policy=CoRestartSpec(backoff_initial_s=0),
+                                max_unavailable=1,
                       pods=group(0), memory={}, now=200.0, slots=SLOTS))
     assert [a for a in plan.actions if isinstance(a, CreatePods)] == [CreatePods(1, "r1", SLOTS)]
 

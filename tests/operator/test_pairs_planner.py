@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from pdoperator.pairs import (CoRestart, CreatePods, DeletePods, PairMemory, PodView, RolloutPair, PlanInput, plan_pairs,
-                              pod_view, unschedulable_message)
+from pdoperator.pairs import (CoRestart, CreatePods, DeletePods, PairMemory, PlanInput, PodView, RolloutPair,
+                              plan_pairs, pod_view, unschedulable_message)
 from pdoperator.spec import CoRestartSpec
 
 NOW = 1000.0
@@ -259,7 +259,8 @@ LOST = [replace(p, terminating=True, node="n1", delete_deadline=NOW - 10) if p.p
     (frozenset(), 5.0, []),  # node healthy: its kubelet will confirm
 ], ids=["lost node past the bound: force delete", "lost node within the bound", "node ready"])
 def test_lost_node(lost, margin, expected):
-    p = plan_pairs(PlanInput(desired_revision="r1", pairs=2, policy=PAIR, max_unavailable=1, pods=LOST, memory={}, now=NOW,
+    p = plan_pairs(PlanInput(desired_revision="r1", pairs=2, policy=PAIR, max_unavailable=1, pods=LOST, memory={},
+                             now=NOW,
                    lost_nodes=lost, lost_node_margin_s=margin))
     assert [a for a in p.actions if isinstance(a, ForceDelete)] == expected
     if not expected and lost:
