@@ -1,4 +1,4 @@
-"""Per-deployment state (``pdoperator.state``): one :class:`DeploymentState` per PDDeployment, opened and dropped
+"""Per-deployment state (``pdoperator.shell.state``): one :class:`DeploymentState` per PDDeployment, opened and dropped
 by its daemon, and wake-ups that are safe from kopf's thread pool (issue 18; issue 19, defect 9)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from pdop_harness import PDDS, eventually, manifest
-from pdoperator import handlers, metrics
-from pdoperator.state import Deployments
+from pdoperator.shell import handlers, metrics
+from pdoperator.shell.state import Deployments
 
 
 async def test_a_wake_up_from_kopfs_thread_pool_reaches_the_daemon_at_once():

@@ -21,7 +21,7 @@ import yaml
 
 from pdop_harness import NS, PODS, eventually, manifest
 from pdop_k8s_emulator import R
-from pdoperator import cli
+from pdoperator.cli import kubectl_pd as cli
 
 from test_operator_integration import is_ready
 

@@ -11,9 +11,9 @@ import aiohttp
 import yaml
 
 from pdop_harness import NS, PDDS, R, eventually, manifest
-from pdoperator.pairs import CoRestart, CreatePods, PodView, PlanInput, plan_pairs
-from pdoperator.render import Owner, TopologyPair, group_slots, render, topology_doc
-from pdoperator.spec import CoRestartSpec, parse_spec
+from pdoperator.core.pairs import CoRestart, CreatePods, PodView, PlanInput, plan_pairs
+from pdoperator.core.render import Owner, TopologyPair, group_slots, render, topology_doc
+from pdoperator.core.spec import CoRestartSpec, parse_spec
 from pdruntime.server.router_policy import PairPicker
 from pdruntime.server.topology import parse_topology
 
@@ -142,7 +142,7 @@ async def test_kubectl_scale_patches_the_scale_subresource_1_to_3_to_1(operator)
 
 
 def test_default_placement_keeps_a_group_on_one_node_and_spreads_groups():
-    from pdoperator.render import worker_pod
+    from pdoperator.core.render import worker_pod
 
     owner = Owner("llm", "ns", "u")
     spec = parse_spec({"image": "x", "pairs": 2, "decode": {"replicas": 2}})
@@ -176,7 +176,7 @@ def test_default_placement_keeps_a_group_on_one_node_and_spreads_groups():
 
 
 def test_rollout_replaces_one_whole_group_at_a_time():
-    from pdoperator.pairs import RolloutPair
+    from pdoperator.core.pairs import RolloutPair
 
     pods = [_view(f"g{k}-{s}", k, s.split("-")[0], int(s.split("-")[1]) if "-" in s else 0)
             for k in (0, 1) for s in SLOTS]

@@ -8,8 +8,8 @@ import json
 import time
 
 from pdop_harness import eventually, manifest
-from pdoperator import cli
-from pdoperator.revisions import format_time
+from pdoperator.cli import kubectl_pd as cli
+from pdoperator.core.revisions import format_time
 
 from test_operator_integration import is_ready
 
@@ -76,7 +76,7 @@ async def test_knob_diff_by_time(operator, capsys):
 
 
 def test_drift_report_splits_lines_by_source():
-    from pdoperator.cliview import drift_report
+    from pdoperator.cli.view import drift_report
     obj = {"status": {
         "conditions": [{"type": "ConfigDrift", "status": "True", "reason": "Drifted",
                         "message": "Deployment/llm-router: spec.replicas; process: Pod/llm-0-decode-x: "

@@ -28,8 +28,9 @@ import yaml
 from live_stack import start_router, stop
 from pdop_harness import NS, PODS, eventually, write_kubeconfig
 from pdop_k8s_emulator import PDEmulator, R
-from pdoperator import cli, rbac
-from pdoperator.render import TopologyPair, topology_doc
+from pdoperator.cli import kubectl_pd as cli
+from pdoperator.core import rbac
+from pdoperator.core.render import TopologyPair, topology_doc
 
 SECRETS = R("", "v1", "secrets")
 PDDS = R("pdstack.io", "v1alpha1", "pddeployments")

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from pdoperator.pairs import (CoRestart, CreatePods, DeletePods, PairMemory, PlanInput, PodView, RolloutPair,
+from pdoperator.core.pairs import (CoRestart, CreatePods, DeletePods, PairMemory, PlanInput, PodView, RolloutPair,
                               plan_pairs, pod_view, unschedulable_message)
-from pdoperator.spec import CoRestartSpec
+from pdoperator.core.spec import CoRestartSpec
 
 NOW = 1000.0
 PAIR = CoRestartSpec("Pair", 1.0, 300.0)
@@ -198,7 +198,7 @@ def test_unschedulable_message_has_requested_and_allocatable_gpus():
 
 
 # ---------------------------------------------------------------- drain before delete, lost nodes
-from pdoperator.pairs import DrainPair, ForceDelete, RouterView  # noqa: E402
+from pdoperator.core.pairs import DrainPair, ForceDelete, RouterView  # noqa: E402
 
 ROUTER_V5 = RouterView(present=True, version=5)
 DRAINING = PairMemory(drain_started_at=NOW - 1.0, drain_version=5)
@@ -270,7 +270,7 @@ def test_lost_node(lost, margin, expected):
 def test_outranked_names_live_higher_priority_peers_only():
     import datetime
 
-    from pdoperator.peering import outranked
+    from pdoperator.core.peering import outranked
     now = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
     status = {
         "a@host/1": {"priority": 100, "lifetime": 15, "lastseen": "2026-01-01T11:59:50+00:00"},  # alive, higher

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from emu_probes import ContainerProbes, probe_ok, simulate
-from pdoperator.render import Owner, worker_pod
-from pdoperator.spec import parse_spec
+from pdoperator.core.render import Owner, worker_pod
+from pdoperator.core.spec import parse_spec
 
 
 def _container(raw: dict | None = None, engine: str = "pdrt") -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdoperator.drift import PRESENCE_ONLY, process_env_drift as entries
+from pdoperator.core.drift import PRESENCE_ONLY, process_env_drift as entries
 
 
 def process_env_drift(*args):
@@ -60,5 +60,5 @@ B = "docker-pullable://ghcr.io/pdstack/runtime@sha256:bbb"
      ["image: revision r1 container worker runs 2 digests: sha256:aaa (d0, p0), sha256:bbb (p1)"]),
 ])
 def test_image_drift_moved_tag(pods, lines):
-    from pdoperator.drift import image_drift, message_lines
+    from pdoperator.core.drift import image_drift, message_lines
     assert message_lines(image_drift(pods)) == lines

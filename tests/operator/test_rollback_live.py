@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 
 async def test_a_stall_after_a_revision_change_rolls_back_to_last_known_good(tmp_path, monkeypatch):
-    pytest.importorskip("pdoperator.stall", reason="stall detection (stall11, condition Stalled) is not on this "
+    pytest.importorskip("pdoperator.core.stall", reason="stall detection (stall11, condition Stalled) is not on this "
                                                    "branch yet")
     monkeypatch.setenv("PDSTACK_OPERATOR_STALL_CHECK_S", "1")  # the stall sweep: every second, not every 15
     name = "auto"

@@ -7,15 +7,15 @@ import logging
 
 import pytest
 
-from pdoperator import drift
-from pdoperator.config import OperatorConfig
-from pdoperator.context import Context, EventSink, Observed
-from pdoperator.pairs import CreatePods, PodView, pod_ready
-from pdoperator.reconcile import plan
-from pdoperator.revisions import ANN_KNOWN_GOOD, known_good, last_known_good, revision_hash
-from pdoperator.routerlink import router_pods_ready
-from pdoperator.spec import parse_spec
-from pdoperator.state import DeploymentState
+from pdoperator.core import drift
+from pdoperator.core.config import OperatorConfig
+from pdoperator.shell.context import Context, EventSink, Observed
+from pdoperator.core.pairs import CreatePods, PodView, pod_ready
+from pdoperator.shell.reconcile import plan
+from pdoperator.core.revisions import ANN_KNOWN_GOOD, known_good, last_known_good, revision_hash
+from pdoperator.shell.routerlink import router_pods_ready
+from pdoperator.core.spec import parse_spec
+from pdoperator.shell.state import DeploymentState
 
 
 def pod(ready=None, phase="Running", ip="10.0.0.1"):

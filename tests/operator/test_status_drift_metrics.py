@@ -8,9 +8,10 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from pdoperator import drift, metrics
-from pdoperator.pairs import PairMemory, PairState, Plan
-from pdoperator.status import Facts, build_status, invalid_status, iso, memory_from_status, same_status
+from pdoperator.core import drift
+from pdoperator.shell import metrics
+from pdoperator.core.pairs import PairMemory, PairState, Plan
+from pdoperator.core.status import Facts, build_status, invalid_status, iso, memory_from_status, same_status
 
 NOW = 1_700_000_000.0
 

@@ -17,18 +17,18 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..core import drift
+from ..core.drift import DriftEntry
+from ..core.pairs import Plan, parse_iso, pod_view
+from ..core.render import Owner, worker_pod
+from ..core.revisions import (ANN_CURRENT_SINCE, ANN_KNOWN_GOOD, diff_configs, known_good, last_known_good,
+                              merge_patch, recorded_spec, restore_spec, revision_view, show)
+from ..core.spec import KIND, SpecError, parse_spec
+from ..core.status import iso
+from ..shell.context import API, Context, Observed
+from ..shell.kube import ApiError, Kube, path
+from ..shell.routerlink import RouterLink
 from . import canary as rollout_safety
-from . import drift
-from .context import API, Context, Observed
-from .drift import DriftEntry
-from .kube import ApiError, Kube, path
-from .pairs import Plan, parse_iso, pod_view
-from .render import Owner, worker_pod
-from .revisions import (ANN_CURRENT_SINCE, ANN_KNOWN_GOOD, diff_configs, known_good, last_known_good, merge_patch,
-                        recorded_spec, restore_spec, revision_view, show)
-from .routerlink import RouterLink
-from .spec import KIND, SpecError, parse_spec
-from .status import iso
 
 ROLLBACK_MANAGER = "pdstack-rollback"  # the field manager of spec patches by a rollback
 ROLLBACK_ATTEMPTS = 4  # a rollback's patch is recomputed from a fresh read after a 409 (status writes race it)

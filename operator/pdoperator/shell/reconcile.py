@@ -29,23 +29,25 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from . import drift, metrics, stall
-from .config import OperatorConfig
+from ..core import drift, stall
+from ..core.config import OperatorConfig
+from ..core.drift import DriftEntry
+from ..core.pairs import (CoRestart, CreatePods, DeletePods, DrainPair, ForceDelete, Plan, PlanInput, RolloutPair,
+                          RouterView, plan_pairs, pod_view, unschedulable_message)
+from ..core.render import (ADMIN_KEY, KV_AUTH_KEY, LABEL_COMPONENT, LABEL_DEPLOYMENT, TOPOLOGY_KEY, Owner,
+                           TopologyPair, admin_secret, admin_secret_name, group_slots, kv_secret, kv_secret_name,
+                           router_name, slot_name, static_children, topology_doc, topology_generation, topology_name,
+                           worker_env, worker_pod)
+from ..core.revisions import ANN_KNOWN_GOOD, controller_revision, known_good, prune_history, revision_hash
+from ..core.spec import KIND, SpecError, parse_spec
+from ..core.status import Facts, build_status, invalid_status, iso, memory_from_status, same_status, with_stalls
+from ..safety.canary import targets
+from ..safety.rollout import Safety, plan_rollout, pod_drift, rollout_safety_step
+from . import metrics
 from .context import API, Context, EventSink, Observed, Steps
-from .drift import DriftEntry
 from .kube import ApiError, Kube, object_path, path
-from .pairs import (CoRestart, CreatePods, DeletePods, DrainPair, ForceDelete, Plan, PlanInput, RolloutPair,
-                    RouterView, plan_pairs, pod_view, unschedulable_message)
-from .render import (ADMIN_KEY, KV_AUTH_KEY, LABEL_COMPONENT, LABEL_DEPLOYMENT, TOPOLOGY_KEY, Owner, TopologyPair,
-                     admin_secret, admin_secret_name, group_slots, kv_secret, kv_secret_name, router_name, slot_name,
-                     static_children, topology_doc, topology_generation, topology_name, worker_env, worker_pod)
-from .canary import targets
-from .revisions import ANN_KNOWN_GOOD, controller_revision, known_good, prune_history, revision_hash
-from .safety import Safety, plan_rollout, pod_drift, rollout_safety_step
 from .routerlink import RouterLink, router_pods_ready
-from .spec import KIND, SpecError, parse_spec
 from .state import DeploymentState
-from .status import Facts, build_status, invalid_status, iso, memory_from_status, same_status, with_stalls
 
 STATUS_CONFLICT_RETRIES = 3
 

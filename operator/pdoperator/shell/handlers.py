@@ -19,14 +19,14 @@ from typing import Any
 
 import kopf
 
+from ..core.config import OperatorConfig
+from ..core.peering import outranked
+from ..core.render import LABEL_DEPLOYMENT
+from ..core.spec import GROUP, PLURAL, VERSION
 from . import metrics
-from .config import OperatorConfig
 from .kube import Credentials, Kube, path
-from .peering import outranked
 from .reconcile import reconcile
 from .routerlink import RouterLink
-from .render import LABEL_DEPLOYMENT
-from .spec import GROUP, PLURAL, VERSION
 from .state import Deployments
 
 RESYNC_S = 30.0  # periodic reconcile even without events (observe actual state)

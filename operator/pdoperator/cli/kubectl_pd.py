@@ -39,11 +39,11 @@ from typing import Any, Sequence, TextIO
 
 import yaml
 
-from .render import Owner, render
-from .revisions import (HistoryEntry, diff_report, effective_view, format_diff, format_time, history,
-                        last_known_good, merge_patch, parse_since, recorded_spec, restore_spec, revision_at,
-                        revision_hash, revision_view)
-from .spec import KIND, SpecError, parse_spec
+from ..core.render import Owner, render
+from ..core.revisions import (HistoryEntry, diff_report, effective_view, format_diff, format_time, history,
+                              last_known_good, merge_patch, parse_since, recorded_spec, restore_spec, revision_at,
+                              revision_hash, revision_view)
+from ..core.spec import KIND, SpecError, parse_spec
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
 PLACEHOLDER_TOKEN = "generated-once-by-the-operator"
@@ -157,10 +157,10 @@ def _side(e: HistoryEntry) -> dict[str, Any]:
 
 
 async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
-    from . import cliview
-    from .kube import ApiError, Credentials, CredentialsError, Kube, path
-    from .render import LABEL_DEPLOYMENT
-    from .spec import GROUP, VERSION
+    from .view import ViewError, show_drift, show_requests, show_status
+    from ..shell.kube import ApiError, Credentials, CredentialsError, Kube, path
+    from ..core.render import LABEL_DEPLOYMENT
+    from ..core.spec import GROUP, VERSION
 
     try:
         creds = await Credentials.load(args.kubeconfig, args.context)
@@ -171,11 +171,11 @@ async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
     try:
         ns = args.namespace or creds.namespace()
         if args.cmd == "status":
-            return await cliview.show_status(kube, ns, args.name, args.output, out)
+            return await show_status(kube, ns, args.name, args.output, out)
         if args.cmd == "requests":
-            return await cliview.show_requests(kube, ns, args.name, args.output, out)
+            return await show_requests(kube, ns, args.name, args.output, out)
         if args.cmd == "drift":
-            return await cliview.show_drift(kube, ns, args.name, args.output, out)
+            return await show_drift(kube, ns, args.name, args.output, out)
         revs = await kube.list(path("apps/v1", "ControllerRevision", ns),
                                label_selector=f"{LABEL_DEPLOYMENT}={args.name}")
         entries = history(revs)
@@ -220,7 +220,7 @@ async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
         if args.since is not None:
             report["since"] = format_time(t)
         return _emit(report, args.output, out)
-    except (CliError, cliview.ViewError) as e:
+    except (CliError, ViewError) as e:
         print(f"kubectl-pd: {e}", file=sys.stderr)
         return 2
     except ApiError as e:
@@ -249,8 +249,8 @@ def rollback_plan(obj: dict[str, Any], cr: dict[str, Any]) -> tuple[dict[str, An
 async def _rollback(kube: Any, obj: dict[str, Any], revs: list[dict[str, Any]], entries: list[HistoryEntry],
                     args: argparse.Namespace, out: TextIO) -> int:
     """``rollback NAME --to REV | --last-known-good [--dry-run]``: 0 applied or already there, 2 error."""
-    from .kube import ApiError, path
-    from .spec import GROUP, VERSION
+    from ..shell.kube import ApiError, path
+    from ..core.spec import GROUP, VERSION
 
     meta = obj["metadata"]
     if args.last_known_good:

@@ -16,13 +16,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Mapping
 
-from .config import OperatorConfig
+from ..core.config import OperatorConfig
+from ..core.render import Owner
+from ..core.spec import GROUP, KIND, VERSION, PDSpec
+from ..core.status import iso
 from .kube import ApiError, Kube
-from .render import Owner
 from .routerlink import RouterLink
-from .spec import GROUP, KIND, VERSION, PDSpec
 from .state import DeploymentState
-from .status import iso
 
 API = f"{GROUP}/{VERSION}"
 

@@ -12,8 +12,8 @@ from typing import Any, Mapping, Sequence
 
 import aiohttp
 
-from .pairs import RouterView, pod_ready
-from .render import group_of
+from ..core.pairs import RouterView, pod_ready
+from ..core.render import group_of
 
 DEBUG_TIMEOUT_S = 5.0  # a router's /debug/requests waits up to 2 s (in parallel) for each worker's rows
 

@@ -21,11 +21,11 @@ from typing import Any, Mapping, Sequence, TextIO
 
 import yaml
 
-from .render import ADMIN_KEY, LABEL_COMPONENT, LABEL_DEPLOYMENT, LABEL_MEMBER, LABEL_PAIR, LABEL_ROLE, \
+from ..core.render import ADMIN_KEY, LABEL_COMPONENT, LABEL_DEPLOYMENT, LABEL_MEMBER, LABEL_PAIR, LABEL_ROLE, \
     admin_secret_name, group_of
-from .drift import from_status, lines as drift_lines
-from .pairs import pod_ready
-from .spec import HTTP_PORT, KIND
+from ..core.drift import from_status, lines as drift_lines
+from ..core.pairs import pod_ready
+from ..core.spec import HTTP_PORT, KIND
 
 ADMIN_TOKEN_HEADER = "X-PDStack-Admin-Token"  # the router accepts its admin token here (pods/proxy drops Authorization)
 
@@ -62,8 +62,8 @@ def format_drift(r: Mapping[str, Any], ns: str, name: str) -> str:
 
 
 async def show_drift(kube: Any, ns: str, name: str, fmt: str, out: TextIO) -> int:
-    from .kube import path
-    from .spec import GROUP, VERSION
+    from ..shell.kube import path
+    from ..core.spec import GROUP, VERSION
 
     obj = await kube.get(path(f"{GROUP}/{VERSION}", KIND, ns, name))
     if obj is None:
@@ -140,8 +140,8 @@ def format_status(r: Mapping[str, Any]) -> str:
 
 
 async def show_status(kube: Any, ns: str, name: str, fmt: str, out: TextIO) -> int:
-    from .kube import path
-    from .spec import GROUP, VERSION
+    from ..shell.kube import path
+    from ..core.spec import GROUP, VERSION
 
     obj = await kube.get(path(f"{GROUP}/{VERSION}", KIND, ns, name))
     if obj is None:
@@ -209,7 +209,7 @@ def format_requests(r: Mapping[str, Any]) -> str:
 
 
 async def _admin_token(kube: Any, ns: str, name: str) -> str:
-    from .kube import path
+    from ..shell.kube import path
 
     secret = await kube.get(path("v1", "Secret", ns, admin_secret_name(name)))
     raw = ((secret or {}).get("data") or {}).get(ADMIN_KEY)
@@ -220,7 +220,7 @@ async def _admin_token(kube: Any, ns: str, name: str) -> str:
 
 
 async def show_requests(kube: Any, ns: str, name: str, fmt: str, out: TextIO) -> int:
-    from .kube import ApiError, path
+    from ..shell.kube import ApiError, path
 
     pods = await kube.list(path("v1", "Pod", ns), label_selector=f"{LABEL_DEPLOYMENT}={name},{LABEL_COMPONENT}=router")
     ready = sorted(p["metadata"]["name"] for p in pods if pod_ready(p) and not p["metadata"].get("deletionTimestamp")
