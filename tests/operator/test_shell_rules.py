@@ -1,5 +1,5 @@
 """The pure rules the operator shell and ``kubectl pd`` share (one each): pod readiness, known-good, drift as
-entries; and the reconcile's plan phase on its own (no cluster)."""
+entries; the one merge patch with its 409 retry; and the reconcile's plan phase on its own (no cluster)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import pytest
 
 from pdoperator.core import drift
 from pdoperator.core.config import OperatorConfig
-from pdoperator.shell.context import Context, EventSink, Observed
 from pdoperator.core.pairs import CreatePods, PodView, pod_ready
-from pdoperator.shell.reconcile import plan
 from pdoperator.core.revisions import ANN_KNOWN_GOOD, known_good, last_known_good, revision_hash
-from pdoperator.shell.routerlink import router_pods_ready
 from pdoperator.core.spec import parse_spec
+from pdoperator.shell.context import Context, EventSink, Observed
+from pdoperator.shell.kube import ApiError, Kube
+from pdoperator.shell.reconcile import plan
+from pdoperator.shell.routerlink import router_pods_ready
 from pdoperator.shell.state import DeploymentState
 
 
@@ -81,3 +82,48 @@ def test_the_plan_phase_alone_decides_from_what_was_observed():
     assert [a for a in planned.plan.actions] == [CreatePods(1, ctx.revision, ("prefill", "decode"))]
     assert [p["ready"] for p in planned.topology["pairs"]] == [True, False]
     assert planned.topology_cm in planned.children
+
+
+class FakeKube(Kube):
+    """Kube.merge_patch against a scripted server: PATCH answers from ``answers``, GET returns ``reads``."""
+
+    def __init__(self, answers, reads):
+        self.answers, self.reads, self.sent = list(answers), list(reads), []
+
+    async def request(self, method, url_path, *, body=None, query=None, content_type="", headers=None):
+        self.sent.append((method, body, dict(query or {}), content_type))
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def get(self, url_path):
+        return self.reads.pop(0)
+
+
+def obj(rv, replicas):
+    return {"metadata": {"resourceVersion": rv}, "spec": {"pairs": replicas}}
+
+
+async def test_one_merge_patch_recomputes_from_a_fresh_read_on_409():
+    conflict = ApiError(409, "the object has been modified", verb="patch", target="pddeployments/x")
+    kube = FakeKube([conflict, {}], [obj("2", 3)])
+    done = await kube.merge_patch("/x", obj("1", 2), lambda o: {"spec": {"pairs": o["spec"]["pairs"] + 1}},
+                                  field_manager="kubectl-pd")
+    assert done == obj("2", 3)
+    assert [(b["metadata"]["resourceVersion"], b["spec"]["pairs"]) for _, b, _, _ in kube.sent] == [("1", 3), ("2", 4)]
+    assert {q["fieldManager"] for _, _, q, _ in kube.sent} == {"kubectl-pd"}
+    assert {c for _, _, _, c in kube.sent} == {"application/merge-patch+json"}
+
+
+async def test_merge_patch_gives_up_after_its_attempts_and_knows_gone_and_nothing_to_do():
+    conflict = ApiError(409, "modified", verb="patch", target="x")
+    kube = FakeKube([conflict] * 2, [obj("2", 1)])
+    with pytest.raises(ApiError) as e:
+        await kube.merge_patch("/x", obj("1", 1), lambda o: {"spec": {"pairs": 5}}, field_manager="m", attempts=2)
+    assert e.value.status == 409 and len(kube.sent) == 2
+    gone = FakeKube([conflict], [None])
+    assert await gone.merge_patch("/x", obj("1", 1), lambda o: {"spec": {"pairs": 5}}, field_manager="m") is None
+    idle = FakeKube([], [])
+    assert await idle.merge_patch("/x", obj("1", 1), lambda o: None, field_manager="m") == obj("1", 1)
+    assert idle.sent == []

@@ -141,7 +141,8 @@ def test_every_metric_an_alert_or_panel_names_exists() -> None:
                 used.add(base)
             elif name not in PENDING_METRICS:
                 unknown.append(f"{where}: {name}")
-    assert not unknown, "metrics not in docs/metrics.md nor operator/pdoperator/shell/metrics.py:\n" + "\n".join(unknown)
+    assert not unknown, ("metrics not in docs/metrics.md nor operator/pdoperator/shell/metrics.py:\n"
+                         + "\n".join(unknown))
     assert len(used) >= 15, sorted(used)
 
 
