@@ -60,7 +60,9 @@ async def test_a_stall_after_a_revision_change_rolls_back_to_last_known_good(tmp
         msg = events[0]["message"]
         assert f"revision {bad}" in msg and f"last known-good revision {good}" in msg, msg
         assert f"decode.env.{FAULT}: <unset> -> 1" in msg, msg
-        st = c.pdd(name)["status"]
+        # the Event is posted by the reconcile's act phase, the status written by its report phase just after
+        st = await eventually(lambda: (x := c.pdd(name)["status"]).get("autoRollback") and x, timeout=10,
+                              interval=0.1, what="status.autoRollback")
         assert st["autoRollback"]["from"] == bad and st["autoRollback"]["to"] == good
         assert "env" not in c.pdd(name)["spec"]["decode"]  # the spec is the known-good one again
         print(f"Stalled: {stalled['message']}")
