@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     namespaces = args.namespace or ([] if args.all_namespaces else [os.environ.get("POD_NAMESPACE") or "default"])
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    from . import handlers  # noqa: F401  (registers the handlers)
+    from .shell import handlers  # noqa: F401  (registers the handlers)
 
     peering = {} if args.standalone else {"peering_name": args.peering, "priority": args.priority}
     kopf.run(clusterwide=args.all_namespaces, namespaces=namespaces, standalone=args.standalone,

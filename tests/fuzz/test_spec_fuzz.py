@@ -1,6 +1,6 @@
 """Fuzzed PDDeployment specs get a validation message, never a crash (issue 13, build item 5).
 
-``pdoperator.spec.parse_spec`` either returns a PDSpec or raises SpecError whose problems each name a
+``pdoperator.core.spec.parse_spec`` either returns a PDSpec or raises SpecError whose problems each name a
 field under ``spec`` (or ``metadata.name``) — for arbitrary JSON, and for the shipped examples with one to
 three fields replaced by arbitrary values (the shape a user's typo has). Any other exception is a crash
 that would become a reconcile loop. Test only; the operator code is not changed here.
@@ -19,7 +19,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdoperator.spec import PDSpec, SpecError, parse_spec
+from pdoperator.core.spec import PDSpec, SpecError, parse_spec
 
 EXAMPLES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "examples", "*.yaml")))
 SPECS = [doc["spec"] for path in EXAMPLES for doc in yaml.safe_load_all(open(path)) if doc and "spec" in doc]

@@ -137,12 +137,12 @@ def _register_test_tuning() -> None:
 @contextlib.asynccontextmanager
 async def running_operator(cluster: Cluster, *, clusterwide: bool = True, namespaces: tuple[str, ...] = (),
                            peering: str | None = None, priority: int = 0) -> AsyncIterator[Cluster]:
-    """The real kopf operator (pdoperator.handlers) in its own thread and loop, against the emulator.
+    """The real kopf operator (pdoperator.shell.handlers) in its own thread and loop, against the emulator.
 
     A separate loop matters: on exit kopf waits for (then cancels) every task of its loop born after
     its start, which in a shared loop would include the emulator's and pytest's own tasks.
     """
-    import pdoperator.handlers  # noqa: F401  (registers the handlers)
+    import pdoperator.shell.handlers  # noqa: F401  (registers the handlers)
     _register_test_tuning()
     # the permissive harness grants the optional cluster-wide pod read; the strict one (rbac.py) does not
     os.environ["PDSTACK_OPERATOR_CLUSTER_POD_READ"] = "0" if cluster.api.rbac is not None else "1"
@@ -178,8 +178,8 @@ async def operator(cluster: Cluster) -> AsyncIterator[Cluster]:
 
 @pytest.fixture
 async def strict_operator(cluster: Cluster) -> AsyncIterator[Cluster]:
-    """Namespaced operator whose every request must pass RBAC from :mod:`pdoperator.rbac` (recorded)."""
-    from pdoperator import rbac
+    """Namespaced operator whose every request must pass RBAC from :mod:`pdoperator.core.rbac` (recorded)."""
+    from pdoperator.core import rbac
     cluster.api.rbac = copy.deepcopy(rbac.NAMESPACED_RULES)
     cluster.api.cluster_rbac = copy.deepcopy(rbac.CLUSTER_RULES)
     cluster.api.seed(PEERINGS, NS, {"metadata": {"name": "pdstack-operator"}})  # the chart creates it

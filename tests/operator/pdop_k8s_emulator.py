@@ -581,7 +581,7 @@ class PDEmulator(kmock.KubernetesEmulator):
         self.request_log.append((user, verb, res.group, resource, namespace, time.time()))
         if self.rbac is None:
             return
-        from pdoperator.rbac import allows
+        from pdoperator.core.rbac import allows
         namespaced = self._info[res][1]
         rules = (self.rbac if namespaced and namespace else []) + (self.cluster_rbac or [])
         if not allows(rules, verb, res.group, resource):

@@ -8,11 +8,11 @@ from dataclasses import dataclass, replace
 import pytest
 import yaml
 
-from pdoperator import canary as c
-from pdoperator.pairs import PairMemory, PairState
-from pdoperator.render import TopologyPair, topology_doc
-from pdoperator.spec import CanarySpec
-from pdoperator.status import iso
+from pdoperator.safety import canary as c
+from pdoperator.core.pairs import PairMemory, PairState
+from pdoperator.core.render import TopologyPair, topology_doc
+from pdoperator.core.spec import CanarySpec
+from pdoperator.core.status import iso
 
 NOW = 10_000.0
 SPEC = CanarySpec(agents=2, rounds=3, round_timeout_s=10.0, max_tokens=8)

@@ -27,7 +27,7 @@ import yaml
 
 from pdop_harness import NS, PODS, eventually, manifest, running_operator
 from pdop_k8s_emulator import R
-from pdoperator import safety
+from pdoperator.safety import rollout as safety
 
 from test_canary import CLEAN, HANG
 

@@ -11,9 +11,9 @@ import aiohttp
 import yaml
 
 from pdop_harness import NS, PDDS, R, eventually, manifest
-from pdoperator.pairs import CoRestart, CreatePods, PodView, plan_pairs
-from pdoperator.render import Owner, TopologyPair, group_slots, render, topology_doc
-from pdoperator.spec import CoRestartSpec, parse_spec
+from pdoperator.core.pairs import CoRestart, CreatePods, PodView, PlanInput, plan_pairs
+from pdoperator.core.render import Owner, TopologyPair, group_slots, render, topology_doc
+from pdoperator.core.spec import CoRestartSpec, parse_spec
 from pdruntime.server.router.policy import PairPicker
 from pdruntime.server.router.topology import parse_topology
 
@@ -65,15 +65,16 @@ def test_planner_co_restarts_the_whole_group_when_one_decode_goes():
     group = lambda k: [_view(f"g{k}-p", k, "prefill"), _view(f"g{k}-d0", k, "decode"),  # noqa: E731
                        _view(f"g{k}-d1", k, "decode", 1)]
     pods = group(0) + group(1)[:2]  # group 1 lost decode-1
-    plan = plan_pairs(desired_revision="r1", pairs=2, policy=CoRestartSpec(), max_unavailable=1, pods=pods,
-                      memory={}, now=100.0, slots=SLOTS)
+    plan = plan_pairs(PlanInput(desired_revision="r1", pairs=2, policy=CoRestartSpec(), max_unavailable=1, pods=pods,
+                      memory={}, now=100.0, slots=SLOTS))
     co = [a for a in plan.actions if isinstance(a, CoRestart)]
     assert len(co) == 1 and co[0].pair == 1 and set(co[0].pods) == {"g1-p", "g1-d0"} and "decode-1" in co[0].detail
     assert plan.pairs[0].ready and plan.pairs[0].members == {"prefill": "10.0.0.4", "decode": "10.0.0.5",
                                                                "decode-1": "10.0.0.5"}
     # once gone, the group is created whole
-    plan = plan_pairs(desired_revision="r1", pairs=2, policy=CoRestartSpec(backoff_initial_s=0), max_unavailable=1,
-                      pods=group(0), memory={}, now=200.0, slots=SLOTS)
+    plan = plan_pairs(PlanInput(desired_revision="r1", pairs=2, policy=CoRestartSpec(backoff_initial_s=0),
+                                max_unavailable=1,
+                      pods=group(0), memory={}, now=200.0, slots=SLOTS))
     assert [a for a in plan.actions if isinstance(a, CreatePods)] == [CreatePods(1, "r1", SLOTS)]
 
 
@@ -141,7 +142,7 @@ async def test_kubectl_scale_patches_the_scale_subresource_1_to_3_to_1(operator)
 
 
 def test_default_placement_keeps_a_group_on_one_node_and_spreads_groups():
-    from pdoperator.render import worker_pod
+    from pdoperator.core.render import worker_pod
 
     owner = Owner("llm", "ns", "u")
     spec = parse_spec({"image": "x", "pairs": 2, "decode": {"replicas": 2}})
@@ -175,11 +176,11 @@ def test_default_placement_keeps_a_group_on_one_node_and_spreads_groups():
 
 
 def test_rollout_replaces_one_whole_group_at_a_time():
-    from pdoperator.pairs import RolloutPair
+    from pdoperator.core.pairs import RolloutPair
 
     pods = [_view(f"g{k}-{s}", k, s.split("-")[0], int(s.split("-")[1]) if "-" in s else 0)
             for k in (0, 1) for s in SLOTS]
-    plan = plan_pairs(desired_revision="r2", pairs=2, policy=CoRestartSpec(), max_unavailable=1, pods=pods,
-                      memory={}, now=100.0, slots=SLOTS)
+    plan = plan_pairs(PlanInput(desired_revision="r2", pairs=2, policy=CoRestartSpec(), max_unavailable=1, pods=pods,
+                      memory={}, now=100.0, slots=SLOTS))
     rolls = [a for a in plan.actions if isinstance(a, RolloutPair)]
     assert len(rolls) == 1 and set(rolls[0].pods) == {f"g{rolls[0].pair}-{s}" for s in SLOTS}

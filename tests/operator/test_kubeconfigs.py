@@ -107,7 +107,7 @@ async def test_ca_data_inline_and_a_token(tls_cluster, pki):
     import asyncio
     import io
 
-    from pdoperator import cli
+    from pdoperator.cli import kubectl_pd as cli
     out = io.StringIO()
     assert await asyncio.to_thread(cli.main, ["status", "ca-data", "-n", NS], out) == 0
     text = out.getvalue()
@@ -177,7 +177,7 @@ async def test_in_cluster_with_a_token_rotated_mid_run(tls_cluster, pki, tmp_pat
 def test_missing_credentials_say_what_was_tried(tmp_path, capsys):
     import io
 
-    from pdoperator import cli
+    from pdoperator.cli import kubectl_pd as cli
     assert cli.main(["status", "x", "--kubeconfig", str(tmp_path / "nope")], io.StringIO()) == 2
     err = capsys.readouterr().err
     assert "no usable Kubernetes credentials: kubeconfig" in err and "nope" in err

@@ -8,8 +8,8 @@ import json
 import time
 
 from pdop_harness import eventually, manifest
-from pdoperator import cli
-from pdoperator.revisions import format_time
+from pdoperator.cli import kubectl_pd as cli
+from pdoperator.core.revisions import format_time
 
 from test_operator_integration import is_ready
 
@@ -76,14 +76,23 @@ async def test_knob_diff_by_time(operator, capsys):
 
 
 def test_drift_report_splits_lines_by_source():
-    obj = {"status": {"conditions": [{"type": "ConfigDrift", "status": "True", "reason": "Drifted",
-                                      "message": "Deployment/llm-router: spec.replicas; process: Pod/llm-0-decode-x: "
-                                                 "SGLANG_X=1 (not declared)"}]}}
-    assert cli.drift_report(obj)["lines"] == [
+    from pdoperator.cli.view import drift_report
+    obj = {"status": {
+        "conditions": [{"type": "ConfigDrift", "status": "True", "reason": "Drifted",
+                        "message": "Deployment/llm-router: spec.replicas; process: Pod/llm-0-decode-x: "
+                                   "SGLANG_X=1 (not declared)"}],
+        "drift": [{"source": "children", "object": "Deployment/llm-router", "field": "spec.replicas",
+                   "declared": "1", "seen": "3"},
+                  {"source": "process", "object": "Pod/llm-0-decode-x", "field": "SGLANG_X", "declared": None,
+                   "seen": "1"}]}}
+    assert drift_report(obj)["lines"] == [
         {"source": "children", "drift": "Deployment/llm-router: spec.replicas"},
         {"source": "process", "drift": "Pod/llm-0-decode-x: SGLANG_X=1 (not declared)"}]
     clean = {"status": {"conditions": [{"type": "ConfigDrift", "status": "False", "message": "live children match"}]}}
-    assert cli.drift_report(clean)["lines"] == [] and not cli.drift_report({})["drifted"]
+    assert drift_report(clean)["lines"] == [] and not drift_report({})["drifted"]
+    # the list, not the message, is read: a field whose text holds "; " stays one line
+    odd = {"status": {"drift": [{"source": "children", "object": "ConfigMap/x", "field": "data.a; b"}]}}
+    assert drift_report(odd)["lines"] == [{"source": "children", "drift": "ConfigMap/x: data.a; b"}]
 
 
 async def test_moved_tag_shows_image_drift(operator, capsys):

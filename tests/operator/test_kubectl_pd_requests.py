@@ -28,8 +28,9 @@ import yaml
 from live_stack import start_router, stop
 from pdop_harness import NS, PODS, eventually, write_kubeconfig
 from pdop_k8s_emulator import PDEmulator, R
-from pdoperator import cli, rbac
-from pdoperator.render import TopologyPair, topology_doc
+from pdoperator.cli import kubectl_pd as cli
+from pdoperator.core import rbac
+from pdoperator.core.render import TopologyPair, topology_doc
 from pdruntime.util.ports import free_port
 
 SECRETS = R("", "v1", "secrets")
@@ -186,6 +187,9 @@ async def test_status_table_and_json(capsys):
                  "message": "Deployment/llm-router: spec.replicas; image: revision aaa111 container worker runs 2 "
                             "digests: sha256:a (x), sha256:b (y)"},
                 {"type": "Stalled", "status": "True", "reason": "PairStalled", "message": "pair 0 stalled in x"}],
+            "drift": [{"source": "children", "object": "Deployment/llm-router", "field": "spec.replicas"},
+                      {"source": "image", "object": "revision aaa111", "field": "container worker",
+                       "seen": "2 digests: sha256:a (x), sha256:b (y)"}],
             "stalls": [{"pair": 0, "stage": "decode/running", "oldestAgeSeconds": 80, "tokensPerSecond": 0,
                         "watchdogFires": 0, "since": "2026-12-01T12:00:00.000Z", "reason": "pair 0 stalled in x"}]}})
         owner = [{"apiVersion": "pdstack.io/v1alpha1", "kind": "PDDeployment", "name": "llm",

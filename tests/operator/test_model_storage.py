@@ -12,9 +12,9 @@ import threading
 
 import pytest
 
-from pdoperator.render import Owner, worker_pod
-from pdoperator.revisions import controller_revision, revision_hash
-from pdoperator.spec import SpecError, parse_spec
+from pdoperator.core.render import Owner, worker_pod
+from pdoperator.core.revisions import controller_revision, revision_hash
+from pdoperator.core.spec import SpecError, parse_spec
 
 OWNER = Owner("llm", "ns", "u")
 

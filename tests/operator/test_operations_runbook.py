@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdoperator import cli as pd_cli
+from pdoperator.cli import kubectl_pd as pd_cli
 from pdruntime import cli as rt_cli
 
 RUNBOOK = Path(__file__).resolve().parents[2] / "docs" / "operations.md"

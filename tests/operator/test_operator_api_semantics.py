@@ -169,7 +169,7 @@ async def test_evictions_never_take_two_pairs_down(operator):
 @pytest.mark.parametrize("override", [False, True], ids=["secure-defaults", "overridden-to-privileged"])
 async def test_workers_and_router_against_pod_security_restricted(cluster, override):
     """As rendered, worker and router pods pass Pod Security ``restricted``; overriding a default away fails."""
-    from pdoperator.cli import render_manifest
+    from pdoperator.cli.kubectl_pd import render_manifest
 
     ns = cluster.api.read(NAMESPACES, None, NS)
     ns["metadata"]["labels"] = {"pod-security.kubernetes.io/enforce": "restricted"}

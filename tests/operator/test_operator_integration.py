@@ -1,4 +1,4 @@
-"""The real kopf operator (pdoperator.handlers) against the API emulator over HTTP on loopback."""
+"""The real kopf operator (pdoperator.shell.handlers) against the API emulator over HTTP on loopback."""
 
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from pdoperator.pairs import (CoRestart, CreatePods, DeletePods, PairMemory, PodView, RolloutPair, plan_pairs,
-                              pod_view, unschedulable_message)
-from pdoperator.spec import CoRestartSpec
+from pdoperator.core.pairs import (CoRestart, CreatePods, DeletePods, PairMemory, PlanInput, PodView, RolloutPair,
+                              plan_pairs, pod_view, unschedulable_message)
+from pdoperator.core.spec import CoRestartSpec
 
 NOW = 1000.0
 PAIR = CoRestartSpec("Pair", 1.0, 300.0)
@@ -36,8 +36,8 @@ def drop(pods, pair, role):
 
 
 def plan(pods, memory=None, *, pairs=2, policy=PAIR, max_unavailable=1, desired="r1"):
-    return plan_pairs(desired_revision=desired, pairs=pairs, policy=policy, max_unavailable=max_unavailable,
-                      pods=pods, memory=memory or {}, now=NOW)
+    return plan_pairs(PlanInput(desired_revision=desired, pairs=pairs, policy=policy, max_unavailable=max_unavailable,
+                      pods=pods, memory=memory or {}, now=NOW))
 
 
 def kinds(p):
@@ -198,7 +198,7 @@ def test_unschedulable_message_has_requested_and_allocatable_gpus():
 
 
 # ---------------------------------------------------------------- drain before delete, lost nodes
-from pdoperator.pairs import DrainPair, ForceDelete, RouterView  # noqa: E402
+from pdoperator.core.pairs import DrainPair, ForceDelete, RouterView  # noqa: E402
 
 ROUTER_V5 = RouterView(present=True, version=5)
 DRAINING = PairMemory(drain_started_at=NOW - 1.0, drain_version=5)
@@ -234,8 +234,8 @@ DRAIN_CASES = [
 @pytest.mark.parametrize("pods,memory,router,expected", [c[1:] for c in DRAIN_CASES],
                          ids=[c[0] for c in DRAIN_CASES])
 def test_drain_before_delete(pods, memory, router, expected):
-    p = plan_pairs(desired_revision="r1", pairs=2, policy=PAIR, max_unavailable=1, pods=pods, memory=memory,
-                   now=NOW, router=router, drain_s=30.0, drain_confirm_timeout_s=30.0)
+    p = plan_pairs(PlanInput(desired_revision="r1", pairs=2, policy=PAIR, max_unavailable=1, pods=pods, memory=memory,
+                   now=NOW, router=router, drain_s=30.0, drain_confirm_timeout_s=30.0))
     assert kinds(p) == expected
     for a in p.actions:  # a pair about to lose its pods is draining in the topology the same reconcile
         if isinstance(a, (DrainPair, RolloutPair)) or (isinstance(a, CoRestart)):
@@ -244,9 +244,9 @@ def test_drain_before_delete(pods, memory, router, expected):
 
 
 def test_unconfirmed_drain_is_reported():
-    p = plan_pairs(desired_revision="r1", pairs=2, policy=PAIR, max_unavailable=1,
+    p = plan_pairs(PlanInput(desired_revision="r1", pairs=2, policy=PAIR, max_unavailable=1,
                    pods=swap(H, 1, "decode", restarts=1), memory={1: replace(DRAINING, drain_started_at=NOW - 61)},
-                   now=NOW, router=RouterView(True, None), drain_s=30.0, drain_confirm_timeout_s=30.0)
+                   now=NOW, router=RouterView(True, None), drain_s=30.0, drain_confirm_timeout_s=30.0))
     assert p.unconfirmed_drains == (1,)
 
 
@@ -259,8 +259,9 @@ LOST = [replace(p, terminating=True, node="n1", delete_deadline=NOW - 10) if p.p
     (frozenset(), 5.0, []),  # node healthy: its kubelet will confirm
 ], ids=["lost node past the bound: force delete", "lost node within the bound", "node ready"])
 def test_lost_node(lost, margin, expected):
-    p = plan_pairs(desired_revision="r1", pairs=2, policy=PAIR, max_unavailable=1, pods=LOST, memory={}, now=NOW,
-                   lost_nodes=lost, lost_node_margin_s=margin)
+    p = plan_pairs(PlanInput(desired_revision="r1", pairs=2, policy=PAIR, max_unavailable=1, pods=LOST, memory={},
+                             now=NOW,
+                   lost_nodes=lost, lost_node_margin_s=margin))
     assert [a for a in p.actions if isinstance(a, ForceDelete)] == expected
     if not expected and lost:
         assert p.requeue_after is not None and p.requeue_after <= 20.0  # wakes up at the bound
@@ -269,7 +270,7 @@ def test_lost_node(lost, margin, expected):
 def test_outranked_names_live_higher_priority_peers_only():
     import datetime
 
-    from pdoperator.peering import outranked
+    from pdoperator.core.peering import outranked
     now = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
     status = {
         "a@host/1": {"priority": 100, "lifetime": 15, "lastseen": "2026-01-01T11:59:50+00:00"},  # alive, higher
@@ -285,8 +286,8 @@ def test_outranked_names_live_higher_priority_peers_only():
 # --- per-pair targets (a canary holds the other pairs at the old revision) and drift reverts -----------------
 
 def plan_with(pods, *, targets=None, reverts=None, memory=None, desired="r1", pairs=2):
-    return plan_pairs(desired_revision=desired, pairs=pairs, policy=PAIR, max_unavailable=1, pods=pods,
-                      memory=memory or {}, now=NOW, targets=targets, reverts=reverts)
+    return plan_pairs(PlanInput(desired_revision=desired, pairs=pairs, policy=PAIR, max_unavailable=1, pods=pods,
+                      memory=memory or {}, now=NOW, targets=targets, reverts=reverts))
 
 
 TARGET_CASES = [

@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from emu_semantics import psa_restricted_violations
-from pdoperator.render import CONTAINER_SECURITY, Owner, render, worker_pod
-from pdoperator.revisions import controller_revision, revision_hash
-from pdoperator.spec import CPU_RUNTIME_IMAGE, SpecError, parse_spec
+from pdoperator.core.render import CONTAINER_SECURITY, Owner, render, worker_pod
+from pdoperator.core.revisions import controller_revision, revision_hash
+from pdoperator.core.spec import CPU_RUNTIME_IMAGE, SpecError, parse_spec
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 SECRET_VALUE = "hf_Zq8vXUniqueSecretValue0123456789"  # what the Secret holds; must appear nowhere we render

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from emu_probes import ContainerProbes, probe_ok, simulate
-from pdoperator.render import Owner, worker_pod
-from pdoperator.spec import parse_spec
+from pdoperator.core.render import Owner, worker_pod
+from pdoperator.core.spec import parse_spec
 from pdruntime.util.ports import free_port as _free_port
 
 

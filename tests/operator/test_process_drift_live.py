@@ -15,7 +15,7 @@ from prometheus_client import REGISTRY
 
 from live_stack import live_stack
 from pdop_harness import NS, eventually
-from pdoperator import cli
+from pdoperator.cli import kubectl_pd as cli
 from test_drain_before_delete import ProcessKubelet
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ import pytest
 
 from pdop_harness import NS, PDDS, PODS, eventually, manifest
 from pdop_k8s_emulator import R
-from pdoperator import rbac
+from pdoperator.core import rbac
 
 SERVICES = R("", "v1", "services")
 

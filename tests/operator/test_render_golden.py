@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdoperator import cli
-from pdoperator.render import Owner, TopologyPair, topology_yaml, worker_pod
-from pdoperator.revisions import revision_hash
-from pdoperator.spec import SpecError, parse_spec
+from pdoperator.cli import kubectl_pd as cli
+from pdoperator.core.render import Owner, TopologyPair, topology_yaml, worker_pod
+from pdoperator.core.revisions import revision_hash
+from pdoperator.core.spec import SpecError, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -148,7 +148,7 @@ def test_topology_file_format():
 
 
 def test_topology_generation_moves_only_when_the_content_changes():
-    from pdoperator.render import topology_doc, topology_generation
+    from pdoperator.core.render import topology_doc, topology_generation
     a = topology_doc("r", [TopologyPair(0, True, "10.0.0.1", "10.0.0.2")], 4)
     assert topology_generation(None, a) == 1
     assert topology_generation(a, dict(a, generation=0)) == 4

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdoperator import cli
-from pdoperator.revisions import (ANN_CURRENT_SINCE, HistoryEntry, controller_revision, diff_report,
+from pdoperator.cli import kubectl_pd as cli
+from pdoperator.core.revisions import (ANN_CURRENT_SINCE, HistoryEntry, controller_revision, diff_report,
                                   effective_view, format_diff, history, parse_since, parse_time, revision_at,
                                   revision_hash)
-from pdoperator.spec import parse_spec
+from pdoperator.core.spec import parse_spec
 
 GOLDEN = Path(__file__).parent / "golden" / "diff"
 UPDATE = os.environ.get("PDSTACK_UPDATE_GOLDEN") == "1"

@@ -16,10 +16,10 @@ from kmock._internal import dicts
 
 from pdop_harness import NS, eventually, manifest
 from pdop_k8s_emulator import R
-from pdoperator.cli import rollback_plan
-from pdoperator.revisions import (ANN_KNOWN_GOOD, REVISION_KEYS, controller_revision, merge_patch, recorded_spec,
+from pdoperator.cli.kubectl_pd import rollback_plan
+from pdoperator.core.revisions import (ANN_KNOWN_GOOD, REVISION_KEYS, controller_revision, merge_patch, recorded_spec,
                                   restore_spec, revision_hash)
-from pdoperator.spec import parse_spec
+from pdoperator.core.spec import parse_spec
 
 from test_kubectl_pd_cluster import kpd
 from test_operator_integration import is_ready
@@ -149,7 +149,7 @@ async def test_auto_rollback_on_a_stall_soon_after_a_revision_change(operator):
     Stalled into status in a real run; here the test writes it, as that detector would, with its
     lastTransitionTime (the slow test_rollback_live.py has the real detector and real processes)."""
     from pdop_harness import PDDS
-    from pdoperator.status import iso
+    from pdoperator.core.status import iso
     import time
 
     c = operator

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 
 async def test_a_stall_after_a_revision_change_rolls_back_to_last_known_good(tmp_path, monkeypatch):
-    pytest.importorskip("pdoperator.stall", reason="stall detection (stall11, condition Stalled) is not on this "
+    pytest.importorskip("pdoperator.core.stall", reason="stall detection (stall11, condition Stalled) is not on this "
                                                    "branch yet")
     monkeypatch.setenv("PDSTACK_OPERATOR_STALL_CHECK_S", "1")  # the stall sweep: every second, not every 15
     name = "auto"
@@ -60,7 +60,9 @@ async def test_a_stall_after_a_revision_change_rolls_back_to_last_known_good(tmp
         msg = events[0]["message"]
         assert f"revision {bad}" in msg and f"last known-good revision {good}" in msg, msg
         assert f"decode.env.{FAULT}: <unset> -> 1" in msg, msg
-        st = c.pdd(name)["status"]
+        # the Event is posted by the reconcile's act phase, the status written by its report phase just after
+        st = await eventually(lambda: (x := c.pdd(name)["status"]).get("autoRollback") and x, timeout=10,
+                              interval=0.1, what="status.autoRollback")
         assert st["autoRollback"]["from"] == bad and st["autoRollback"]["to"] == good
         assert "env" not in c.pdd(name)["spec"]["decode"]  # the spec is the known-good one again
         print(f"Stalled: {stalled['message']}")

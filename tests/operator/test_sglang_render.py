@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdoperator.cli import render_manifest
+from pdoperator.cli.kubectl_pd import render_manifest
 
 EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "sglang-groups.yaml").read_text())
 

@@ -1,6 +1,6 @@
 """Single source of truth: the CRD schema and the runtime's env parser agree with the typed spec model.
 
-The frozen dataclasses of ``pdoperator.spec`` hold every scalar field's default, range or enum, and the
+The frozen dataclasses of ``pdoperator.core.spec`` hold every scalar field's default, range or enum, and the
 ``PDRT_*`` variable it renders to (``spec_knobs()``). Checkers compare the other holders against it:
 
 - ``crd_disagreements``: each modelled field at its JSON path in ``crds/pddeployment.yaml``'s
@@ -28,9 +28,9 @@ from typing import Any, Callable, Iterable, Mapping
 import pytest
 import yaml
 
-from pdoperator.render import worker_env
-from pdoperator.revisions import effective_config
-from pdoperator.spec import (OPERATOR_OWNED_ENV, KnobAt, PDSpec, PodTemplate, Section, SpecError, parse_spec,
+from pdoperator.core.render import worker_env
+from pdoperator.core.revisions import effective_config
+from pdoperator.core.spec import (OPERATOR_OWNED_ENV, KnobAt, PDSpec, PodTemplate, Section, SpecError, parse_spec,
                               spec_knobs)
 from pdruntime import env as runtime_env
 from pdruntime.env import ConfigError, RuntimeEnv

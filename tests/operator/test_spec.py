@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdoperator.revisions import diff_configs, effective_config, prune_history, revision_hash
-from pdoperator.spec import CoRestartSpec, SpecError, parse_spec
+from pdoperator.core.revisions import diff_configs, effective_config, prune_history, revision_hash
+from pdoperator.core.spec import CoRestartSpec, SpecError, parse_spec
 
 BASE = {"image": "img"}
 

@@ -1,14 +1,14 @@
-"""Stall detection, pure (operator/pdoperator/stall.py): table tests of the verdict on one pair from two
+"""Stall detection, pure (operator/pdoperator/core/stall.py): table tests of the verdict on one pair from two
 observations, the parsing of /debug/requests and /metrics, and the status it gives."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdoperator import stall
-from pdoperator.pairs import PairMemory, PairState, Plan
-from pdoperator.status import Facts, build_status, with_stalls
-from pdoperator.stall import Observation, Row, evaluate
+from pdoperator.core import stall
+from pdoperator.core.pairs import PairMemory, PairState, Plan
+from pdoperator.core.status import Facts, build_status, with_stalls
+from pdoperator.core.stall import Observation, Row, evaluate
 
 S = 60.0  # spec.stall.seconds
 

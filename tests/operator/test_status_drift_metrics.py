@@ -7,9 +7,10 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from pdoperator import drift, metrics
-from pdoperator.pairs import PairMemory, PairState, Plan
-from pdoperator.status import Facts, build_status, invalid_status, iso, memory_from_status, same_status
+from pdoperator.core import drift
+from pdoperator.shell import metrics
+from pdoperator.core.pairs import PairMemory, PairState, Plan
+from pdoperator.core.status import Facts, build_status, invalid_status, iso, memory_from_status, same_status
 from pdruntime.util.ports import free_port
 
 NOW = 1_700_000_000.0
@@ -59,8 +60,12 @@ def test_rollout_unschedulable_drift():
     uns = build_status({}, Plan((), (state(0, "r1", False, "Unschedulable"),)),
                        Facts(1, "r1", unschedulable_message="requests 32, 16 allocatable"), NOW)
     assert conds(uns)["Progressing"] == ("False", "Unschedulable") and uns["phase"] == "Pending"
-    dr = build_status({}, Plan((), (state(0),)), Facts(1, "r1", router_ready=True, drift=["Service/x: spec"]), NOW)
+    entry = drift.DriftEntry("children", "Service/x", "spec")
+    dr = build_status({}, Plan((), (state(0),)), Facts(1, "r1", router_ready=True, drift=[entry]), NOW)
     assert conds(dr)["ConfigDrift"] == ("True", "Drifted")
+    assert next(c for c in dr["conditions"] if c["type"] == "ConfigDrift")["message"] == "Service/x: spec"
+    assert dr["drift"] == [{"source": "children", "object": "Service/x", "field": "spec", "declared": None,
+                            "seen": None}]
 
 
 def test_invalid_spec_status_keeps_pair_records_and_stalls():

@@ -152,8 +152,8 @@ def test_pdrt_up_gives_the_router_no_kv_key(monkeypatch, tmp_path):
 
 def test_operator_rendered_router_gets_no_kv_key():
     """The operator's router Deployment mounts no KV-auth Secret and sets no KV env (only workers do)."""
-    from pdoperator.render import Owner, render
-    from pdoperator.spec import parse_spec
+    from pdoperator.core.render import Owner, render
+    from pdoperator.core.spec import parse_spec
 
     objs = render(parse_spec({"image": "pdrt:1"}, name="llm"), Owner("llm", "ns", "u"), "r1", kv_token="t")
     router = next(o for o in objs if o["kind"] == "Deployment")

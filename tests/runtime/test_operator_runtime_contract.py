@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdoperator.render import Owner, render
-from pdoperator.revisions import revision_hash
-from pdoperator.spec import parse_spec
+from pdoperator.core.render import Owner, render
+from pdoperator.core.revisions import revision_hash
+from pdoperator.core.spec import parse_spec
 from pdruntime.cli import build_parser
 from pdruntime.env import RuntimeEnv
 

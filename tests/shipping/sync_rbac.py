@@ -1,4 +1,4 @@
-"""Rewrite charts/pdstack/files/rbac-rules.yaml from operator/pdoperator/rbac.py.
+"""Rewrite charts/pdstack/files/rbac-rules.yaml from operator/pdoperator/core/rbac.py.
 
     .venv/bin/python tests/shipping/sync_rbac.py          # rewrite the chart's copy
     .venv/bin/python tests/shipping/sync_rbac.py --check  # exit 1 and print the diff when they differ
@@ -19,7 +19,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 RULES_FILE = ROOT / "charts" / "pdstack" / "files" / "rbac-rules.yaml"
 HEADER = """\
-# The operator's RBAC rules: a copy of operator/pdoperator/rbac.py (NAMESPACED_RULES, CLUSTER_RULES).
+# The operator's RBAC rules: a copy of operator/pdoperator/core/rbac.py (NAMESPACED_RULES, CLUSTER_RULES).
 # Values never change these: templates/rbac.yaml grants exactly this list. When rbac.py changes, run
 #   .venv/bin/python tests/shipping/sync_rbac.py
 # (tests/shipping/test_chart_rbac.py fails, printing the diff, until this file and rbac.py agree.)
@@ -37,7 +37,7 @@ def _flow(rule: dict[str, Any]) -> str:
 
 def expected_text() -> str:
     sys.path.insert(0, str(ROOT / "operator"))
-    from pdoperator import rbac
+    from pdoperator.core import rbac
 
     lines = [HEADER.rstrip("\n"), "namespaced:"] + [_flow(r) for r in rbac.NAMESPACED_RULES]
     lines += ["cluster:"] + [_flow(r) for r in rbac.CLUSTER_RULES] if rbac.CLUSTER_RULES else ["cluster: []"]
@@ -51,14 +51,14 @@ def main(argv: list[str]) -> int:
     want = expected_text()
     have = RULES_FILE.read_text() if RULES_FILE.exists() else ""
     if have == want:
-        print(f"{RULES_FILE.relative_to(ROOT)} matches pdoperator.rbac")
+        print(f"{RULES_FILE.relative_to(ROOT)} matches pdoperator.core.rbac")
         return 0
     if "--check" in argv:
         sys.stdout.writelines(difflib.unified_diff(have.splitlines(True), want.splitlines(True),
-                                                   "chart", "pdoperator.rbac"))
+                                                   "chart", "pdoperator.core.rbac"))
         return 1
     RULES_FILE.write_text(want)
-    print(f"rewrote {RULES_FILE.relative_to(ROOT)} from pdoperator.rbac")
+    print(f"rewrote {RULES_FILE.relative_to(ROOT)} from pdoperator.core.rbac")
     return 0
 
 

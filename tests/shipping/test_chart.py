@@ -195,9 +195,9 @@ def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 
 def test_podmonitor_and_scrape_policy_select_the_pods_the_operator_renders() -> None:
-    """Selectors are checked against pdoperator.render's real output for the example, not a copy of its labels."""
-    from pdoperator.render import Owner, render as render_children
-    from pdoperator.spec import parse_spec
+    """Selectors are checked against pdoperator.core.render's real output for the example, not a copy of its labels."""
+    from pdoperator.core.render import Owner, render as render_children
+    from pdoperator.core.spec import parse_spec
 
     objs = render(ROOT / "charts/pdstack/ci/monitoring-values.yaml")
     pdd = one(objs, "PDDeployment")
@@ -237,7 +237,7 @@ def _crd_schema() -> dict[str, Any]:
 
 def test_example_pddeployment_is_valid() -> None:
     """The example validates against the CRD's schema and the operator's own spec parser."""
-    from pdoperator import spec as pdspec
+    from pdoperator.core import spec as pdspec
 
     objs = render(ROOT / "charts/pdstack/ci/monitoring-values.yaml")
     pdd = one(objs, "PDDeployment")
@@ -261,7 +261,7 @@ def test_helm_test_hook_sends_a_chat_completion_through_the_router() -> None:
     assert c["image"] == "pdstack-runtime:dev" and c["securityContext"]["readOnlyRootFilesystem"] is True
     compile(c["command"][-1], "helm-test", "exec")  # the inline script is valid Python
     # the router Service it targets is the one the operator renders for the example
-    from pdoperator.render import router_name
+    from pdoperator.core.render import router_name
     assert env["ROUTER_URL"].startswith(f"http://{router_name('demo')}.")
 
 

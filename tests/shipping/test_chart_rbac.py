@@ -1,4 +1,4 @@
-"""The chart's RBAC grants exactly operator/pdoperator/rbac.py: nothing less, nothing more.
+"""The chart's RBAC grants exactly operator/pdoperator/core/rbac.py: nothing less, nothing more.
 
 rbac.py is kept equal to the requests the operator really makes (recorded against the emulator by the
 operator suite); here the chart's rendered Role/ClusterRole (``helm template``) is compared with it,
@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 import pytest
 
-from pdoperator import rbac
+from pdoperator.core import rbac
 from shipping import CHART, ROOT, by_kind, render
 
 Grant = tuple[str, str, str]  # (apiGroup, resource, verb)
@@ -33,7 +33,7 @@ def grants(rules: Iterable[dict[str, Any]]) -> set[Grant]:
 
 def diff_message(where: str, granted: set[Grant], wanted: set[Grant]) -> str:
     fmt = lambda g: f"{g[2]:<7} {g[0] or 'core'}/{g[1]}"  # noqa: E731
-    lines = [f"{where} does not grant exactly pdoperator.rbac:"]
+    lines = [f"{where} does not grant exactly pdoperator.core.rbac:"]
     lines += [f"  + {fmt(g)}   (granted by the chart, not used by the operator)" for g in sorted(granted - wanted)]
     lines += [f"  - {fmt(g)}   (used by the operator, missing from the chart)" for g in sorted(wanted - granted)]
     lines.append("Fix: .venv/bin/python tests/shipping/sync_rbac.py   (rewrites charts/pdstack/files/rbac-rules.yaml)")
@@ -114,4 +114,4 @@ def test_chart_rules_file_is_in_sync_with_rbac_py() -> None:
 
     out = subprocess.run([sys.executable, str(ROOT / "tests/shipping/sync_rbac.py"), "--check"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, "charts/pdstack/files/rbac-rules.yaml differs from pdoperator.rbac:\n" + out.stdout
+    assert out.returncode == 0, "charts/pdstack/files/rbac-rules.yaml differs from pdoperator.core.rbac:\n" + out.stdout

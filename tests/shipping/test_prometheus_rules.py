@@ -91,11 +91,11 @@ def test_unit_tests_fail_when_a_threshold_changes(tmp_path: Path, change: str) -
 
 # ---------------------------------------------------------------- metric names
 def known_metrics() -> dict[str, str]:
-    """name -> type, from docs/metrics.md (runtime) and operator/pdoperator/metrics.py (operator)."""
+    """name -> type, from docs/metrics.md (runtime) and operator/pdoperator/shell/metrics.py (operator)."""
     known: dict[str, str] = {}
     for m in re.finditer(r"^\| `(pdrt_[a-z0-9_]+)` \| (\w+) \|", (ROOT / "docs/metrics.md").read_text(), re.M):
         known[m.group(1)] = m.group(2)
-    src = (ROOT / "operator/pdoperator/metrics.py").read_text()
+    src = (ROOT / "operator/pdoperator/shell/metrics.py").read_text()
     for m in re.finditer(r"(Counter|Gauge|Histogram)\(\s*\"(pdstack_[a-z0-9_]+)\"", src):
         known[m.group(2)] = m.group(1).lower()
     assert len(known) > 20, known
@@ -141,7 +141,8 @@ def test_every_metric_an_alert_or_panel_names_exists() -> None:
                 used.add(base)
             elif name not in PENDING_METRICS:
                 unknown.append(f"{where}: {name}")
-    assert not unknown, "metrics not in docs/metrics.md nor operator/pdoperator/metrics.py:\n" + "\n".join(unknown)
+    assert not unknown, ("metrics not in docs/metrics.md nor operator/pdoperator/shell/metrics.py:\n"
+                         + "\n".join(unknown))
     assert len(used) >= 15, sorted(used)
 
 

@@ -1,13 +1,13 @@
 """Rollout safety, the shell: what :mod:`canary` decides, done against the cluster.
 
 * the canary: the revision each pair runs (the old revision's spec restored from its ControllerRevision for
-  the pairs that keep it), the agent probe run as a background task keyed by (namespace, name, revision)
+  the pairs that keep it), the agent probe run as a background task kept in the deployment's state by revision
   and never awaited by a reconcile, its result turned into status, Events and the canary pair's rollback;
 * known-good: recorded in status and as ``pdstack.io/known-good-since`` on the ControllerRevision;
 * auto-rollback: the spec patched back to a known-good revision on an early stall, once per revision;
 * pod drift: declared pod fields another manager owns (``kubectl edit``), the pairs to recreate under Revert.
 
-Called by :func:`reconcile.reconcile`; Events go through the ``post`` it passes (its ``post_event``).
+Called by :func:`reconcile.reconcile` with its :class:`context.Context`; Events go through ``ctx.events``.
 """
 
 from __future__ import annotations
@@ -15,65 +15,52 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Mapping
 
+from ..core import drift
+from ..core.drift import DriftEntry
+from ..core.pairs import Plan, parse_iso, pod_view
+from ..core.render import Owner, worker_pod
+from ..core.revisions import (ANN_CURRENT_SINCE, ANN_KNOWN_GOOD, diff_configs, known_good, last_known_good,
+                              merge_patch, recorded_spec, restore_spec, revision_view, show)
+from ..core.spec import KIND, SpecError, parse_spec
+from ..core.status import iso
+from ..shell.context import API, Context, Observed
+from ..shell.kube import ApiError, Kube, path
+from ..shell.routerlink import RouterLink
 from . import canary as rollout_safety
-from . import drift
-from .config import OperatorConfig
-from .kube import ApiError, Kube, path
-from .pairs import Plan, parse_iso, pod_view
-from .render import Owner, worker_pod
-from .revisions import (ANN_CURRENT_SINCE, ANN_KNOWN_GOOD, diff_configs, merge_patch, recorded_spec, restore_spec,
-                        revision_view, show)
-from .routerlink import RouterLink
-from .spec import GROUP, KIND, VERSION, SpecError, parse_spec
-from .status import iso
-
-API = f"{GROUP}/{VERSION}"
-Post = Callable[[str, str, str], Awaitable[None]]  # (type, reason, message) -> an Event on the PDDeployment
-
-# (namespace, name, revision) -> the canary probe running in the background (never awaited by a reconcile)
-_PROBES: dict[tuple[str, str, str], asyncio.Task] = {}
-_NO_CANARY_LOGGED: set[tuple[str, str]] = set()  # (name, revision) a canary could not be run for, logged once
 
 ROLLBACK_MANAGER = "pdstack-rollback"  # the field manager of spec patches by a rollback
-ROLLBACK_CONFLICT_RETRIES = 3
+ROLLBACK_ATTEMPTS = 4  # a rollback's patch is recomputed from a fresh read after a 409 (status writes race it)
 CANARY_POLL_S = 1.0  # while a probe runs in the background, look at it this often
 WATCHDOG_METRIC = "pdrt_watchdog_fired_total"
 
 
-async def plan_rollout(post: Post, log: logging.Logger, *, spec: Any, revision: str,
-                       raw_spec: Mapping[str, Any] | None, name: str, old_status: Mapping[str, Any],
-                       crs: Mapping[str, Mapping[str, Any]], now: float) -> tuple[Any, Any, dict[str, Any]]:
+async def plan_rollout(ctx: Context, crs: Mapping[str, Mapping[str, Any]]) -> tuple[Any, Any, dict[str, Any]]:
     """(the canary in status, the canary for this reconcile, revision -> spec its pods render from). During a
     canary the pairs that keep the old revision render from its recorded spec; without one, no canary."""
+    spec, revision, old_status, name = ctx.spec, ctx.revision, ctx.old_status, ctx.name
     specs: dict[str, Any] = {revision: spec}
     prior = rollout_safety.CanaryState.from_status(old_status.get("canary"))
     # (engine sglang: its router takes a static list and cannot hold a pair out of traffic; no canary)
     canary = rollout_safety.plan_canary(spec.rollout.canary if spec.engine == "pdrt" else None, pairs=spec.pairs,
                                         desired=revision, current=old_status.get("currentRevision"), prior=prior,
-                                        known_good=old_status.get("lastKnownGoodRevision"), now=now)
+                                        known_good=old_status.get("lastKnownGoodRevision"), now=ctx.now)
     if canary is not None:
-        old_spec = revision_spec_of(crs.get(canary.from_revision), raw_spec, name)
+        old_spec = revision_spec_of(crs.get(canary.from_revision), ctx.raw_spec, name)
         if old_spec is None:
-            if (name, revision) not in _NO_CANARY_LOGGED:
-                _NO_CANARY_LOGGED.add((name, revision))
-                log.warning("%s: no canary for revision %s: revision %s recorded no spec (that still parses) to "
+            if revision not in ctx.state.no_canary_logged:
+                ctx.state.no_canary_logged.add(revision)
+                ctx.log.warning("%s: no canary for revision %s: revision %s recorded no spec (that still parses) to "
                             "keep the other pairs on", name, revision, canary.from_revision)
             canary = None
         else:
             specs[canary.from_revision] = old_spec
     if canary is not None and (prior is None or prior.revision != canary.revision):
-        await post("Normal", "CanaryStarted",
+        await ctx.events("Normal", "CanaryStarted",
                    f"revision {revision} goes to pair {canary.pair} first (out of normal traffic); the other "
                    f"pairs keep {canary.from_revision} until the agent probe passes")
     return prior, canary, specs
-
-
-def forget_probes(namespace: str, name: str) -> None:
-    """Cancel a deleted (or no longer ours) PDDeployment's probes."""
-    for key in [k for k in _PROBES if k[:2] == (namespace, name)]:
-        _PROBES.pop(key).cancel()
 
 
 def revision_spec_of(cr: Mapping[str, Any] | None, current_raw: Mapping[str, Any] | None, name: str) -> Any:
@@ -89,11 +76,11 @@ def revision_spec_of(cr: Mapping[str, Any] | None, current_raw: Mapping[str, Any
 
 
 def pod_drift(specs: Mapping[str, Any], owner: Owner, pods: list[dict[str, Any]],
-              policy: str) -> tuple[list[str], dict[int, str]]:
+              policy: str) -> tuple[list[DriftEntry], dict[int, str]]:
     """Declared fields of live worker pods that another manager now owns (``kubectl edit``; managedFields).
-    Returns (drift lines, pair -> what to undo under Revert). A pod is judged against the spec of its own
+    Returns (drift entries, pair -> what to undo under Revert). A pod is judged against the spec of its own
     revision; pods of a revision we cannot render are not judged."""
-    lines: list[str] = []
+    entries: list[DriftEntry] = []
     reverts: dict[int, str] = {}
     for pod in pods:
         v = pod_view(pod)
@@ -104,11 +91,11 @@ def pod_drift(specs: Mapping[str, Any], owner: Owner, pods: list[dict[str, Any]]
         paths = drift.owned_elsewhere(desired, pod)
         if not paths:
             continue
-        lines.append(f"Pod/{v.name}: {', '.join(paths[:5])}")
+        entries += drift.children_entries(f"Pod/{v.name}", desired, pod, paths[:5])
         if policy == "Revert":
             what = f"{v.slot} pod {v.name}: {', '.join(paths[:5])} edited by someone else"
             reverts[v.pair] = f"{reverts[v.pair]}; {what}" if v.pair in reverts else what
-    return lines, reverts
+    return entries, reverts
 
 
 def change_lines(crs: Mapping[str, Mapping[str, Any]], old: str, new: str) -> list[str]:
@@ -149,13 +136,14 @@ async def _canary_probe(http: RouterLink, url: str, headers: dict[str, str], spe
                                                          "detail": f"the probe could not run: {e!r}"}}, 0
 
 
-async def _advance_canary(state: Any, *, key: tuple[str, str, str], plan: Plan, spec: Any, http: RouterLink | None,
-                          router_ips: list[str], token: str | None, routers_confirmed: bool,
-                          stall: Mapping[str, Any] | None, cfg: OperatorConfig, now: float) -> Any:
+async def _advance_canary(ctx: Context, obs: Observed, state: Any, plan: Plan, routers_confirmed: bool,
+                          stall: Mapping[str, Any] | None) -> Any:
     """Pending -> Probing (start the background probe) -> Passed | Failed (its result). Never waits on it."""
     pair = plan.pairs[state.pair] if state.pair < len(plan.pairs) else None
+    http = ctx.router if ctx.drains else None
     if pair is None or http is None:
         return state
+    router_ips, token, now = obs.router_ips, obs.token, ctx.now
     state = rollout_safety.crashed(state, last_co_restart_at=pair.memory.last_co_restart_at,
                                    reason=pair.memory.last_co_restart_reason, now=now)
     if state.phase == rollout_safety.PENDING:
@@ -165,17 +153,19 @@ async def _advance_canary(state: Any, *, key: tuple[str, str, str], plan: Plan, 
         state = rollout_safety.start_probe(state, now)
     if state.phase != rollout_safety.PROBING:
         return state
-    task = _PROBES.get(key)
+    probes = ctx.state.probes
+    task = probes.get(state.revision)
     if task is None:  # just started, or the operator restarted while probing: (re)start it once a router is up
         if router_ips and token:
             headers = {"X-PDStack-Pair": str(state.pair), "X-PDStack-Admin-Token": token}
-            metrics_urls = [f"http://{ip}:{cfg.worker_port}/metrics" for ip in (pair.members or {}).values() if ip]
-            _PROBES[key] = asyncio.create_task(_canary_probe(http, f"http://{router_ips[0]}:{http.port}", headers,
-                                                             spec, metrics_urls))
+            metrics_urls = [f"http://{ip}:{ctx.config.worker_port}/metrics"
+                            for ip in (pair.members or {}).values() if ip]
+            probes[state.revision] = asyncio.create_task(_canary_probe(
+                http, f"http://{router_ips[0]}:{http.port}", headers, ctx.spec, metrics_urls))
         return state
     if not task.done():
         return state
-    _PROBES.pop(key, None)
+    probes.pop(state.revision, None)
     report, fires = task.result() if not task.cancelled() else ({"ok": False, "failure": {"detail": "cancelled"}}, 0)
     return rollout_safety.finish_probe(state, report, now, watchdog_fires=fires,
                                        stall=rollout_safety.pair_stall(stall, state.pair))
@@ -184,25 +174,15 @@ async def _advance_canary(state: Any, *, key: tuple[str, str, str], plan: Plan, 
 async def _rollback_spec(kube: Kube, body: Mapping[str, Any], cr: Mapping[str, Any]) -> None:
     """Patch the PDDeployment's spec back to a recorded revision's fields. The patch carries the
     resourceVersion it was computed from (a concurrent spec edit is never overwritten); on 409 (a status
-    write or an edit in between) it is recomputed from a fresh read, a few times."""
+    write or an edit in between) it is recomputed from a fresh read, a few times (:meth:`kube.Kube.merge_patch`)."""
     raw = recorded_spec(cr)
     if raw is None:
         raise ValueError(f"ControllerRevision {cr['metadata']['name']} recorded no spec to restore")
     url = path(API, KIND, body["metadata"]["namespace"], body["metadata"]["name"])
-    cur: Mapping[str, Any] | None = body
-    for attempt in range(ROLLBACK_CONFLICT_RETRIES + 1):
-        if cur is None:
-            raise ValueError("the PDDeployment is gone")
-        patch = {"metadata": {"resourceVersion": cur["metadata"]["resourceVersion"]},
-                 "spec": rollback_patch(cur.get("spec") or {}, raw)}
-        try:
-            await kube.request("PATCH", url, body=patch, query={"fieldManager": ROLLBACK_MANAGER},
-                               content_type="application/merge-patch+json")
-            return
-        except ApiError as e:
-            if e.status != 409 or attempt == ROLLBACK_CONFLICT_RETRIES:
-                raise
-            cur = await kube.get(url)
+    done = await kube.merge_patch(url, body, lambda cur: {"spec": rollback_patch(cur.get("spec") or {}, raw)},
+                                  field_manager=ROLLBACK_MANAGER, attempts=ROLLBACK_ATTEMPTS)
+    if done is None:
+        raise ValueError("the PDDeployment is gone")
 
 
 def rollback_patch(current: Mapping[str, Any], recorded: Mapping[str, Any]) -> dict[str, Any]:
@@ -210,24 +190,12 @@ def rollback_patch(current: Mapping[str, Any], recorded: Mapping[str, Any]) -> d
     return merge_patch(dict(current), restore_spec(current, recorded))
 
 
-def known_good_records(crs: Mapping[str, Mapping[str, Any]]) -> list[tuple[float, str]]:
-    """(known-good since, revision) of every recorded revision annotated known-good."""
-    out = []
-    for rev, c in crs.items():
-        t = parse_iso(((c.get("metadata") or {}).get("annotations") or {}).get(ANN_KNOWN_GOOD))
-        if t is not None and rev:
-            out.append((t, rev))
-    return out
-
-
-async def _known_good(kube: Kube, steps: Any, post: Post, body: Mapping[str, Any], log: logging.Logger, *,
-                      spec: Any, revision: str, plan: Plan, crs: Mapping[str, Mapping[str, Any]], previous: str | None,
-                      stall: Mapping[str, Any] | None, now: float) -> tuple[str | None, float | None]:
-    """(lastKnownGoodRevision, seconds until the soak ends). Recorded in status and as an annotation on
-    the revision's ControllerRevision (so a lost status can be rebuilt)."""
-    if previous is None:  # from the records
-        good = known_good_records(crs)
-        previous = max(good)[1] if good else None
+async def _known_good(ctx: Context, crs: Mapping[str, Mapping[str, Any]], plan: Plan, revision: str,
+                      stall: Mapping[str, Any] | None) -> tuple[str | None, float | None]:
+    """(lastKnownGoodRevision, seconds until the soak ends) for the ``revision`` every pair serves. Recorded in
+    status and as an annotation on the revision's ControllerRevision (so a lost status can be rebuilt)."""
+    spec, now = ctx.spec, ctx.now
+    previous = last_known_good(ctx.old_status.get("lastKnownGoodRevision"), crs.values())
     left = rollout_safety.soak_left(revision=revision, pairs=plan.pairs, n_pairs=spec.pairs, stall=stall,
                                     soak_s=spec.rollout.soak_s, now=now)
     if left is None or left > 0:
@@ -235,21 +203,19 @@ async def _known_good(kube: Kube, steps: Any, post: Post, body: Mapping[str, Any
     cr = crs.get(revision)
     if cr is not None and not ((cr.get("metadata") or {}).get("annotations") or {}).get(ANN_KNOWN_GOOD):
         meta = cr["metadata"]
-        await steps.run(kube.request("PATCH", path("apps/v1", "ControllerRevision", meta["namespace"], meta["name"]),
-                                     body={"metadata": {"annotations": {ANN_KNOWN_GOOD: iso(now)}}},
-                                     query={"fieldManager": "pdstack-operator"},
-                                     content_type="application/merge-patch+json"))
+        await ctx.steps.run(ctx.kube.request(
+            "PATCH", path("apps/v1", "ControllerRevision", meta["namespace"], meta["name"]),
+            body={"metadata": {"annotations": {ANN_KNOWN_GOOD: iso(now)}}}, query={"fieldManager": "pdstack-operator"},
+            content_type="application/merge-patch+json"))
     if previous != revision:
         msg = (f"revision {revision} is known-good: every pair served it for {spec.rollout.soak_s}s "
                "with no stall")
-        log.info("%s/%s %s", body["metadata"]["namespace"], body["metadata"]["name"], msg)
-        await post("Normal", "KnownGood", msg)
+        ctx.say(logging.INFO, msg)
+        await ctx.events("Normal", "KnownGood", msg)
     return revision, None
 
 
-async def _canary_event(post: Post, body: Mapping[str, Any], log: logging.Logger, canary: Any,
-                        crs: Mapping[str, Mapping[str, Any]]) -> None:
-    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+async def _canary_event(ctx: Context, canary: Any, crs: Mapping[str, Mapping[str, Any]]) -> None:
     tried = "; ".join(change_lines(crs, canary.from_revision, canary.revision))
     if canary.phase == rollout_safety.PROBING:
         etype, reason, msg = "Normal", "CanaryProbing", (f"pair {canary.pair} runs revision {canary.revision}: "
@@ -263,44 +229,43 @@ async def _canary_event(post: Post, body: Mapping[str, Any], log: logging.Logger
             f"{canary.pair} rolls back to {canary.from_revision} and the rollout stops; tried: {tried}")
     else:
         return
-    (log.warning if etype == "Warning" else log.info)("%s/%s %s", ns, name, msg)
-    await post(etype, reason, msg)
+    ctx.say(logging.WARNING if etype == "Warning" else logging.INFO, msg)
+    await ctx.events(etype, reason, msg)
 
 
-async def _auto_rollback(kube: Kube, post: Post, body: Mapping[str, Any], log: logging.Logger, *, spec: Any,
-                         revision: str, crs: Mapping[str, Mapping[str, Any]], good: str | None,
-                         stall: Mapping[str, Any] | None, previous: Mapping[str, Any] | None, canary: Any,
-                         now: float) -> dict[str, Any] | None:
+async def _auto_rollback(ctx: Context, crs: Mapping[str, Mapping[str, Any]], good: str | None,
+                         stall: Mapping[str, Any] | None, canary: Any) -> dict[str, Any] | None:
     """Roll the spec back to the last known-good revision when a stall began soon after this revision
     became current (``rollout.autoRollback``). Returns the new ``status.autoRollback`` (None: unchanged)."""
+    spec, revision, now = ctx.spec, ctx.revision, ctx.now
+    previous = ctx.old_status.get("autoRollback")
     reverted = list((previous or {}).get("reverted") or [])
     cr = crs.get(revision)
     changed_at = parse_iso(((cr or {}).get("metadata") or {}).get("annotations", {}).get(ANN_CURRENT_SINCE))
-    target = good if good != revision else rollout_safety.rollback_target(known_good_records(crs), revision)
+    target = good if good != revision else rollout_safety.rollback_target(known_good(crs.values()), revision)
     to = rollout_safety.auto_rollback(enabled=spec.rollout.auto_rollback, window_s=spec.rollout.rollback_window_s,
                                       desired=revision, last_known_good=target, changed_at=changed_at, stall=stall,
                                       reverted=reverted, canary=canary)
     if to is None:
         return None
-    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     changes = change_lines(crs, to, revision)
     record = {"from": revision, "to": to, "time": iso(now), "reverted": (reverted + [revision])[-10:],
               "changes": changes, "error": None}  # (a merge patch: None clears an earlier failure's error)
     try:
         if crs.get(to) is None:
             raise ValueError(f"revision {to} is no longer recorded")
-        await _rollback_spec(kube, body, crs[to])
+        await _rollback_spec(ctx.kube, ctx.body, crs[to])
     except (ApiError, ValueError) as e:  # not counted as done: the next reconcile tries again
         msg = f"stall after revision {revision} became current, but rolling back to {to} failed: {e}"
-        log.error("%s/%s %s", ns, name, msg)
+        ctx.say(logging.ERROR, msg)
         if (previous or {}).get("error") != str(e)[:300]:
-            await post("Warning", "AutoRollbackFailed", msg)
+            await ctx.events("Warning", "AutoRollbackFailed", msg)
         return dict(record, reverted=reverted[-10:], error=str(e)[:300])
     msg = (f"stalled within {spec.rollout.rollback_window_s}s of revision {revision} becoming current "
            f"({(stall or {}).get('message') or 'Stalled'}); rolled the spec back to last known-good revision {to}, "
            f"reverting: {'; '.join(changes)}")
-    log.warning("%s/%s %s", ns, name, msg)
-    await post("Warning", "AutoRollback", msg)
+    ctx.say(logging.WARNING, msg)
+    await ctx.events("Warning", "AutoRollback", msg)
     return record
 
 
@@ -315,45 +280,30 @@ class Safety:
     wait: float | None  # look again this soon (a probe running, a soak ending)
 
 
-async def rollout_safety_step(kube: Kube, steps: Any, post: Post, body: Mapping[str, Any], log: logging.Logger, *,
-                              spec: Any, revision: str, plan: Plan, crs: Mapping[str, Mapping[str, Any]],
-                              canary: Any, prior: Any, old_status: Mapping[str, Any], http: RouterLink | None,
-                              router_ips: list[str], token: str | None, routers_confirmed: bool, cfg: OperatorConfig,
-                              now: float) -> Safety:
+async def rollout_safety_step(ctx: Context, obs: Observed, plan: Plan, routers_confirmed: bool) -> Safety:
     """The canary's next step, known-good after the soak, auto-rollback on an early stall (canary.py decides)."""
-    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    stall = next((c for c in old_status.get("conditions") or [] if c.get("type") == "Stalled"), None)
-    cancel_probes(ns, name, keep=canary.revision if canary is not None and canary.holds_traffic_off else None)
+    revision, crs, canary = ctx.revision, obs.crs, obs.canary
+    stall = next((c for c in ctx.old_status.get("conditions") or [] if c.get("type") == "Stalled"), None)
+    ctx.state.cancel_probes(keep=canary.revision if canary is not None and canary.holds_traffic_off else None)
     wait: float | None = None
     canary_failed = None
     if canary is not None:
         before = canary.phase
-        canary = await _advance_canary(canary, key=(ns, name, canary.revision), plan=plan, spec=spec, http=http,
-                                       router_ips=router_ips, token=token, routers_confirmed=routers_confirmed,
-                                       stall=stall, cfg=cfg, now=now)
+        canary = await _advance_canary(ctx, obs, canary, plan, routers_confirmed, stall)
         if canary.phase in (rollout_safety.PENDING, rollout_safety.PROBING):
             wait = CANARY_POLL_S
         elif canary.phase != before:
             wait = 0.05  # promote, or roll the canary pair back, at once
         if canary.phase != before:
-            await _canary_event(post, body, log, canary, crs)
+            await _canary_event(ctx, canary, crs)
         if canary.phase == rollout_safety.FAILED:
             canary_failed = (f"revision {canary.revision} failed its canary on pair {canary.pair}: {canary.evidence}; "
                              f"tried: {'; '.join(change_lines(crs, canary.from_revision, canary.revision))}")
     serving = {p.revision for p in plan.pairs}  # the revision every pair runs (the spec's, or a canary's old one)
-    good, soak = await _known_good(kube, steps, post, body, log, spec=spec,
-                                   revision=serving.pop() if len(serving) == 1 else revision, plan=plan, crs=crs,
-                                   previous=old_status.get("lastKnownGoodRevision"), stall=stall, now=now)
-    auto = await _auto_rollback(kube, post, body, log, spec=spec, revision=revision, crs=crs, good=good, stall=stall,
-                                previous=old_status.get("autoRollback"), canary=canary, now=now)
-    return Safety(canary_record(canary, prior, revision), canary_failed, good, auto,
+    good, soak = await _known_good(ctx, crs, plan, serving.pop() if len(serving) == 1 else revision, stall)
+    auto = await _auto_rollback(ctx, crs, good, stall, canary)
+    return Safety(canary_record(canary, obs.prior, revision), canary_failed, good, auto,
                   min((w for w in (wait, soak) if w is not None), default=None))
-
-
-def cancel_probes(namespace: str, name: str, keep: str | None) -> None:
-    """A probe of a revision the spec no longer asks for is of no use: cancel it."""
-    for key in [k for k in _PROBES if k[:2] == (namespace, name) and k[2] != keep]:
-        _PROBES.pop(key).cancel()
 
 
 def canary_record(canary: Any, prior: Any, revision: str) -> dict[str, Any] | None:

@@ -16,14 +16,112 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 APPLIED_HASH = "pdstack.io/applied-hash"
 MANAGED_KEYS = ("spec", "data", "stringData")
 FIELD_MANAGER = "pdstack-operator"
 
 Path = tuple[str, ...]
+
+SOURCES = ("children", "image", "process")  # status.drift[].source; the pdstack_config_drift gauge's label
+FROM_REFERENCE = "from a reference"  # ``declared`` of an env var declared by valueFrom (compared by presence)
+
+
+@dataclass(frozen=True)
+class DriftEntry:
+    """One drifted field, as ``status.drift[]`` holds it: where it came from (``source``), the object and field,
+    what was declared and what is seen (None: absent, or not compared). Text is made from it at the edges."""
+
+    source: str  # children | image | process
+    object: str  # Kind/name (image: "revision <hash>")
+    field: str  # children: a path like spec.ports[0].port; process: the env var; image: "container <name>"
+    declared: str | None = None
+    seen: str | None = None
+
+    def to_status(self) -> dict[str, Any]:
+        return {"source": self.source, "object": self.object, "field": self.field, "declared": self.declared,
+                "seen": self.seen}
+
+    @classmethod
+    def from_status(cls, raw: Any) -> "DriftEntry | None":
+        if not isinstance(raw, Mapping) or raw.get("source") not in SOURCES:
+            return None
+        return cls(str(raw["source"]), str(raw.get("object") or ""), str(raw.get("field") or ""),
+                   _opt(raw.get("declared")), _opt(raw.get("seen")))
+
+    @property
+    def text(self) -> str:
+        """The field as one line says it (children: grouped per object by :func:`lines`)."""
+        if self.source == "image":
+            return f"{self.object} {self.field} runs {self.seen}"
+        if self.source == "process":
+            if self.declared is None:
+                return f"{self.field}={self.seen} (not declared)"
+            if self.seen is None:
+                return f"{self.field}: declared {self.declared}, not in the process"
+            return f"{self.field}: declared {self.declared}, process sees {self.seen}"
+        return f"{self.object}: {self.field}"
+
+
+def _opt(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+def lines(entries: Sequence[DriftEntry]) -> list[tuple[str, str]]:
+    """(source, text) per line, in order: children fields grouped per object (``Service/x: a, b``); one line
+    per process field (``Pod/x: NAME ...``) and per image entry."""
+    out: list[tuple[str, str]] = []
+    last: str | None = None
+    for e in entries:
+        if e.source == "children":
+            if last == e.object and out:
+                out[-1] = (out[-1][0], f"{out[-1][1]}, {e.field}")
+            else:
+                out.append(("children", e.text))
+            last = e.object
+            continue
+        last = None
+        out.append((e.source, f"{e.object}: {e.text}" if e.source == "process" else e.text))
+    return out
+
+
+def message_lines(entries: Sequence[DriftEntry]) -> list[str]:
+    """The ConfigDrift condition's lines (joined with "; "): other sources than children prefixed with theirs."""
+    return [text if source == "children" else f"{source}: {text}" for source, text in lines(entries)]
+
+
+def from_status(raw: Any) -> list[DriftEntry]:
+    """``status.drift`` as entries (unknown or malformed items skipped)."""
+    return [e for e in (DriftEntry.from_status(x) for x in (raw if isinstance(raw, list) else [])) if e is not None]
+
+
+def children_entries(kind_name: str, desired: Mapping[str, Any], live: Mapping[str, Any],
+                     paths: Sequence[str]) -> list[DriftEntry]:
+    """Entries of a child (or pod) whose declared ``paths`` another manager owns: the declared and live values."""
+    return [DriftEntry("children", kind_name, p, _show(value_at(desired, p)), _show(value_at(live, p)))
+            for p in paths]
+
+
+def value_at(obj: Any, readable: str) -> Any:
+    """The value at a readable path (``spec.ports[0].targetPort``); None when absent."""
+    cur = obj
+    for name, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", readable):
+        if index:
+            cur = cur[int(index)] if isinstance(cur, list) and int(index) < len(cur) else None
+        else:
+            cur = cur.get(name) if isinstance(cur, Mapping) else None
+        if cur is None:
+            return None
+    return cur
+
+
+def _show(v: Any) -> str | None:
+    if v is None or isinstance(v, str):
+        return v
+    return json.dumps(v, sort_keys=True)
 
 
 def applied_hash(obj: Mapping[str, Any]) -> str:
@@ -104,7 +202,8 @@ class Decision:
     paths: tuple[str, ...] = ()
 
 
-def decide(desired: Mapping[str, Any], live: Mapping[str, Any] | None, policy: str, *, enforce: bool = False) -> Decision:
+def decide(desired: Mapping[str, Any], live: Mapping[str, Any] | None, policy: str, *,
+           enforce: bool = False) -> Decision:
     """What to do with one child. ``enforce``: operator-owned live state (topology) is always reverted."""
     if live is None:
         return Decision("create")
@@ -132,23 +231,24 @@ def _reported(name: str, allow: tuple[str, ...]) -> bool:
 
 
 def process_env_drift(declared: Mapping[str, Any], reported: Mapping[str, str],
-                      allow: tuple[str, ...] = (), presence_only: tuple[str, ...] = ()) -> list[str]:
-    """Field-level differences between the env a pod declares and what its process reports at
+                      allow: tuple[str, ...] = (), presence_only: tuple[str, ...] = (),
+                      pod: str = "") -> list[DriftEntry]:
+    """Field-level differences between the env a pod declares and what its process (``Pod/<pod>``) reports at
     ``/config`` (``env.process_env``), sorted by name. Only names the process reports are compared
     (its families plus its allow-list ``allow``). A ``valueFrom`` reference or a redacted value compares
-    by presence only, as do ``presence_only`` names (paths into the operator's own mounts). Lines: ``NAME=value (not declared)``, ``NAME: declared X, process sees Y``,
-    ``NAME: declared X, not in the process``."""
+    by presence only, as do ``presence_only`` names (paths into the operator's own mounts). Their text:
+    ``NAME=value (not declared)``, ``NAME: declared X, process sees Y``, ``NAME: declared X, not in the process``."""
     out = []
     for name in sorted(set(declared) | set(reported)):
         if not _reported(name, allow):
             continue
         want, got = declared.get(name), reported.get(name)
         if want is None:
-            out.append(f"{name}={got} (not declared)")
+            out.append(DriftEntry("process", f"Pod/{pod}", name, None, got))
         elif got is None:
-            out.append(f"{name}: declared {want if isinstance(want, str) else 'from a reference'}, not in the process")
+            out.append(DriftEntry("process", f"Pod/{pod}", name, want if isinstance(want, str) else FROM_REFERENCE))
         elif isinstance(want, str) and got != REDACTED and got != want and name not in presence_only:
-            out.append(f"{name}: declared {want}, process sees {got}")
+            out.append(DriftEntry("process", f"Pod/{pod}", name, want, got))
     return out
 
 
@@ -162,9 +262,9 @@ def _digest(image_id: str) -> str:
     return image_id.rsplit("@", 1)[-1] if "@" in image_id else image_id.removeprefix("docker-pullable://")
 
 
-def image_drift(pods: list[Mapping[str, Any]], revision_label: str = "pdstack.io/revision") -> list[str]:
+def image_drift(pods: list[Mapping[str, Any]], revision_label: str = "pdstack.io/revision") -> list[DriftEntry]:
     """Pods of one revision whose containers run different image digests (``status.containerStatuses
-    [].imageID``): the tag moved between pulls. One line per (revision, container), naming each digest and
+    [].imageID``): the tag moved between pulls. One entry per (revision, container), naming each digest and
     its pods. Pods that report no imageID yet are not evidence."""
     seen: dict[tuple[str, str], dict[str, list[str]]] = {}
     for p in pods:
@@ -179,5 +279,6 @@ def image_drift(pods: list[Mapping[str, Any]], revision_label: str = "pdstack.io
     for (rev, ctr), digests in sorted(seen.items()):
         if len(digests) > 1:
             parts = ", ".join(f"{d} ({', '.join(sorted(names))})" for d, names in sorted(digests.items()))
-            out.append(f"image: revision {rev} container {ctr} runs {len(digests)} digests: {parts}")
+            out.append(DriftEntry("image", f"revision {rev}", f"container {ctr}", None,
+                                  f"{len(digests)} digests: {parts}"))
     return out

@@ -6,7 +6,7 @@
                                 of two manifests (``kubectl-pd diff A.yaml B.yaml`` also works)
 
 Cluster commands (credentials as kubectl: $KUBECONFIG / --kubeconfig, exec plugins, in-cluster), through
-the operator's own client (``pdoperator.kube``, kubernetes_asyncio):
+the operator's own client (``pdoperator.shell.kube``, kubernetes_asyncio):
 
     kubectl-pd status NAME [-n NS]       groups with their pods, revisions, conditions, drift and stalls
     kubectl-pd requests NAME [-n NS]     live requests across router and workers, oldest first, and the
@@ -14,7 +14,7 @@ the operator's own client (``pdoperator.kube``, kubernetes_asyncio):
     kubectl-pd history NAME [-n NS]      its revisions (ControllerRevisions) and when each became current
     kubectl-pd diff NAME --since 12:00|2h|RFC3339   what changed since then (against the current revision)
     kubectl-pd diff NAME --from REV [--to REV]      two recorded revisions (hash or number; --to: current)
-    kubectl-pd drift NAME [-n NS]        ConfigDrift lines by source (children, process); exit 1 when any
+    kubectl-pd drift NAME [-n NS]        drift lines by source (children, image, process); exit 1 when any
     kubectl-pd rollback NAME --to REV | --last-known-good [--dry-run]
                                          patch the spec's revision fields back to a recorded revision (like
                                          ``kubectl rollout undo``; pairs, rollout, ... stay); prints the diff it
@@ -39,11 +39,11 @@ from typing import Any, Sequence, TextIO
 
 import yaml
 
-from .render import Owner, render
-from .revisions import (ANN_KNOWN_GOOD, HistoryEntry, diff_report, effective_view, format_diff, format_time,
-                        history, merge_patch, parse_since, recorded_spec, restore_spec, revision_at, revision_hash,
-                        revision_view)
-from .spec import KIND, SpecError, parse_spec
+from ..core.render import Owner, render
+from ..core.revisions import (HistoryEntry, diff_report, effective_view, format_diff, format_time, history,
+                              last_known_good, merge_patch, parse_since, recorded_spec, restore_spec, revision_at,
+                              revision_hash, revision_view)
+from ..core.spec import KIND, SpecError, parse_spec
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
 PLACEHOLDER_TOKEN = "generated-once-by-the-operator"
@@ -157,10 +157,10 @@ def _side(e: HistoryEntry) -> dict[str, Any]:
 
 
 async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
-    from . import cliview
-    from .kube import ApiError, Credentials, CredentialsError, Kube, path
-    from .render import LABEL_DEPLOYMENT
-    from .spec import GROUP, VERSION
+    from .view import ViewError, show_drift, show_requests, show_status
+    from ..shell.kube import ApiError, Credentials, CredentialsError, Kube, path
+    from ..core.render import LABEL_DEPLOYMENT
+    from ..core.spec import GROUP, VERSION
 
     try:
         creds = await Credentials.load(args.kubeconfig, args.context)
@@ -171,26 +171,13 @@ async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
     try:
         ns = args.namespace or creds.namespace()
         if args.cmd == "status":
-            return await cliview.show_status(kube, ns, args.name, args.output, out)
+            return await show_status(kube, ns, args.name, args.output, out)
         if args.cmd == "requests":
-            return await cliview.show_requests(kube, ns, args.name, args.output, out)
+            return await show_requests(kube, ns, args.name, args.output, out)
         if args.cmd == "drift":
-            obj = await kube.get(path(f"{GROUP}/{VERSION}", KIND, ns, args.name))
-            if obj is None:
-                raise CliError(f"{KIND} {ns}/{args.name} not found")
-            report = drift_report(obj)
-            if args.output == "json":
-                out.write(json.dumps(report, indent=2) + "\n")
-            elif args.output == "yaml":
-                out.write(yaml.safe_dump(report, sort_keys=False))
-            elif not report["lines"]:
-                out.write(f"{KIND} {ns}/{args.name}: no drift ({report['message'] or 'not yet observed'})\n")
-            else:
-                out.write(f"{'SOURCE':<10}DRIFT\n")
-                for line in report["lines"]:
-                    out.write(f"{line['source']:<10}{line['drift']}\n")
-            return 1 if report["lines"] else 0
-        revs = await kube.list(path("apps/v1", "ControllerRevision", ns), label_selector=f"{LABEL_DEPLOYMENT}={args.name}")
+            return await show_drift(kube, ns, args.name, args.output, out)
+        revs = await kube.list(path("apps/v1", "ControllerRevision", ns),
+                               label_selector=f"{LABEL_DEPLOYMENT}={args.name}")
         entries = history(revs)
         if args.cmd == "rollback":
             obj = await kube.get(path(f"{GROUP}/{VERSION}", KIND, ns, args.name))
@@ -233,7 +220,7 @@ async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
         if args.since is not None:
             report["since"] = format_time(t)
         return _emit(report, args.output, out)
-    except (CliError, cliview.ViewError) as e:
+    except (CliError, ViewError) as e:
         print(f"kubectl-pd: {e}", file=sys.stderr)
         return 2
     except ApiError as e:
@@ -241,17 +228,6 @@ async def _cluster(args: argparse.Namespace, out: TextIO) -> int:
         return 2
     finally:
         await kube.close()
-
-
-def last_known_good(obj: dict[str, Any], revs: list[dict[str, Any]]) -> str | None:
-    """``status.lastKnownGoodRevision``, else the newest ControllerRevision annotated known-good."""
-    good = ((obj.get("status") or {}).get("lastKnownGoodRevision"))
-    if good:
-        return str(good)
-    marked = [(((r.get("metadata") or {}).get("annotations") or {}).get(ANN_KNOWN_GOOD),
-               (r.get("data") or {}).get("revision")) for r in revs]
-    marked = [m for m in marked if m[0] and m[1]]
-    return max(marked)[1] if marked else None
 
 
 def rollback_plan(obj: dict[str, Any], cr: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str]:
@@ -273,12 +249,12 @@ def rollback_plan(obj: dict[str, Any], cr: dict[str, Any]) -> tuple[dict[str, An
 async def _rollback(kube: Any, obj: dict[str, Any], revs: list[dict[str, Any]], entries: list[HistoryEntry],
                     args: argparse.Namespace, out: TextIO) -> int:
     """``rollback NAME --to REV | --last-known-good [--dry-run]``: 0 applied or already there, 2 error."""
-    from .kube import ApiError, path
-    from .spec import GROUP, VERSION
+    from ..shell.kube import ApiError, path
+    from ..core.spec import GROUP, VERSION
 
     meta = obj["metadata"]
     if args.last_known_good:
-        good = last_known_good(obj, revs)
+        good = last_known_good((obj.get("status") or {}).get("lastKnownGoodRevision"), revs)
         if good is None:
             raise CliError(f"{KIND} {meta['namespace']}/{meta['name']} has no known-good revision yet (a revision "
                            "becomes known-good after rollout.soakSeconds of serving with no stall); "
@@ -291,27 +267,28 @@ async def _rollback(kube: Any, obj: dict[str, Any], revs: list[dict[str, Any]], 
         target = _pick(entries, args.to_rev)
     cr = next(r for r in revs if (r.get("metadata") or {}).get("name") == target.name)
     url = path(f"{GROUP}/{VERSION}", KIND, meta["namespace"], meta["name"])
-    for attempt in range(ROLLBACK_ATTEMPTS):
-        restored, patch, rev = rollback_plan(obj, cr)
-        if not patch:
-            out.write(f"{KIND} {meta['namespace']}/{meta['name']}: already at revision {rev}; nothing to roll back\n")
-            return 0
-        if args.dry_run:
-            break
-        body = {"metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]}, "spec": patch}
-        try:
-            await kube.request("PATCH", url, body=body, query={"fieldManager": "kubectl-pd"},
-                               content_type="application/merge-patch+json")
-            break
-        except ApiError as e:  # 409: written in between (a status update, an edit): recompute from a fresh read
-            if e.status != 409 or attempt == ROLLBACK_ATTEMPTS - 1:
-                if e.status == 409:
-                    raise CliError(f"{KIND} {meta['namespace']}/{meta['name']} kept changing while rolling back; "
-                                   "run again") from None
-                raise
-            obj = await kube.get(url)
-            if obj is None:
-                raise CliError(f"{KIND} {meta['namespace']}/{meta['name']} not found") from None
+    planned: dict[str, Any] = {}
+
+    def make(cur: Any) -> dict[str, Any] | None:
+        planned["obj"] = cur
+        planned["restored"], patch, planned["rev"] = rollback_plan(cur, cr)
+        planned["changes"] = bool(patch)
+        return {"spec": patch} if patch else None
+    if args.dry_run:
+        make(obj)
+    else:
+        try:  # 409: written in between (a status update, an edit): recomputed from a fresh read
+            if await kube.merge_patch(url, obj, make, field_manager="kubectl-pd", attempts=ROLLBACK_ATTEMPTS) is None:
+                raise CliError(f"{KIND} {meta['namespace']}/{meta['name']} not found")
+        except ApiError as e:
+            if e.status == 409:
+                raise CliError(f"{KIND} {meta['namespace']}/{meta['name']} kept changing while rolling back; "
+                               "run again") from None
+            raise
+    obj, restored, rev = planned["obj"], planned["restored"], planned["rev"]
+    if not planned["changes"]:
+        out.write(f"{KIND} {meta['namespace']}/{meta['name']}: already at revision {rev}; nothing to roll back\n")
+        return 0
     try:
         before = effective_view(parse_spec(obj.get("spec"), name=meta["name"]))
         before_rev = revision_hash(parse_spec(obj.get("spec"), name=meta["name"]))
@@ -334,23 +311,6 @@ async def _rollback(kube: Any, obj: dict[str, Any], revs: list[dict[str, Any]], 
     else:
         out.write(f"rolled back {KIND} {meta['namespace']}/{meta['name']} to revision {rev} (#{target.number})\n")
     return 0
-
-
-def drift_report(obj: dict[str, Any]) -> dict[str, Any]:
-    """The ConfigDrift condition of a PDDeployment as data: one line per drifted field, with its source
-    (``children``: a live child edited by someone else; ``image``: pods of one revision on different digests;
-    ``process``: a worker's /config env differs from its declared env)."""
-    cond = next((c for c in ((obj.get("status") or {}).get("conditions") or []) if c.get("type") == "ConfigDrift"), {})
-    lines = []
-    if cond.get("status") == "True":
-        for part in (cond.get("message") or "").split("; "):
-            if part.startswith(("process: ", "image: ")):
-                source, _, rest = part.partition(": ")
-                lines.append({"source": source, "drift": rest})
-            elif part:
-                lines.append({"source": "children", "drift": part})
-    return {"drifted": bool(lines), "since": cond.get("lastTransitionTime"), "message": cond.get("message", ""),
-            "lines": lines}
 
 
 def _cluster_args(c: argparse.ArgumentParser) -> None:

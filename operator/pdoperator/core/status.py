@@ -10,6 +10,7 @@ import datetime
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from .drift import DriftEntry, message_lines
 from .pairs import PairMemory, Plan, parse_iso
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "CoRestarting", "ConfigDrift", "Stalled", "ApiRejected",
@@ -54,7 +55,7 @@ class Facts:
     router_ready: bool = False
     unschedulable_message: str | None = None
     spec_error: str | None = None
-    drift: Sequence[str] = ()
+    drift: Sequence[DriftEntry] = ()  # status.drift; the ConfigDrift condition's message is made from it
     rejections: Sequence[str] = ()  # "<verb> <kind>/<name>: HTTP <code>: <server message>", one per failed write
     topology_version: int | None = None
     selector: str | None = None  # the worker pods' label selector (status.selector, for the scale subresource)
@@ -116,7 +117,7 @@ def invalid_status(old: Mapping[str, Any] | None, facts: Facts, now: float) -> d
         _cond("ApiRejected", False, "InvalidSpec", ""),
     ]
     out = {k: v for k, v in old.items() if k in ("pairs", "currentRevision", "updateRevision", "readyPairs")}
-    out.update({"phase": "Invalid", "observedGeneration": facts.generation,
+    out.update({"phase": "Invalid", "observedGeneration": facts.generation, "drift": None,
                 "conditions": _stamp(conds, old.get("conditions", []), iso(now))})
     return out
 
@@ -153,11 +154,12 @@ def build_status(old: Mapping[str, Any] | None, plan: Plan, facts: Facts, now: f
                             f"all {n} pairs run revision {facts.desired_revision}")
     down = [p for p in pairs if not p.ready and p.memory.restarts > 0 and p.memory.recovering]
     degraded = _cond("Degraded", bool(down), "PairsDown" if down else "AsExpected",
-                     f"pairs {[p.index for p in down]} down after co-restart" if down else "no pair down after a failure")
+                     f"pairs {[p.index for p in down]} down after co-restart" if down
+                     else "no pair down after a failure")
     co = _cond("CoRestarting", bool(restarting), "PairCoRestart" if restarting else "Idle",
                "; ".join(f"pair {p.index}: {p.memory.last_co_restart_reason} ({p.phase})" for p in restarting))
     drift = _cond("ConfigDrift", bool(facts.drift), "Drifted" if facts.drift else "NoDrift",
-                  "; ".join(facts.drift) if facts.drift else "live children match the declared spec")
+                  "; ".join(message_lines(facts.drift)) if facts.drift else "live children match the declared spec")
     stalled = _cond("Stalled", False, "AsExpected", "")
     rejected = _cond("ApiRejected", bool(facts.rejections), "Rejected" if facts.rejections else "AsExpected",
                      "; ".join(facts.rejections) if facts.rejections else "every write was accepted")
@@ -188,6 +190,7 @@ def build_status(old: Mapping[str, Any] | None, plan: Plan, facts: Facts, now: f
         out["replicas"] = n
         out["selector"] = facts.selector
     # a merge patch: None removes a key that no longer applies
+    out["drift"] = [e.to_status() for e in facts.drift] or None
     out["canary"] = dict(facts.canary) if facts.canary else None
     out["lastKnownGoodRevision"] = facts.last_known_good or old.get("lastKnownGoodRevision")
     if facts.auto_rollback is not None:
@@ -203,7 +206,7 @@ def same_status(a: Mapping[str, Any] | None, b: Mapping[str, Any]) -> bool:
 
 def with_stalls(new: dict[str, Any], old: Mapping[str, Any] | None, evidence: Sequence[Any] | None,
                 now: float) -> dict[str, Any]:
-    """``new`` with condition ``Stalled`` and ``status.stalls`` from :func:`pdoperator.stall.evaluate`'s
+    """``new`` with condition ``Stalled`` and ``status.stalls`` from :func:`pdoperator.core.stall.evaluate`'s
     evidence per pair. ``None`` (no look this time: no router to ask, or it did not answer) keeps what
     ``old`` says. ``lastTransitionTime`` of a True ``Stalled`` is when the stall was first seen."""
     from .stall import status_entries

@@ -648,14 +648,7 @@ def _pod_template(r: _Reader, d: Mapping[str, Any], path: str) -> PodTemplate:
     )
 
 
-def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
-    """Validate and default a PDDeployment ``spec``; raise :class:`SpecError` with every problem."""
-    r = _Reader()
-    if name is not None and (len(name) > MAX_NAME_LEN or not _DNS_LABEL.match(name)):
-        r.fail("metadata.name", name, f"a DNS label of at most {MAX_NAME_LEN} characters")
-    d = r.obj(raw, "spec")
-    image = r.str_(d, "image", "spec", required=True) or ""
-    engine = r.take(d, "spec", PDSpec, "engine")
+def _model(r: _Reader, d: Mapping[str, Any], engine: str) -> ModelSpec:
     m = r.obj(d.get("model"), "spec.model")
     sha = r.str_(m, "sha256", "spec.model")
     if sha is not None and not re.fullmatch(r"[0-9a-f]{64}", sha):
@@ -671,6 +664,60 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
                           f"{model.storage.mount_path.rstrip('/')}/model.gguf")
     if engine == "sglang" and not model.source:
         r.problems.append("spec.model.source is required with engine 'sglang'; accepted: a model path or HF id")
+    return model
+
+
+def _watchdog(r: _Reader, d: Mapping[str, Any]) -> WatchdogSpec:
+    w = r.obj(d.get("watchdog"), "spec.watchdog")
+    watchdog = WatchdogSpec(**{a: r.take(w, "spec.watchdog", WatchdogSpec, a)
+                               for a in WatchdogSpec.__dataclass_fields__})
+    for key, value in (("transferTimeoutSeconds", watchdog.transfer_timeout_s),
+                       ("decodeTransferTimeoutSeconds", watchdog.decode_transfer_timeout_s),
+                       ("bootstrapTimeoutSeconds", watchdog.bootstrap_timeout_s)):
+        if value <= watchdog.tick_s:
+            r.problems.append(f"spec.watchdog.{key}={value} must exceed spec.watchdog.tickSeconds={watchdog.tick_s}; "
+                              "a watchdog cannot fire before its first tick")
+    return watchdog
+
+
+def _co_restart(r: _Reader, d: Mapping[str, Any]) -> CoRestartSpec:
+    c = r.obj(d.get("coRestart"), "spec.coRestart")
+    b = r.obj(c.get("backoff"), "spec.coRestart.backoff")
+    co = CoRestartSpec(
+        policy=r.take(c, "spec.coRestart", CoRestartSpec, "policy"),
+        backoff_initial_s=r.take(b, "spec.coRestart.backoff", CoRestartSpec, "backoff_initial_s"),
+        backoff_max_s=r.take(b, "spec.coRestart.backoff", CoRestartSpec, "backoff_max_s"),
+    )
+    if co.backoff_initial_s > co.backoff_max_s:
+        r.problems.append(f"spec.coRestart.backoff.initialSeconds={co.backoff_initial_s} exceeds "
+                          f"maxSeconds={co.backoff_max_s}; accepted: initialSeconds <= maxSeconds")
+    return co
+
+
+def _rollout(r: _Reader, ro: Mapping[str, Any]) -> RolloutSpec:
+    canary = None
+    if ro.get("canary") is not None:
+        cn = r.obj(ro.get("canary"), "spec.rollout.canary")
+        canary = CanarySpec(**{a: r.take(cn, "spec.rollout.canary", CanarySpec, a)
+                               for a in CanarySpec.__dataclass_fields__})
+    auto = r.take(ro, "spec.rollout", RolloutSpec, "auto_rollback")
+    return RolloutSpec(
+        soak_s=r.take(ro, "spec.rollout", RolloutSpec, "soak_s"),
+        canary=canary,
+        auto_rollback=auto,
+        rollback_window_s=r.take(ro, "spec.rollout", RolloutSpec, "rollback_window_s"),
+    )
+
+
+def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
+    """Validate and default a PDDeployment ``spec``; raise :class:`SpecError` with every problem."""
+    r = _Reader()
+    if name is not None and (len(name) > MAX_NAME_LEN or not _DNS_LABEL.match(name)):
+        r.fail("metadata.name", name, f"a DNS label of at most {MAX_NAME_LEN} characters")
+    d = r.obj(raw, "spec")
+    image = r.str_(d, "image", "spec", required=True) or ""
+    engine = r.take(d, "spec", PDSpec, "engine")
+    model = _model(r, d, engine)
     pairs = r.take(d, "spec", PDSpec, "pairs")
     shared = _pod_template(r, r.obj(d.get("podTemplate"), "spec.podTemplate"), "spec.podTemplate")
     if shared.image:
@@ -708,39 +755,10 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
     )
     k = r.obj(d.get("kernel"), "spec.kernel")
     kernel = KernelKnobs(**{a: r.take(k, "spec.kernel", KernelKnobs, a) for a in KernelKnobs.__dataclass_fields__})
-    w = r.obj(d.get("watchdog"), "spec.watchdog")
-    watchdog = WatchdogSpec(**{a: r.take(w, "spec.watchdog", WatchdogSpec, a)
-                               for a in WatchdogSpec.__dataclass_fields__})
-    for key, value in (("transferTimeoutSeconds", watchdog.transfer_timeout_s),
-                       ("decodeTransferTimeoutSeconds", watchdog.decode_transfer_timeout_s),
-                       ("bootstrapTimeoutSeconds", watchdog.bootstrap_timeout_s)):
-        if value <= watchdog.tick_s:
-            r.problems.append(f"spec.watchdog.{key}={value} must exceed spec.watchdog.tickSeconds={watchdog.tick_s}; "
-                              "a watchdog cannot fire before its first tick")
-    c = r.obj(d.get("coRestart"), "spec.coRestart")
-    b = r.obj(c.get("backoff"), "spec.coRestart.backoff")
-    co = CoRestartSpec(
-        policy=r.take(c, "spec.coRestart", CoRestartSpec, "policy"),
-        backoff_initial_s=r.take(b, "spec.coRestart.backoff", CoRestartSpec, "backoff_initial_s"),
-        backoff_max_s=r.take(b, "spec.coRestart.backoff", CoRestartSpec, "backoff_max_s"),
-    )
-    if co.backoff_initial_s > co.backoff_max_s:
-        r.problems.append(f"spec.coRestart.backoff.initialSeconds={co.backoff_initial_s} exceeds "
-                          f"maxSeconds={co.backoff_max_s}; accepted: initialSeconds <= maxSeconds")
+    watchdog, co = _watchdog(r, d), _co_restart(r, d)
     dr = r.obj(d.get("drift"), "spec.drift")
     ro = r.obj(d.get("rollout"), "spec.rollout")
-    canary = None
-    if ro.get("canary") is not None:
-        cn = r.obj(ro.get("canary"), "spec.rollout.canary")
-        canary = CanarySpec(**{a: r.take(cn, "spec.rollout.canary", CanarySpec, a)
-                               for a in CanarySpec.__dataclass_fields__})
-    auto = r.take(ro, "spec.rollout", RolloutSpec, "auto_rollback")
-    rollout = RolloutSpec(
-        soak_s=r.take(ro, "spec.rollout", RolloutSpec, "soak_s"),
-        canary=canary,
-        auto_rollback=auto,
-        rollback_window_s=r.take(ro, "spec.rollout", RolloutSpec, "rollback_window_s"),
-    )
+    rollout = _rollout(r, ro)
     st = r.obj(d.get("stall"), "spec.stall")
     stall = StallSpec(seconds=r.take(st, "spec.stall", StallSpec, "seconds"))
     spec = PDSpec(

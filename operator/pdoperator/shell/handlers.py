@@ -1,8 +1,9 @@
 """kopf wiring only. Run with ``python -m pdoperator`` (namespaced by default; see ``__main__``).
 
 One daemon per PDDeployment runs :func:`reconcile.reconcile` in a loop and is the one writer of
-its status. Pod, router-Deployment and PDDeployment events only wake that daemon (an in-process
-signal keyed by namespace/name); they never write anything themselves. Watches of children carry
+its status; it opens the deployment's :class:`state.DeploymentState` when it starts and drops it when it ends.
+Pod, router-Deployment and PDDeployment events only wake that daemon (its state's event, set thread-safely:
+kopf runs these sync handlers in a thread pool); they never write anything themselves. Watches of children carry
 a server-side label selector (``pdstack.io/deployment``), so the API server sends only ours.
 
 Credentials: :class:`kube.Credentials` (``kubernetes_asyncio``) resolves them once; kopf logs in
@@ -18,36 +19,20 @@ from typing import Any
 
 import kopf
 
+from ..core.config import OperatorConfig
+from ..core.peering import outranked
+from ..core.render import LABEL_DEPLOYMENT
+from ..core.spec import GROUP, PLURAL, VERSION
 from . import metrics
-from .config import OperatorConfig
 from .kube import Credentials, Kube, path
-from .peering import outranked
-from .reconcile import forget_process_drift, reconcile
+from .reconcile import reconcile
 from .routerlink import RouterLink
-from .render import LABEL_DEPLOYMENT
-from .spec import GROUP, PLURAL, VERSION
+from .state import Deployments
 
 RESYNC_S = 30.0  # periodic reconcile even without events (observe actual state)
 ERROR_BACKOFF_S = (0.5, 30.0)  # after a failed reconcile: first delay, cap
 
 log = logging.getLogger("pdoperator")
-
-
-class Wakers:
-    """namespace/name -> asyncio.Event that wakes that PDDeployment's daemon."""
-
-    def __init__(self) -> None:
-        self._events: dict[tuple[str, str], asyncio.Event] = {}
-
-    def get(self, namespace: str, name: str) -> asyncio.Event:
-        return self._events.setdefault((namespace, name), asyncio.Event())
-
-    def poke(self, namespace: str | None, name: str | None) -> None:
-        if namespace and name:
-            self.get(namespace, name).set()
-
-    def drop(self, namespace: str, name: str) -> None:
-        self._events.pop((namespace, name), None)
 
 
 class Shared:
@@ -59,6 +44,7 @@ class Shared:
     started_at: float = 0.0  # loop time of this run's start
     router: RouterLink | None = None
     config: OperatorConfig = OperatorConfig()
+    deployments: Deployments = Deployments()  # every PDDeployment's state (opened and dropped by its daemon)
 
 
 SHARED = Shared()
@@ -112,7 +98,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     # server-side label selectors: the API server sends only our children
     for key in (("v1", "pods"), ("v1", "services"), ("v1", "configmaps"), ("apps", "v1", "deployments")):
         settings.watching.label_selectors[key] = LABEL_DEPLOYMENT
-    memo.wakers = Wakers()
+    SHARED.deployments = Deployments()
+    memo.deployments = SHARED.deployments
     memo.shared = SHARED
     metrics.serve(cfg.metrics_port)
 
@@ -155,7 +142,8 @@ def _router() -> RouterLink:
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=2.0)
 async def pair_reconciler(namespace: str, name: str, body: Any, memo: kopf.Memo, stopped: Any, **_: Any) -> None:
     """The one writer of this PDDeployment's status: reconcile on every wake-up and on resync."""
-    wake = memo.wakers.get(namespace, name)
+    state = memo.deployments.open(namespace, name)
+    wake = state.wake
     failures = 0
 
     async def until_stopped() -> None:
@@ -176,7 +164,7 @@ async def pair_reconciler(namespace: str, name: str, body: Any, memo: kopf.Memo,
                     await asyncio.wait({stop_task}, timeout=1.0)
                     continue
                 delay = await reconcile(await _kube(), namespace, name, log=log, router=_router(),
-                                        config=SHARED.config)
+                                        config=SHARED.config, state=state)
                 failures = 0
             except Exception as e:  # noqa: BLE001 - any failure is retried with backoff, counted, posted
                 failures += 1
@@ -192,28 +180,26 @@ async def pair_reconciler(namespace: str, name: str, body: Any, memo: kopf.Memo,
             wake_task.cancel()
     finally:
         stop_task.cancel()
-        memo.wakers.drop(namespace, name)
-        metrics.forget(namespace, name)
-        forget_process_drift(namespace, name)
+        memo.deployments.drop(namespace, name)  # its caches, probes and gauges go with it
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
 def pddeployment_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    memo.wakers.poke(namespace, name)
+    memo.deployments.poke(namespace, name)
 
 
 @kopf.on.event("v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
 def pod_event(namespace: str, labels: Any, memo: kopf.Memo, **_: Any) -> None:
-    memo.wakers.poke(namespace, labels.get(LABEL_DEPLOYMENT))
+    memo.deployments.poke(namespace, labels.get(LABEL_DEPLOYMENT))
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
 def router_event(namespace: str, labels: Any, memo: kopf.Memo, **_: Any) -> None:
-    memo.wakers.poke(namespace, labels.get(LABEL_DEPLOYMENT))
+    memo.deployments.poke(namespace, labels.get(LABEL_DEPLOYMENT))
 
 
 @kopf.on.event("v1", "services", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
 @kopf.on.event("v1", "configmaps", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
 def child_event(namespace: str, labels: Any, memo: kopf.Memo, **_: Any) -> None:
     """Hand edits of children (drift) are noticed at once, not at the next resync."""
-    memo.wakers.poke(namespace, labels.get(LABEL_DEPLOYMENT))
+    memo.deployments.poke(namespace, labels.get(LABEL_DEPLOYMENT))

@@ -75,6 +75,12 @@ class PodView:
         return slot_name(self.role, self.member)
 
 
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    """The pod's ``Ready`` condition is True (the one readiness rule: workers, routers, ``kubectl pd``)."""
+    conds = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
 def pod_view(pod: Mapping[str, Any]) -> PodView | None:
     """Project an API Pod onto :class:`PodView`; None for pods that are not pdstack workers."""
     meta = pod.get("metadata", {})
@@ -105,7 +111,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
         role=role,
         revision=labels.get(LABEL_REVISION, ""),
         phase=status.get("phase", "Pending") or "Pending",
-        ready=conds.get("Ready", {}).get("status") == "True",
+        ready=pod_ready(pod),
         restarts=sum(int(cs.get("restartCount", 0) or 0) for cs in statuses),
         terminating=bool(meta.get("deletionTimestamp")),
         evicted=status.get("reason") == "Evicted",
@@ -301,192 +307,240 @@ def _undrained(mem: PairMemory) -> PairMemory:
     return replace(mem, drain_started_at=None, drain_version=None, drain_confirmed_at=None)
 
 
-def plan_pairs(
-    *,
-    desired_revision: str,
-    pairs: int,
-    policy: CoRestartSpec,
-    max_unavailable: int,
-    pods: Sequence[PodView],
-    memory: Mapping[int, PairMemory],
-    now: float,
-    router: RouterView = RouterView(),
-    drain_s: float = 30.0,
-    lost_nodes: frozenset[str] = frozenset(),
-    lost_node_margin_s: float = LOST_NODE_MARGIN_S,
-    drain_confirm_timeout_s: float = DRAIN_CONFIRM_TIMEOUT_S,
-    slots: tuple[str, ...] = ROLES,
-    targets: Mapping[int, str] | None = None,
-    reverts: Mapping[int, str] | None = None,
-) -> Plan:
-    """Decide the actions for one reconcile of the worker pods. ``pairs`` is the number of groups, ``slots``
-    the members of each (render.group_slots: one prefill + one decode by default); a group restarts whole.
-    ``targets``: pair -> the revision it should run (default: ``desired_revision``); ``reverts``: pair ->
+@dataclass(frozen=True)
+class PlanInput:
+    """Everything one plan of one deployment's worker pods depends on. ``pairs`` is the number of groups,
+    ``slots`` the members of each (render.group_slots: one prefill + one decode by default); a group restarts
+    whole. ``targets``: pair -> the revision it should run (default: ``desired_revision``); ``reverts``: pair ->
     the drifted pod fields to undo by a co-restart."""
-    targets = targets or {}
-    reverts = reverts or {}
 
-    def want(k: int) -> str:
-        return targets.get(k, desired_revision)
+    desired_revision: str
+    pairs: int
+    policy: CoRestartSpec
+    max_unavailable: int
+    pods: Sequence[PodView]
+    memory: Mapping[int, PairMemory]
+    now: float
+    router: RouterView = RouterView()
+    drain_s: float = 30.0
+    lost_nodes: frozenset[str] = frozenset()
+    lost_node_margin_s: float = LOST_NODE_MARGIN_S
+    drain_confirm_timeout_s: float = DRAIN_CONFIRM_TIMEOUT_S
+    slots: tuple[str, ...] = ROLES
+    targets: Mapping[int, str] | None = None
+    reverts: Mapping[int, str] | None = None
 
-    actions: list[Action] = []
-    states: dict[int, PairState] = {}
-    retiring: list[PairState] = []
-    unconfirmed: list[int] = []
-    requeue: float | None = None
-    by_pair: dict[int, list[PodView]] = {}
-    for p in pods:
-        by_pair.setdefault(p.pair, []).append(p)
+    def want(self, k: int) -> str:
+        """The revision pair ``k`` should run."""
+        return (self.targets or {}).get(k, self.desired_revision)
 
-    # lost nodes: a terminating pod whose kubelet will never confirm is force-deleted after the bound
-    for p in pods:
-        if p.terminating and p.node in lost_nodes and p.delete_deadline is not None:
-            overdue = now - (p.delete_deadline + lost_node_margin_s)
-            if overdue >= 0:
-                actions.append(ForceDelete(p.pair, p.name, p.node, overdue + lost_node_margin_s))
-            else:
-                requeue = _min(requeue, -overdue)
 
-    def gate(k: int, mem: PairMemory) -> tuple[bool, PairMemory]:
+class _Planning:
+    """One plan in the making: the actions, pair states and requeue collected by :func:`plan_pairs`' steps."""
+
+    def __init__(self, inp: PlanInput) -> None:
+        self.inp = inp
+        self.actions: list[Action] = []
+        self.states: dict[int, PairState] = {}
+        self.retiring: list[PairState] = []
+        self.unconfirmed: list[int] = []
+        self.requeue: float | None = None
+        self.by_pair: dict[int, list[PodView]] = {}
+        for p in inp.pods:
+            self.by_pair.setdefault(p.pair, []).append(p)
+
+    def wait(self, delay: float | None) -> None:
+        self.requeue = _min(self.requeue, delay)
+
+    def gate(self, k: int, mem: PairMemory) -> tuple[bool, PairMemory]:
         """True: delete now (memory cleared of the drain). False: keep draining (action + requeue added)."""
-        nonlocal requeue
-        verdict, mem, delay = _drain_gate(k, mem, router, drain_s, now, drain_confirm_timeout_s)
+        inp = self.inp
+        verdict, mem, delay = _drain_gate(k, mem, inp.router, inp.drain_s, inp.now, inp.drain_confirm_timeout_s)
         if verdict.startswith("go"):
             if verdict == "go-unconfirmed":
-                unconfirmed.append(k)
+                self.unconfirmed.append(k)
             return True, _undrained(mem)
-        requeue = _min(requeue, delay)
+        self.wait(delay)
         return False, mem
 
-    # scale down: pairs beyond spec.pairs go, whole, after a drain
-    for k in sorted(k for k in by_pair if k >= pairs):
-        live_k = sorted((p for p in by_pair[k] if not p.terminating), key=_role_order)
+    def result(self) -> Plan:
+        inp = self.inp
+        unsched = tuple(p for p in inp.pods if p.unschedulable and not p.terminating and p.pair < inp.pairs)
+        return Plan(tuple(self.actions), tuple(self.states[k] for k in range(inp.pairs)), self.requeue, unsched,
+                    tuple(self.unconfirmed), tuple(self.retiring))
+
+
+def plan_pairs(inp: PlanInput) -> Plan:
+    """Decide the actions for one reconcile of the worker pods (see the module's rules)."""
+    pl = _Planning(inp)
+    _force_deletes(pl)
+    _scale_down(pl)
+    for k in range(inp.pairs):
+        _plan_group(pl, k)
+    _rollout(pl)
+    return pl.result()
+
+
+def _force_deletes(pl: _Planning) -> None:
+    """Lost nodes: a terminating pod whose kubelet will never confirm is force-deleted after the bound."""
+    inp = pl.inp
+    for p in inp.pods:
+        if p.terminating and p.node in inp.lost_nodes and p.delete_deadline is not None:
+            overdue = inp.now - (p.delete_deadline + inp.lost_node_margin_s)
+            if overdue >= 0:
+                pl.actions.append(ForceDelete(p.pair, p.name, p.node, overdue + inp.lost_node_margin_s))
+            else:
+                pl.wait(-overdue)
+
+
+def _scale_down(pl: _Planning) -> None:
+    """Pairs beyond spec.pairs go, whole, after a drain."""
+    for k in sorted(k for k in pl.by_pair if k >= pl.inp.pairs):
+        live_k = sorted((p for p in pl.by_pair[k] if not p.terminating), key=_role_order)
         names = tuple(sorted(p.name for p in live_k))
         if not names:
             continue
-        go, mem = gate(k, memory.get(k, PairMemory()))
+        go, mem = pl.gate(k, pl.inp.memory.get(k, PairMemory()))
         hosts = _hosts(live_k)
         if go:
-            actions.append(DeletePods(k, names, "ScaleDown"))
+            pl.actions.append(DeletePods(k, names, "ScaleDown"))
         else:
-            actions.append(DrainPair(k, "ScaleDown", "router"))
-        retiring.append(PairState(k, live_k[0].revision, False, "Draining", mem, hosts=hosts, draining=True,
-                                  members=_members(live_k)))
+            pl.actions.append(DrainPair(k, "ScaleDown", "router"))
+        pl.retiring.append(PairState(k, live_k[0].revision, False, "Draining", mem, hosts=hosts, draining=True,
+                                     members=_members(live_k)))
 
-    for k in range(pairs):
-        mem = memory.get(k, PairMemory())
-        all_pods = sorted(by_pair.get(k, []), key=_role_order)
-        live = [p for p in all_pods if not p.terminating]
-        # duplicates of one role (e.g. a create retried after a timeout): keep the newest-named one
-        seen: dict[str, PodView] = {}
-        for p in live:
-            if p.slot not in slots:  # a member beyond the group's replicas (scaled down): goes with no co-restart
-                actions.append(DeletePods(k, (p.name,), "ScaleDown"))
-                continue
-            if p.slot in seen:
-                actions.append(DeletePods(k, (seen[p.slot].name,), "Duplicate"))
-            seen[p.slot] = p
-        live = list(seen.values())
-        hosts = (seen["prefill"].ip if "prefill" in seen else None, seen["decode"].ip if "decode" in seen else None)
-        members = _members(live)
 
-        trig = _trigger(live, slots, reverts.get(k))
-        if trig and policy.policy == "Pair":
-            reason, detail = trig
-            go, gmem = gate(k, mem)
-            if not go:
-                actions.append(DrainPair(k, reason, "router"))
-                states[k] = PairState(k, live[0].revision, False, "Draining", replace(gmem, ready_since=None),
-                                      hosts=hosts, draining=True, members=members)
-                continue
-            mem = gmem
-            stable = mem.ready_since is not None and now - mem.ready_since >= policy.backoff_max_s
-            streak = (0 if stable else mem.streak) + 1
-            new_mem = replace(mem, restarts=mem.restarts + 1, streak=streak, last_co_restart_at=now,
-                              last_co_restart_reason=reason, ready_since=None, recovering=True)
-            actions.append(CoRestart(k, reason, tuple(p.name for p in live), detail))
-            # still draining in the topology until its pods are gone (the router must not pick it up again)
-            states[k] = PairState(k, None, False, "CoRestarting", new_mem, hosts=hosts, draining=True, members=members)
-            requeue = _min(requeue, max(policy.backoff(streak), 0.05))
+def _plan_group(pl: _Planning, k: int) -> None:
+    """Group ``k`` within spec.pairs: co-restart, create, or record how it stands."""
+    inp = pl.inp
+    mem = inp.memory.get(k, PairMemory())
+    all_pods = sorted(pl.by_pair.get(k, []), key=_role_order)
+    live = [p for p in all_pods if not p.terminating]
+    # duplicates of one role (e.g. a create retried after a timeout): keep the newest-named one
+    seen: dict[str, PodView] = {}
+    for p in live:
+        if p.slot not in inp.slots:  # a member beyond the group's replicas (scaled down): goes with no co-restart
+            pl.actions.append(DeletePods(k, (p.name,), "ScaleDown"))
             continue
-        if trig and policy.policy == "Never" and live:
-            # opt-out: replace only what is broken or missing, one side at a time (documented as unsafe);
-            # container restarts are left to the kubelet
-            broken = tuple(p.name for p in live if p.evicted or p.phase == "Failed")
-            missing = tuple(r for r in slots if r not in seen)
-            if broken:
-                actions.append(DeletePods(k, broken, FAILED))
-            if missing:
-                actions.append(CreatePods(k, live[0].revision, missing))
-            if broken or missing:
-                states[k] = PairState(k, None, False, "Starting", replace(mem, ready_since=None), hosts=hosts)
-                continue
+        if p.slot in seen:
+            pl.actions.append(DeletePods(k, (seen[p.slot].name,), "Duplicate"))
+        seen[p.slot] = p
+    live = list(seen.values())
+    trig = _trigger(live, inp.slots, (inp.reverts or {}).get(k))
+    if trig and inp.policy.policy == "Pair":
+        _co_restart(pl, k, mem, live, trig)
+        return
+    hosts = (seen["prefill"].ip if "prefill" in seen else None, seen["decode"].ip if "decode" in seen else None)
+    if trig and inp.policy.policy == "Never" and live:
+        # opt-out: replace only what is broken or missing, one side at a time (documented as unsafe);
+        # container restarts are left to the kubelet
+        broken = tuple(p.name for p in live if p.evicted or p.phase == "Failed")
+        missing = tuple(r for r in inp.slots if r not in seen)
+        if broken:
+            pl.actions.append(DeletePods(k, broken, FAILED))
+        if missing:
+            pl.actions.append(CreatePods(k, live[0].revision, missing))
+        if broken or missing:
+            pl.states[k] = PairState(k, None, False, "Starting", replace(mem, ready_since=None), hosts=hosts)
+            return
+    if not live:
+        _empty_group(pl, k, mem, all_pods)
+        return
+    _group_state(pl, k, mem, live, hosts)
 
-        if not live:
-            mem = _undrained(mem)
-            if all_pods:  # our deletions still draining: the router keeps the pair as draining
-                states[k] = PairState(k, None, False, "Terminating", mem, hosts=_hosts(all_pods), draining=True,
-                                      members=_members(all_pods))
-                requeue = _min(requeue, TERMINATING_RECHECK_S)
-                continue
-            if mem.last_co_restart_at is not None:
-                wait = mem.last_co_restart_at + policy.backoff(mem.streak) - now
-                if wait > 0:
-                    states[k] = PairState(k, None, False, "BackingOff", mem)
-                    requeue = _min(requeue, wait)
-                    continue
-            actions.append(CreatePods(k, want(k), slots))
-            states[k] = PairState(k, want(k), False, "Creating", mem)
-            continue
 
-        revision = live[0].revision
-        if mem.drain_started_at is not None and revision != want(k):
-            # a rollout drain in progress: the pair is out of service already
-            states[k] = PairState(k, revision, False, "Draining", replace(mem, ready_since=None), hosts=hosts,
-                                  draining=True, members=members)
-            continue
-        mem = _undrained(mem)
-        ready = all(p.ready and p.phase == "Running" for p in live)
-        if ready:
-            recovered = (now - mem.last_co_restart_at
-                         if mem.recovering and mem.last_co_restart_at is not None else None)
-            new_mem = replace(mem, ready_since=mem.ready_since if mem.ready_since is not None else now,
-                              recovering=False)
-            states[k] = PairState(k, revision, True, "Ready", new_mem, recovered_after_s=recovered, hosts=hosts,
-                                  members=members)
-        else:
-            phase = "Unschedulable" if any(p.unschedulable for p in live) else "Starting"
-            states[k] = PairState(k, revision, False, phase, replace(mem, ready_since=None), hosts=hosts,
-                                  members=members)
+def _co_restart(pl: _Planning, k: int, mem: PairMemory, live: list[PodView], trig: tuple[str, str]) -> None:
+    """A PD group restarts together: drain first, then delete every live pod (recreated after the backoff)."""
+    inp = pl.inp
+    hosts = _hosts(live)
+    members = _members(live)
+    reason, detail = trig
+    go, gmem = pl.gate(k, mem)
+    if not go:
+        pl.actions.append(DrainPair(k, reason, "router"))
+        pl.states[k] = PairState(k, live[0].revision, False, "Draining", replace(gmem, ready_since=None),
+                                 hosts=hosts, draining=True, members=members)
+        return
+    mem = gmem
+    stable = mem.ready_since is not None and inp.now - mem.ready_since >= inp.policy.backoff_max_s
+    streak = (0 if stable else mem.streak) + 1
+    new_mem = replace(mem, restarts=mem.restarts + 1, streak=streak, last_co_restart_at=inp.now,
+                      last_co_restart_reason=reason, ready_since=None, recovering=True)
+    pl.actions.append(CoRestart(k, reason, tuple(p.name for p in live), detail))
+    # still draining in the topology until its pods are gone (the router must not pick it up again)
+    pl.states[k] = PairState(k, None, False, "CoRestarting", new_mem, hosts=hosts, draining=True, members=members)
+    pl.wait(max(inp.policy.backoff(streak), 0.05))
 
-    # rollout: replace pairs at an old revision, never more than maxUnavailable pairs down at once
-    unavailable = sum(1 for s in states.values() if not s.ready)
-    budget = max_unavailable - unavailable
-    for k in range(pairs):
+
+def _empty_group(pl: _Planning, k: int, mem: PairMemory, all_pods: list[PodView]) -> None:
+    """No live pod: wait for our deletions, then the backoff, then create the whole group."""
+    inp = pl.inp
+    mem = _undrained(mem)
+    if all_pods:  # our deletions still draining: the router keeps the pair as draining
+        pl.states[k] = PairState(k, None, False, "Terminating", mem, hosts=_hosts(all_pods), draining=True,
+                                 members=_members(all_pods))
+        pl.wait(TERMINATING_RECHECK_S)
+        return
+    if mem.last_co_restart_at is not None:
+        wait = mem.last_co_restart_at + inp.policy.backoff(mem.streak) - inp.now
+        if wait > 0:
+            pl.states[k] = PairState(k, None, False, "BackingOff", mem)
+            pl.wait(wait)
+            return
+    pl.actions.append(CreatePods(k, inp.want(k), inp.slots))
+    pl.states[k] = PairState(k, inp.want(k), False, "Creating", mem)
+
+
+def _group_state(pl: _Planning, k: int, mem: PairMemory, live: list[PodView],
+                 hosts: tuple[str | None, str | None]) -> None:
+    """A complete group: Ready, Starting, Unschedulable, or still Draining for a rollout."""
+    inp = pl.inp
+    members = _members(live)
+    revision = live[0].revision
+    if mem.drain_started_at is not None and revision != inp.want(k):
+        # a rollout drain in progress: the pair is out of service already
+        pl.states[k] = PairState(k, revision, False, "Draining", replace(mem, ready_since=None), hosts=hosts,
+                                 draining=True, members=members)
+        return
+    mem = _undrained(mem)
+    if all(p.ready and p.phase == "Running" for p in live):
+        recovered = (inp.now - mem.last_co_restart_at
+                     if mem.recovering and mem.last_co_restart_at is not None else None)
+        new_mem = replace(mem, ready_since=mem.ready_since if mem.ready_since is not None else inp.now,
+                          recovering=False)
+        pl.states[k] = PairState(k, revision, True, "Ready", new_mem, recovered_after_s=recovered, hosts=hosts,
+                                 members=members)
+    else:
+        phase = "Unschedulable" if any(p.unschedulable for p in live) else "Starting"
+        pl.states[k] = PairState(k, revision, False, phase, replace(mem, ready_since=None), hosts=hosts,
+                                 members=members)
+
+
+def _rollout(pl: _Planning) -> None:
+    """Replace pairs at an old revision, never more than maxUnavailable pairs down at once."""
+    inp, states = pl.inp, pl.states
+    budget = inp.max_unavailable - sum(1 for s in states.values() if not s.ready)
+    for k in range(inp.pairs):
         s = states[k]
-        if s.revision is None or s.revision == want(k) or s.phase not in (
+        if s.revision is None or s.revision == inp.want(k) or s.phase not in (
                 "Ready", "Starting", "Unschedulable", "Draining"):
             continue
-        if s.phase == "Draining" and any(isinstance(a, DrainPair) and a.pair == k for a in actions):
+        if s.phase == "Draining" and any(isinstance(a, DrainPair) and a.pair == k for a in pl.actions):
             continue  # draining for a co-restart: that comes first
         if s.ready:
             if budget <= 0:
                 continue
             budget -= 1
-        names = tuple(p.name for p in sorted(by_pair.get(k, []), key=_role_order) if not p.terminating)
-        go, mem = gate(k, s.memory)
+        names = tuple(p.name for p in sorted(pl.by_pair.get(k, []), key=_role_order) if not p.terminating)
+        go, mem = pl.gate(k, s.memory)
         if go:
-            actions.append(RolloutPair(k, s.revision, want(k), names))
+            pl.actions.append(RolloutPair(k, s.revision, inp.want(k), names))
             states[k] = replace(s, ready=False, phase="RollingOut", draining=True,
                                 memory=replace(mem, ready_since=None))
         else:
-            actions.append(DrainPair(k, "Rollout", "router"))
+            pl.actions.append(DrainPair(k, "Rollout", "router"))
             states[k] = replace(s, ready=False, phase="Draining", draining=True,
                                 memory=replace(mem, ready_since=None))
-
-    unsched = tuple(p for p in pods if p.unschedulable and not p.terminating and p.pair < pairs)
-    return Plan(tuple(actions), tuple(states[k] for k in range(pairs)), requeue, unsched,
-                tuple(unconfirmed), tuple(retiring))
 
 
 def _hosts(live: Sequence[PodView]) -> tuple[str | None, str | None]:

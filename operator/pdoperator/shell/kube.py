@@ -10,7 +10,8 @@ what the operator needs on top, as plain JSON (no model classes, so no field is 
   own watches log in with what the client resolved (kopf's built-in kubeconfig login mishandles
   ``certificate-authority-data``);
 * :class:`Kube`: get / list (label + field selectors) / server-side apply / create / delete /
-  status patch with a resourceVersion precondition / eviction, every failure an :class:`ApiError`
+  status patch with a resourceVersion precondition / a merge patch recomputed on conflict (rollbacks, by the
+  operator and ``kubectl pd``), every failure an :class:`ApiError`
   naming the verb, the object and the server's message.
 """
 
@@ -20,7 +21,7 @@ import datetime
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
@@ -240,9 +241,31 @@ class Kube:
         return await self.request("PATCH", url_path + "/status", body=body, query={"fieldManager": FIELD_MANAGER},
                                   content_type="application/merge-patch+json")
 
-    async def evict(self, namespace: str, name: str) -> None:
-        body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": namespace}}
-        await self.request("POST", path("v1", "Pod", namespace, name, "eviction"), body=body)
+    async def merge_patch(self, url_path: str, current: Mapping[str, Any] | None,
+                          make: Callable[[Mapping[str, Any]], Mapping[str, Any] | None], *, field_manager: str,
+                          attempts: int = 4) -> Mapping[str, Any] | None:
+        """A merge patch computed from the object as read, sent with its resourceVersion as a precondition (a
+        concurrent write is never overwritten); on 409 the object is read again and the patch recomputed, up to
+        ``attempts`` times, then the 409 is raised. ``make(obj)``: the patch (its resourceVersion is added); empty:
+        nothing to write. ``current``: the object as already read (None: read it first). Returns the object the
+        last patch was computed from (written, or nothing to write); None when the object is gone."""
+        cur = current if current is not None else await self.get(url_path)
+        for attempt in range(attempts):
+            if cur is None:
+                return None
+            patch = make(cur)
+            if not patch:
+                return cur
+            meta = {**(patch.get("metadata") or {}), "resourceVersion": cur["metadata"]["resourceVersion"]}
+            try:
+                await self.request("PATCH", url_path, body={**patch, "metadata": meta},
+                                   query={"fieldManager": field_manager}, content_type="application/merge-patch+json")
+                return cur
+            except ApiError as e:
+                if e.status != 409 or attempt == attempts - 1:
+                    raise
+                cur = await self.get(url_path)
+        return cur
 
     async def delete(self, url_path: str, *, grace_period_s: int | None = None,
                      uid: str | None = None) -> bool:

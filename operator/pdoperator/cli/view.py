@@ -1,9 +1,10 @@
-"""``kubectl-pd status`` and ``kubectl-pd requests``: what a person asks first in an incident.
+"""``kubectl-pd status``, ``drift`` and ``requests``: what a person asks first in an incident.
 
 Pure reports (data in, data out) plus one reader each, through the operator's own client (``kube.Kube``):
 
 * ``status NAME``: the groups with their pods and readiness, the revisions (current, update, last
   known-good), the topology version, conditions, drift lines by source and stalled pairs.
+* ``drift NAME``: ``status.drift`` (one object per drifted field) as lines by source; exit 1 when any.
 * ``requests NAME``: every live request in the stack, merged across the router replicas and their
   workers, oldest first, with the router's verdict ("nothing is live in the stack ... look outside
   pdstack"). It reads each ready router pod's ``/debug/requests`` through the API server's
@@ -22,18 +23,15 @@ import yaml
 
 from pdruntime.util.headers import ADMIN_TOKEN_HEADER  # pods/proxy drops Authorization: the token goes here
 
-from .render import ADMIN_KEY, LABEL_COMPONENT, LABEL_DEPLOYMENT, LABEL_MEMBER, LABEL_PAIR, LABEL_ROLE, \
+from ..core.render import ADMIN_KEY, LABEL_COMPONENT, LABEL_DEPLOYMENT, LABEL_MEMBER, LABEL_PAIR, LABEL_ROLE, \
     admin_secret_name, group_of
-from .spec import HTTP_PORT, KIND
+from ..core.drift import from_status, lines as drift_lines
+from ..core.pairs import pod_ready
+from ..core.spec import HTTP_PORT, KIND
 
 
 class ViewError(Exception):
     """A lookup that failed in a way a person can fix; printed as ``kubectl-pd: ...``, exit 2."""
-
-
-def _ready(pod: Mapping[str, Any]) -> bool:
-    conds = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
 
 def _emit(report: Any, fmt: str, table: str, out: TextIO) -> None:
@@ -45,10 +43,40 @@ def _emit(report: Any, fmt: str, table: str, out: TextIO) -> None:
         out.write(table)
 
 
+# ---------------------------------------------------------------- drift
+def drift_report(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """``status.drift`` of a PDDeployment as lines by source (pure): ``children`` (a live child or pod edited by
+    someone else; one line per object), ``image`` (pods of one revision on different digests), ``process`` (a
+    worker's /config env differs from its declared env). ``since`` and ``message``: the ConfigDrift condition's."""
+    st = obj.get("status") or {}
+    cond = next((c for c in (st.get("conditions") or []) if c.get("type") == "ConfigDrift"), {})
+    lines = [{"source": source, "drift": text} for source, text in drift_lines(from_status(st.get("drift")))]
+    return {"drifted": bool(lines), "since": cond.get("lastTransitionTime"), "message": cond.get("message", ""),
+            "lines": lines}
+
+
+def format_drift(r: Mapping[str, Any], ns: str, name: str) -> str:
+    if not r["lines"]:
+        return f"{KIND} {ns}/{name}: no drift ({r['message'] or 'not yet observed'})\n"
+    return f"{'SOURCE':<10}DRIFT\n" + "".join(f"{line['source']:<10}{line['drift']}\n" for line in r["lines"])
+
+
+async def show_drift(kube: Any, ns: str, name: str, fmt: str, out: TextIO) -> int:
+    from ..shell.kube import path
+    from ..core.spec import GROUP, VERSION
+
+    obj = await kube.get(path(f"{GROUP}/{VERSION}", KIND, ns, name))
+    if obj is None:
+        raise ViewError(f"{KIND} {ns}/{name} not found")
+    report = drift_report(obj)
+    _emit(report, fmt, format_drift(report, ns, name), out)
+    return 1 if report["lines"] else 0
+
+
 # ---------------------------------------------------------------- status
 def status_report(obj: Mapping[str, Any], pods: Sequence[Mapping[str, Any]],
                   drift: Mapping[str, Any]) -> dict[str, Any]:
-    """A PDDeployment and its worker pods as one report (pure). ``drift``: :func:`cli.drift_report`."""
+    """A PDDeployment and its worker pods as one report (pure). ``drift``: :func:`drift_report`."""
     meta, st = obj.get("metadata") or {}, obj.get("status") or {}
     by_group: dict[int, list[dict[str, Any]]] = {}
     for p in pods:
@@ -60,7 +88,7 @@ def status_report(obj: Mapping[str, Any], pods: Sequence[Mapping[str, Any]],
         cs = (p.get("status") or {}).get("containerStatuses") or []
         by_group.setdefault(k, []).append({
             "name": p["metadata"]["name"], "role": labels.get(LABEL_ROLE), "member": int(labels.get(LABEL_MEMBER, 0)),
-            "ready": _ready(p), "phase": (p.get("status") or {}).get("phase", "Pending"),
+            "ready": pod_ready(p), "phase": (p.get("status") or {}).get("phase", "Pending"),
             "terminating": bool(p["metadata"].get("deletionTimestamp")),
             "ip": (p.get("status") or {}).get("podIP"), "node": (p.get("spec") or {}).get("nodeName"),
             "restarts": sum(int(c.get("restartCount", 0) or 0) for c in cs)})
@@ -112,9 +140,8 @@ def format_status(r: Mapping[str, Any]) -> str:
 
 
 async def show_status(kube: Any, ns: str, name: str, fmt: str, out: TextIO) -> int:
-    from .cli import drift_report
-    from .kube import path
-    from .spec import GROUP, VERSION
+    from ..shell.kube import path
+    from ..core.spec import GROUP, VERSION
 
     obj = await kube.get(path(f"{GROUP}/{VERSION}", KIND, ns, name))
     if obj is None:
@@ -182,7 +209,7 @@ def format_requests(r: Mapping[str, Any]) -> str:
 
 
 async def _admin_token(kube: Any, ns: str, name: str) -> str:
-    from .kube import path
+    from ..shell.kube import path
 
     secret = await kube.get(path("v1", "Secret", ns, admin_secret_name(name)))
     raw = ((secret or {}).get("data") or {}).get(ADMIN_KEY)
@@ -193,10 +220,10 @@ async def _admin_token(kube: Any, ns: str, name: str) -> str:
 
 
 async def show_requests(kube: Any, ns: str, name: str, fmt: str, out: TextIO) -> int:
-    from .kube import ApiError, path
+    from ..shell.kube import ApiError, path
 
     pods = await kube.list(path("v1", "Pod", ns), label_selector=f"{LABEL_DEPLOYMENT}={name},{LABEL_COMPONENT}=router")
-    ready = sorted(p["metadata"]["name"] for p in pods if _ready(p) and not p["metadata"].get("deletionTimestamp")
+    ready = sorted(p["metadata"]["name"] for p in pods if pod_ready(p) and not p["metadata"].get("deletionTimestamp")
                    and (p.get("status") or {}).get("podIP"))
     if not ready:
         raise ViewError(f"no ready router pod of {KIND} {ns}/{name} (pods labelled {LABEL_DEPLOYMENT}={name},"

@@ -28,8 +28,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
-from .pairs import parse_iso
-from .spec import CanarySpec
+from ..core.pairs import parse_iso
+from ..core.spec import CanarySpec
 
 PENDING, PROBING, PASSED, FAILED = "Pending", "Probing", "Passed", "Failed"
 PHASES = (PENDING, PROBING, PASSED, FAILED)

@@ -12,8 +12,8 @@ from typing import Any, Mapping, Sequence
 
 import aiohttp
 
-from .pairs import RouterView
-from .render import group_of
+from ..core.pairs import RouterView, pod_ready
+from ..core.render import group_of
 
 DEBUG_TIMEOUT_S = 5.0  # a router's /debug/requests waits up to 2 s (in parallel) for each worker's rows
 
@@ -23,8 +23,8 @@ def router_pods_ready(pods: Sequence[Mapping[str, Any]]) -> list[str]:
     out = []
     for p in pods:
         st = p.get("status") or {}
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions", []) or [])
-        if st.get("phase") == "Running" and ready and st.get("podIP") and not p["metadata"].get("deletionTimestamp"):
+        if (st.get("phase") == "Running" and pod_ready(p) and st.get("podIP")
+                and not p["metadata"].get("deletionTimestamp")):
             out.append(st["podIP"])
     return out
 
@@ -118,7 +118,8 @@ class RouterLink:
         """
         configs = list(await asyncio.gather(*(self.config(ip, token) for ip in ips)))
         if doc is not None and token:
-            behind = [i for i, c in enumerate(configs) if c is None or c.get("topology_version", -1) < doc["generation"]]
+            behind = [i for i, c in enumerate(configs)
+                      if c is None or c.get("topology_version", -1) < doc["generation"]]
             if behind:
                 await asyncio.gather(*(self.push(ips[i], doc, token) for i in behind))
                 again = await asyncio.gather(*(self.config(ips[i], token) for i in behind))

@@ -258,6 +258,31 @@ def parse_time(text: str) -> float:
     return dt.timestamp()
 
 
+def known_good(revisions: Iterable[Mapping[str, Any]]) -> list[tuple[float, str]]:
+    """(known-good since, revision) of every ControllerRevision annotated known-good, newest first: the one
+    known-good rule (the last known-good, an auto-rollback's target, the records pruning keeps)."""
+    out = []
+    for cr in revisions:
+        rev = (cr.get("data") or {}).get("revision")
+        since = ((cr.get("metadata") or {}).get("annotations") or {}).get(ANN_KNOWN_GOOD)
+        try:
+            t = parse_time(since) if isinstance(since, str) and since else None
+        except ValueError:
+            t = None
+        if t is not None and rev:
+            out.append((t, str(rev)))
+    return sorted(out, reverse=True)
+
+
+def last_known_good(recorded: str | None, revisions: Iterable[Mapping[str, Any]]) -> str | None:
+    """The last known-good revision: ``status.lastKnownGoodRevision`` (``recorded``), else the newest
+    ControllerRevision annotated known-good (a lost status is rebuilt from the records)."""
+    if recorded:
+        return str(recorded)
+    good = known_good(revisions)
+    return good[0][1] if good else None
+
+
 def history(revisions: Iterable[Mapping[str, Any]]) -> list[HistoryEntry]:
     """ControllerRevisions -> entries ordered by the time each became current (then by number)."""
     out = []
