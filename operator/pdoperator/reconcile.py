@@ -410,7 +410,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, log: logging.Logge
         previous = None
     doc = topology_doc(revision, topo_pairs, 0)
     doc["generation"] = topology_generation(previous, doc)
-    children = static_children(spec, owner, revision, topo_pairs, doc["generation"])
+    children = static_children(spec, owner, revision, topo_pairs, doc["generation"], peers=cfg.network_peers)
     drift_lines: list[str] = []
     topo_cm = next(c for c in children if c["kind"] == "ConfigMap" and c["metadata"]["name"] == topology_name(name))
     await steps.run(_apply(kube, topo_cm, spec.drift_policy, enforce=True))
