@@ -238,3 +238,21 @@ def from_store(select: Callable[[str, str, str], list[Mapping[str, Any]]]) -> tu
 def operator_endpoint(namespace: str, labels: Mapping[str, str], ip: str = "10.244.0.5") -> Endpoint:
     """The operator's pod (as the chart runs it) as a connection source."""
     return Endpoint(ip=ip, namespace=namespace, labels=dict(labels), name="pdstack-operator")
+
+
+def connection_check(api: Any) -> Callable[..., Verdict]:
+    """A checker over an API emulator's live store (``api.select(R(group, version, plural))``), re-read per call:
+    ``check(src, dst_ip, port, protocol="TCP")`` where ``src`` is a pod IP, another address (outside the cluster,
+    or a node when ``node=`` names it), or an :class:`Endpoint`. The emulator's connection path (the process
+    kubelet's HTTP dials, the operator's and Prometheus' reads of pod IPs) calls it before connecting and fails a
+    denied connection the way a CNI drops it (a connect timeout)."""
+    from pdop_k8s_emulator import R
+
+    def check(src: str | Endpoint, dst_ip: str, port: int, protocol: str = "TCP", *,
+              node: str | None = None) -> Verdict:
+        cluster, by_ip = from_store(lambda g, v, p: api.select(R(g, v, p)))
+        source = src if isinstance(src, Endpoint) else by_ip.get(src) or Endpoint(src, node=node)
+        dest = by_ip.get(dst_ip) or Endpoint(dst_ip)
+        return connection_allowed(cluster, source, dest, port, protocol)
+
+    return check

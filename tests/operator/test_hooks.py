@@ -96,7 +96,8 @@ async def test_apply_crd_is_a_forced_server_side_apply_of_the_chart_file():
     kube = _FakeKube()
     await hooks.apply_crd(kube, crd)  # type: ignore[arg-type]
     ((method, url, kw),) = kube.calls
-    assert (method, url) == ("PATCH", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/pddeployments.pdstack.io")
+    assert method == "PATCH"
+    assert url == "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/pddeployments.pdstack.io"
     assert kw["content_type"] == "application/apply-patch+yaml"
     assert kw["query"] == {"fieldManager": "pdstack-chart", "force": "true"} and kw["body"] == crd
     with pytest.raises(ValueError, match="accepted: a CustomResourceDefinition"):

@@ -58,8 +58,8 @@ async def test_pull_policies_as_kind_documents_them():
             kubelet.step()
         assert _waiting(api, "latest")["reason"] == "ImagePullBackOff"
         assert api.read(PODS, NS, "latest-ifnotpresent")["status"]["phase"] == "Running"
-        assert _waiting(api, "never-absent") == {
-            "reason": "ErrImageNeverPull", "message": 'Container image "other:2" is not present with pull policy of Never'}
+        assert _waiting(api, "never-absent") == {"reason": "ErrImageNeverPull", "message":
+                                                 'Container image "other:2" is not present with pull policy of Never'}
         assert api.read(PODS, NS, "never-present")["status"]["phase"] == "Running"
         st = api.read(PODS, NS, "init")["status"]
         assert st["phase"] == "Pending" and st["initContainerStatuses"][0]["state"]["waiting"]["reason"] == \

@@ -245,4 +245,24 @@ def test_endpoints_from_stored_pods():
            "spec": {"nodeName": "n", "containers": [{"ports": [{"name": "http", "containerPort": 8000}]}]},
            "status": {"podIP": "10.0.0.9"}}
     e = pod_endpoint(pod)
-    assert (e.ip, e.namespace, e.labels, e.ports, e.node) == ("10.0.0.9", "ns", {"a": "b"}, {("http", "TCP"): 8000}, "n")
+    assert (e.ip, e.namespace, e.labels, e.node) == ("10.0.0.9", "ns", {"a": "b"}, "n")
+    assert e.ports == {("http", "TCP"): 8000}
+
+
+async def test_connection_check_reads_the_emulators_store():
+    """The wiring for the emulator's connection path: policies, pods and namespaces as stored, per call."""
+    from netpol import connection_check
+    from pdop_k8s_emulator import PDEmulator, R
+
+    pods, pols = R("", "v1", "pods"), R("networking.k8s.io", "v1", "networkpolicies")
+    async with PDEmulator() as api:
+        for name, labels, ip in (("db", {"role": "db"}, "10.1.0.1"), ("fe", {"role": "frontend"}, "10.1.0.2"),
+                                 ("x", {"role": "other"}, "10.1.0.3")):
+            api._create(pods, "default", {"metadata": {"name": name, "labels": labels},
+                                          "spec": {"containers": [{"name": "c", "image": "i:1"}]}})
+            api._store(pods, "default", name, {"status": {"podIP": ip}}, subresource="status")
+        check = connection_check(api)
+        assert check("10.1.0.3", "10.1.0.1", 6379), "no policy yet: open"
+        api._create(pols, "default", TEST_NETWORK_POLICY)
+        assert check("10.1.0.2", "10.1.0.1", 6379) and not check("10.1.0.3", "10.1.0.1", 6379)
+        assert check("172.17.0.9", "10.1.0.1", 6379) and not check("172.17.1.9", "10.1.0.1", 6379)

@@ -148,7 +148,8 @@ def test_uninstall_deletes_the_example_first_while_the_operator_still_runs():
     (role,) = by_kind(pre, "Role")
     assert role["metadata"]["namespace"] == pdd["metadata"]["namespace"]
     assert role["rules"] == [{"apiGroups": ["pdstack.io"], "resources": ["pddeployments"], "verbs": ["list", "delete"]}]
-    assert job["spec"]["template"]["spec"]["serviceAccountName"] == by_kind(pre, "ServiceAccount")[0]["metadata"]["name"]
+    (sa,) = by_kind(pre, "ServiceAccount")
+    assert job["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
     assert "operator" in job["spec"]["template"]["spec"]["containers"][0]["image"]
     # nothing to delete without the example: no pre-delete hook
     assert not _hooks(render(None, lifecycle_hooks=True), "pre-delete")

@@ -193,8 +193,10 @@ is set. */}}
 {{/* The operator's pods as a NetworkPolicyPeer: the release namespace and the operator's selector labels, unless
 networkPolicy.operatorNamespaceSelector / operatorPodSelector say otherwise. */}}
 {{- define "pdstack.operatorPeer" -}}
-{{- $ns := .Values.networkPolicy.operatorNamespaceSelector | default (dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace)) }}
-{{- $pods := .Values.networkPolicy.operatorPodSelector | default (dict "matchLabels" (include "pdstack.selectorLabels" . | fromYaml)) }}
+{{- $ownNs := dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace) }}
+{{- $ns := .Values.networkPolicy.operatorNamespaceSelector | default $ownNs }}
+{{- $ownPods := dict "matchLabels" (include "pdstack.selectorLabels" . | fromYaml) }}
+{{- $pods := .Values.networkPolicy.operatorPodSelector | default $ownPods }}
 {{- toYaml (dict "namespaceSelector" $ns "podSelector" $pods) }}
 {{- end }}
 
@@ -202,7 +204,8 @@ networkPolicy.operatorNamespaceSelector / operatorPodSelector say otherwise. */}
 (/config, /metrics) besides the deployment's own pods: the operator, Prometheus, networkPolicy.extraWorkerPeers. */}}
 {{- define "pdstack.networkPeers" -}}
 {{- $operator := list (include "pdstack.operatorPeer" . | fromYaml) }}
-{{- $prometheus := concat (list (include "pdstack.prometheusPeer" . | fromYaml)) .Values.networkPolicy.extraWorkerPeers }}
+{{- $prometheus := list (include "pdstack.prometheusPeer" . | fromYaml) }}
+{{- $prometheus = concat $prometheus .Values.networkPolicy.extraWorkerPeers }}
 {{- dict "operator" $operator "prometheus" $prometheus | toJson }}
 {{- end }}
 
@@ -210,5 +213,6 @@ networkPolicy.operatorNamespaceSelector / operatorPodSelector say otherwise. */}
 (helm install/upgrade see the cluster; helm template: --api-versions monitoring.coreos.com/v1), or
 monitoring.crds is "always" (GitOps tools that render without a cluster). */}}
 {{- define "pdstack.monitoringAPI" -}}
-{{- if or (eq .Values.monitoring.crds "always") (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1") }}true{{ end }}
+{{- $served := .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}
+{{- if or (eq .Values.monitoring.crds "always") $served }}true{{ end }}
 {{- end }}
