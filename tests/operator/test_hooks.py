@@ -119,3 +119,48 @@ async def test_apply_crd_against_the_test_cluster_when_it_serves_crds(cluster, t
     rc, out = await _hook("apply-crd", str(src))
     assert rc == 0, out
     assert "applied CustomResourceDefinition pddeployments.pdstack.io" in out
+
+
+async def test_apply_crd_process_sends_one_forced_server_side_apply(tmp_path):
+    """The hook as the Job runs it (a process, credentials from a kubeconfig) against a recording API stub: one
+    PATCH of the chart's CRD, as apply-patch+yaml, force, field manager pdstack-chart; exit 0 and one line."""
+    from pathlib import Path
+
+    from aiohttp import web
+
+    seen: list[tuple[str, str, dict, str, Any]] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append((request.method, request.path, dict(request.query), request.content_type, body))
+        return web.json_response(body)
+
+    app = web.Application()
+    app.router.add_route("PATCH", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "stub",
+        "clusters": [{"name": "stub", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+        "users": [{"name": "hook", "user": {"token": "hook-token"}}],
+        "contexts": [{"name": "stub", "context": {"cluster": "stub", "user": "hook"}}]}))
+    src = Path(__file__).resolve().parents[2] / "charts" / "pdstack" / "crds" / "pddeployment.yaml"
+    try:
+        env = dict(os.environ, KUBECONFIG=str(kubeconfig))
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "pdoperator.hooks", "apply-crd", str(src),
+                                                    env=env, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.STDOUT)
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
+    finally:
+        await runner.cleanup()
+    assert proc.returncode == 0, out.decode()
+    ((method, url, query, ctype, body),) = seen
+    assert method == "PATCH" and url.endswith("/customresourcedefinitions/pddeployments.pdstack.io")
+    assert query == {"fieldManager": "pdstack-chart", "force": "true"} and ctype == "application/apply-patch+yaml"
+    assert body == yaml.safe_load(src.read_text())
+    assert "applied CustomResourceDefinition pddeployments.pdstack.io (versions ['v1alpha1'])" in out.decode()
