@@ -5,6 +5,11 @@ onto nodes with free GPUs (never onto a lost node), start them, keep readiness, 
 deletions once the container exited (never on a lost node), and keep Deployments' status (plus,
 with ``router_ip``, their pods). Tests drive faults through it: container restarts, OOM kills,
 evictions, lost nodes.
+
+Images: the nodes reach no registry, as on kind or an air-gapped cluster. A container runs only when its
+image was loaded (:meth:`Kubelet.load`, what ``kind load docker-image`` does) and its pull policy lets the
+kubelet use the local copy; otherwise it waits in ``ImagePullBackOff`` (``ErrImageNeverPull`` under
+``imagePullPolicy: Never``), and its pod stays Pending and not Ready, as a real kubelet leaves it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import datetime
 import itertools
 import secrets
 import time
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 from pdop_k8s_emulator import GPU, PODS, PDEmulator, R, _now
 
@@ -23,9 +28,36 @@ NODES = R("", "v1", "nodes")
 DEPLOYMENTS = R("apps", "v1", "deployments")
 
 
+def image_ref(image: str) -> str:
+    """The fully qualified reference a container runtime stores ``image`` under (docker's normalisation):
+    ``pdstack-runtime:dev`` is ``docker.io/library/pdstack-runtime:dev``, no tag is ``:latest``."""
+    name, digest = image.split("@", 1) if "@" in image else (image, "")
+    first, _, rest = name.partition("/")
+    if not rest:
+        name = f"docker.io/library/{name}"
+    elif "." not in first and ":" not in first and first != "localhost":
+        name = f"docker.io/{name}"
+    if not digest and ":" not in name.rsplit("/", 1)[-1]:
+        name += ":latest"
+    return f"{name}@{digest}" if digest else name
+
+
+def pull_policy(container: Mapping[str, Any]) -> str:
+    """The container's imagePullPolicy, or the API server's default: Always for ``:latest`` (or no tag), else
+    IfNotPresent. (kind's docs: a loaded ``:latest`` image is pulled again, and fails without a registry.)"""
+    if container.get("imagePullPolicy"):
+        return container["imagePullPolicy"]
+    image = container.get("image") or ""
+    return "IfNotPresent" if "@" in image or not image_ref(image).endswith(":latest") else "Always"
+
+
 def _pod_gpus(pod: dict[str, Any]) -> int:
     return sum(int((c.get("resources", {}) or {}).get("requests", {}).get(GPU, 0) or 0)
                for c in pod.get("spec", {}).get("containers", []) or [])
+
+
+def _owned_by_deployment(pod: Mapping[str, Any]) -> bool:
+    return any(r.get("kind") == "Deployment" for r in pod["metadata"].get("ownerReferences") or [])
 
 
 class Kubelet:
@@ -34,8 +66,10 @@ class Kubelet:
     ``auto_ready``: running pods become Ready on their own; tests switch it off to decide when.
     """
 
-    def __init__(self, api: PDEmulator, *, tick: float = 0.02, auto_ready: bool = True):
+    def __init__(self, api: PDEmulator, *, tick: float = 0.02, auto_ready: bool = True, images: Iterable[str] = ()):
         self.api = api
+        self.images: set[str] = set()  # loaded into every node (references as image_ref stores them)
+        self.load(*images)
         self.tick = tick
         self.auto_ready = auto_ready
         self._ips = itertools.count(10)
@@ -43,6 +77,52 @@ class Kubelet:
         self.not_ready: set[str] = set()  # pod names held not ready (e.g. just restarted)
         self.down_nodes: set[str] = set()
         self.router_ip: str | None = None  # set: Deployments get pods with this IP (a real router on loopback)
+
+    def load(self, *images: str) -> None:
+        """``kind load docker-image IMAGE...``: the images are on every node; pods waiting for them start."""
+        self.images.update(image_ref(i) for i in images)
+
+    def image_problem(self, container: Mapping[str, Any]) -> tuple[str, str] | None:
+        """(waiting reason, message) when the kubelet cannot start ``container`` for its image, else None."""
+        image = container.get("image")
+        if not image:
+            return None  # the API server refuses such a container at admission: nothing for the kubelet to decide
+        present = image_ref(image) in self.images
+        policy = pull_policy(container)
+        if policy == "Never":
+            return None if present else (
+                "ErrImageNeverPull", f'Container image "{image}" is not present with pull policy of Never')
+        if policy == "IfNotPresent" and present:
+            return None
+        return "ImagePullBackOff", f'Back-off pulling image "{image}"'
+
+    def _pull_backoff(self, pod: dict[str, Any]) -> bool:
+        """Hold ``pod`` Pending in ImagePullBackOff while any of its images cannot be had; True when it is."""
+        spec = pod["spec"]
+        problems = {c["name"]: self.image_problem(c) for c in spec.get("initContainers", []) + spec["containers"]}
+        if not any(problems.values()):
+            return False
+
+        def statuses(containers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            out = []
+            for c in containers:
+                why = problems[c["name"]] or ("PodInitializing", "")
+                waiting = {"reason": why[0], **({"message": why[1]} if why[1] else {})}
+                out.append({"name": c["name"], "image": c.get("image", ""), "imageID": "", "ready": False,
+                            "restartCount": 0, "started": False, "state": {"waiting": waiting}})
+            return out
+
+        status = {"phase": "Pending", "podIP": (pod.get("status") or {}).get("podIP") or self._next_ip(),
+                  "conditions": [{"type": "PodScheduled", "status": "True"},
+                                 {"type": "ContainersReady", "status": "False", "reason": "ContainersNotReady"},
+                                 {"type": "Ready", "status": "False", "reason": "ContainersNotReady"}],
+                  "containerStatuses": statuses(spec["containers"]),
+                  **({"initContainerStatuses": statuses(spec["initContainers"])} if spec.get("initContainers") else {})}
+        old = pod.get("status") or {}
+        if {k: v for k, v in old.items() if k != "startTime"} != status:
+            self.api._store(PODS, pod["metadata"]["namespace"], pod["metadata"]["name"],
+                            {"status": {**status, "startTime": old.get("startTime") or _now()}}, subresource="status")
+        return True
 
     def add_node(self, name: str, gpus: int, labels: dict[str, str] | None = None) -> None:
         cap = {"cpu": "64", "memory": "512Gi", "pods": "110", GPU: str(gpus)}
@@ -85,8 +165,11 @@ class Kubelet:
                 continue
             if not p["spec"].get("nodeName"):
                 self._schedule(p, nodes, used)
+            elif _owned_by_deployment(p):
+                continue  # the ReplicaSet's part: _deployment_pods
             elif p.get("status", {}).get("phase", "Pending") == "Pending":
-                self._start(p)
+                if not self._pull_backoff(p):
+                    self._start(p)
             elif p["status"].get("phase") == "Running":
                 want = self.auto_ready and p["metadata"]["name"] not in self.not_ready
                 if self._is_ready(p) != want:
@@ -95,8 +178,13 @@ class Kubelet:
             n = d.get("spec", {}).get("replicas", 1)
             if self.router_ip:
                 self._deployment_pods(d, n)
-            st = {"observedGeneration": d["metadata"]["generation"], "replicas": n, "readyReplicas": n,
-                  "availableReplicas": n, "updatedReplicas": n}
+            # its pods run only with their images at hand; else none is ready or available
+            template = d["spec"]["template"]["spec"]
+            ok = not any(self.image_problem(c) for c in template.get("initContainers", []) + template["containers"])
+            ready = n if ok else 0
+            st = {"observedGeneration": d["metadata"]["generation"], "replicas": n, "readyReplicas": ready,
+                  "availableReplicas": ready, "updatedReplicas": n,
+                  **({} if ok else {"unavailableReplicas": n})}
             if d.get("status") != st:
                 self.api._store(DEPLOYMENTS, d["metadata"]["namespace"], d["metadata"]["name"], {"status": st},
                                 subresource="status")
@@ -128,12 +216,20 @@ class Kubelet:
         labels = d["spec"]["template"]["metadata"].get("labels", {})
         sel = ",".join(f"{k}={v}" for k, v in labels.items())
         have = self.api.select(PODS, meta["namespace"], sel)
+        for p in have:  # waiting for an image: runs once it is loaded
+            if p["status"].get("phase") == "Pending" and not self._pull_backoff(p):
+                status = {"phase": "Running", "podIP": self.router_ip, "startTime": _now(),
+                          "conditions": [{"type": "Ready", "status": "True"}]}
+                self.api._store(PODS, meta["namespace"], p["metadata"]["name"], {"status": status},
+                                subresource="status")
         for i in range(len(have), n):
             pod = {"metadata": {"name": f"{meta['name']}-{secrets.token_hex(3)}", "labels": dict(labels),
                                 "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment",
                                                      "name": meta["name"], "uid": meta["uid"]}]},
                    "spec": {**copy.deepcopy(d["spec"]["template"]["spec"]), "nodeName": "router-node"}}
             created = self.api._create(PODS, meta["namespace"], pod, manager="kube-controller-manager")
+            if self._pull_backoff(created):
+                continue
             status = {"phase": "Running", "podIP": self.router_ip, "startTime": _now(),
                       "conditions": [{"type": "Ready", "status": "True"}]}
             self.api._store(PODS, meta["namespace"], created["metadata"]["name"], {"status": status},

@@ -40,6 +40,9 @@ PODS = R("", "v1", "pods")
 EVENTS = R("", "v1", "events")
 PEERINGS = R("kopf.dev", "v1", "kopfpeerings")
 NS = "default"
+# The runtime image of every test PDDeployment: loaded into the kubelet (as `kind load` does); an image the
+# operator renders that is not this one waits in ImagePullBackOff, and the PDDeployment never goes Ready.
+IMAGE = "ghcr.io/pdstack/runtime:test"
 
 
 def write_kubeconfig(url: str) -> None:
@@ -105,7 +108,7 @@ async def cluster() -> AsyncIterator[Cluster]:
     """Emulator on loopback + kubelet with two 8-GPU nodes."""
     async with PDEmulator() as api, kmock.Server(api) as server:
         write_kubeconfig(str(server.url).rstrip("/"))
-        kubelet = Kubelet(api)
+        kubelet = Kubelet(api, images=[IMAGE])
         kubelet.add_node("gpu-a", 8, {"pdstack.io/gpu": "h100"})
         kubelet.add_node("gpu-b", 8, {"pdstack.io/gpu": "h100"})
         async with kubelet:
@@ -189,7 +192,7 @@ async def strict_operator(cluster: Cluster) -> AsyncIterator[Cluster]:
 
 
 def manifest(name: str, *, pairs: int = 2, gpus: int = 1, **spec: Any) -> dict[str, Any]:
-    body = {"image": "ghcr.io/pdstack/runtime:test", "pairs": pairs,
+    body = {"image": IMAGE, "pairs": pairs,
             "prefill": {"resources": {"gpus": gpus}}, "decode": {"resources": {"gpus": gpus}},
             "coRestart": {"policy": "Pair", "backoff": {"initialSeconds": 0.2, "maxSeconds": 2}}}
     body.update(spec)

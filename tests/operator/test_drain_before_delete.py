@@ -31,7 +31,7 @@ import kmock
 import pytest
 import yaml
 
-from pdop_harness import NS, PODS, Cluster, eventually, manifest, running_operator, write_kubeconfig
+from pdop_harness import IMAGE, NS, PODS, Cluster, eventually, manifest, running_operator, write_kubeconfig
 from pdop_k8s_emulator import Kubelet, PDEmulator, R
 
 SECRETS = R("", "v1", "secrets")
@@ -46,7 +46,7 @@ class ProcessKubelet(Kubelet):
     """A kubelet whose worker pods are real processes: started from the pod's command, stopped by SIGTERM."""
 
     def __init__(self, api: PDEmulator, net: int, log_dir: str) -> None:
-        super().__init__(api)
+        super().__init__(api, images=[IMAGE])
         self.net, self.log_dir = net, log_dir
         self._hosts = itertools.count(10)
         self.procs: dict[str, subprocess.Popen] = {}

@@ -20,7 +20,7 @@ import kmock
 import pytest
 import yaml
 
-from pdop_harness import NS, PODS, eventually, manifest
+from pdop_harness import IMAGE, NS, PODS, eventually, manifest
 from pdop_k8s_emulator import Kubelet, PDEmulator, R
 
 PEERINGS = R("kopf.dev", "v1", "kopfpeerings")
@@ -85,7 +85,7 @@ async def test_standby_takes_over_within_the_bound_and_never_duplicates_pods(tmp
     async with PDEmulator(tokens={"token-a": "op-a", "token-b": "op-b"}) as api, kmock.Server(api) as server:
         api.seed(PEERINGS, NS, {"metadata": {"name": "pdstack-operator"}})  # the chart creates it
         url = str(server.url).rstrip("/")
-        kubelet = Kubelet(api)
+        kubelet = Kubelet(api, images=[IMAGE])
         kubelet.add_node("gpu-a", 8)
         try:
             async with kubelet:
@@ -167,7 +167,7 @@ async def test_replicas_started_together_never_both_reconcile(tmp_path):
     async with PDEmulator(tokens={"token-a": "op-a", "token-b": "op-b"}) as api, kmock.Server(api) as server:
         api.seed(PEERINGS, NS, {"metadata": {"name": "pdstack-operator"}})
         url = str(server.url).rstrip("/")
-        kubelet = Kubelet(api)
+        kubelet = Kubelet(api, images=[IMAGE])
         kubelet.add_node("gpu-a", 8)
         api._create(PDDS, NS, manifest("twin", pairs=2))
         try:

@@ -26,7 +26,7 @@ import kmock
 import pytest
 import yaml
 
-from pdop_harness import KUBECONFIG, NS, Cluster, eventually, manifest, running_operator
+from pdop_harness import IMAGE, KUBECONFIG, NS, Cluster, eventually, manifest, running_operator
 from pdop_k8s_emulator import Kubelet, PDEmulator
 
 
@@ -85,7 +85,7 @@ async def tls_cluster(pki):
     async with PDEmulator(tokens={"token-1": "op-token"}) as api, \
             kmock.Server(api, server_cls=_tls_server_cls(ctx)) as server:
         api.client_cert_users.add("op-cert")
-        kubelet = Kubelet(api)
+        kubelet = Kubelet(api, images=[IMAGE])
         kubelet.add_node("gpu-a", 8)
         async with kubelet:
             url = str(server.url).rstrip("/")

@@ -14,7 +14,7 @@ import yaml
 from emu_semantics import psa_restricted_violations
 from pdoperator.core.render import CONTAINER_SECURITY, Owner, render, worker_pod
 from pdoperator.core.revisions import controller_revision, revision_hash
-from pdoperator.core.spec import CPU_RUNTIME_IMAGE, SpecError, parse_spec
+from pdoperator.core.spec import SpecError, parse_spec
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 SECRET_VALUE = "hf_Zq8vXUniqueSecretValue0123456789"  # what the Secret holds; must appear nowhere we render
@@ -126,10 +126,17 @@ def test_role_fields_override_shared_template_and_defaults():
     assert ds["topologySpreadConstraints"][0]["topologyKey"] == "zone"
 
 
-def test_router_image_defaults_to_the_cpu_runtime_image():
-    objs = render(parse_spec({"image": "runtime:cuda"}), Owner("x", "ns", "u"), "r", kv_token="t")
-    router = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    assert router["image"] == CPU_RUNTIME_IMAGE
+def test_router_image_follows_the_runtime_image_unless_set():
+    """No image the user never named: on kind (only loaded images) or air-gapped, a hard-coded registry tag never
+    pulls. The router runs spec.image unless spec.router.image says otherwise, for every engine."""
+    for engine in ("pdrt", "sglang"):
+        raw = {"image": "registry.local/pdstack/runtime:dev", "engine": engine, "model": {"source": "/m"}}
+        objs = render(parse_spec(raw), Owner("x", "ns", "u"), "r", kv_token="t")
+        router = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+        assert router["image"] == "registry.local/pdstack/runtime:dev", engine
+        images = {c["image"] for o in objs if o["kind"] in ("Pod", "Deployment")
+                  for c in (o["spec"].get("template", o)["spec"]["containers"])}
+        assert images == {"registry.local/pdstack/runtime:dev"}, images
     objs = render(parse_spec({"image": "runtime:cuda", "router": {"image": "mine:1"}}), Owner("x", "ns", "u"), "r",
                   kv_token="t")
     assert next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"] \

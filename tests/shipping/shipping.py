@@ -37,17 +37,30 @@ def values_id(values: Path | None) -> str:
     return "default" if values is None else values.name
 
 
-def render(values: Path | None = None, *sets: str, namespace: str = "pdstack-system",
-           release: str = "pd") -> list[dict[str, Any]]:
-    """``helm template`` (CRDs included) parsed into objects, in output order."""
+MONITORING_API = "monitoring.coreos.com/v1"  # the Prometheus Operator's CRDs
+
+
+def render(values: Path | None = None, *sets: str, namespace: str = "pdstack-system", release: str = "pd",
+           api_versions: tuple[str, ...] = (MONITORING_API,), lifecycle_hooks: bool = False) -> list[dict[str, Any]]:
+    """``helm template`` (CRDs and ``helm test`` hooks included) parsed into objects, in output order; rendered as
+    for a cluster that serves ``api_versions`` (default: one with the Prometheus Operator's CRDs; ``()``: without
+    them). ``lifecycle_hooks``: also the install/upgrade/delete hooks (templates/hooks.yaml), left out by default:
+    they exist only while a hook runs, not as part of the installed release."""
     cmd = [tool("helm"), "template", release, str(CHART), "--namespace", namespace, "--include-crds"]
+    for v in api_versions:
+        cmd += ["--api-versions", v]
     if values is not None:
         cmd += ["-f", str(values)]
     for s in sets:
         cmd += ["--set", s]
     out = run(cmd)
     assert out.returncode == 0, f"helm template failed:\n{out.stderr}"
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+    objs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    return objs if lifecycle_hooks else [o for o in objs if not is_hook(o) or hook_events(o) == {"test"}]
+
+
+def hook_events(obj: dict[str, Any]) -> set[str]:
+    return set(((obj.get("metadata") or {}).get("annotations") or {}).get("helm.sh/hook", "").split(",")) - {""}
 
 
 def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -58,3 +71,7 @@ def one(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     found = by_kind(objs, kind)
     assert len(found) == 1, f"expected one {kind}, got {[o['metadata']['name'] for o in found]}"
     return found[0]
+
+
+def is_hook(obj: dict[str, Any]) -> bool:
+    return "helm.sh/hook" in ((obj.get("metadata") or {}).get("annotations") or {})

@@ -4,7 +4,9 @@
     .venv/bin/python tests/shipping/sync_rbac.py --check  # exit 1 and print the diff when they differ
 
 rbac.py is the source (its NAMESPACED_RULES and CLUSTER_RULES are kept equal to the requests the
-operator makes); the chart grants exactly what this file lists.
+operator makes; cluster_wide_rules() is cluster-wide mode's ClusterRole); the chart grants exactly what
+this file lists: ``namespaced`` per watched namespace, ``clusterwide`` in cluster-wide mode, ``cluster``
+always.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 RULES_FILE = ROOT / "charts" / "pdstack" / "files" / "rbac-rules.yaml"
 HEADER = """\
-# The operator's RBAC rules: a copy of operator/pdoperator/core/rbac.py (NAMESPACED_RULES, CLUSTER_RULES).
+# The operator's RBAC rules: a copy of operator/pdoperator/core/rbac.py (NAMESPACED_RULES, cluster_wide_rules(),
+# CLUSTER_RULES).
 # Values never change these: templates/rbac.yaml grants exactly this list. When rbac.py changes, run
 #   .venv/bin/python tests/shipping/sync_rbac.py
 # (tests/shipping/test_chart_rbac.py fails, printing the diff, until this file and rbac.py agree.)
@@ -40,10 +43,12 @@ def expected_text() -> str:
     from pdoperator.core import rbac
 
     lines = [HEADER.rstrip("\n"), "namespaced:"] + [_flow(r) for r in rbac.NAMESPACED_RULES]
+    lines += ["clusterwide:"] + [_flow(r) for r in rbac.cluster_wide_rules()]
     lines += ["cluster:"] + [_flow(r) for r in rbac.CLUSTER_RULES] if rbac.CLUSTER_RULES else ["cluster: []"]
     text = "\n".join(lines) + "\n"
     parsed = yaml.safe_load(text)  # the flow style must round-trip to exactly rbac.py's rules
     assert parsed["namespaced"] == rbac.NAMESPACED_RULES and (parsed["cluster"] or []) == rbac.CLUSTER_RULES
+    assert parsed["clusterwide"] == rbac.cluster_wide_rules()
     return text
 
 

@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from shipping import CHART, ROOT, VALUES_FILES, by_kind, one, render, run, tool, values_id
+from shipping import CHART, ROOT, VALUES_FILES, by_kind, is_hook, one, render, run, tool, values_id
 
 K8S_VERSIONS = ("1.29", "1.33")
 # kinds kubernetes-validate has no schema for: checked below by other means
@@ -77,10 +77,14 @@ def test_crd_in_chart_is_the_repository_crd() -> None:
 
 
 def test_default_install_kinds() -> None:
-    kinds = sorted(o["kind"] for o in render())
+    objs = render(lifecycle_hooks=True)
+    kinds = sorted(o["kind"] for o in objs if not is_hook(o))
     # CRDs: PDDeployment, and kopf's KopfPeering + ClusterKopfPeering (used when operator.replicas > 1)
     assert kinds == sorted(["CustomResourceDefinition"] * 3 + ["ServiceAccount", "Role", "RoleBinding", "ClusterRole",
-                            "ClusterRoleBinding", "Deployment", "Service", "NetworkPolicy", "NetworkPolicy", "Pod"])
+                            "ClusterRoleBinding", "Deployment", "Service", "NetworkPolicy", "NetworkPolicy"])
+    # hooks: the CRD upgrade (pre-install, pre-upgrade); no `helm test` pod without the example (nothing to test)
+    assert sorted(o["kind"] for o in objs if is_hook(o)) == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Job",
+                                                             "ServiceAccount"]
 
 
 def test_operator_deployment_hardened_and_probed() -> None:

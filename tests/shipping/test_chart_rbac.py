@@ -70,11 +70,15 @@ def test_namespaced_roles_grant_exactly_the_operators_rules(sets: tuple[str, ...
 
 
 def test_cluster_wide_mode_grants_the_same_rules_cluster_wide() -> None:
+    """Cluster-wide mode: the namespaced rules in one ClusterRole, with kopf's peering cluster-scoped
+    (ClusterKopfPeering, what HA uses there), generated from pdoperator.core.rbac.cluster_wide_rules()."""
     objs = render(ROOT / "charts/pdstack/ci/clusterwide-values.yaml")
     assert not by_kind(objs, "Role")
     crs = {c["metadata"]["name"]: c for c in by_kind(objs, "ClusterRole")}
     assert set(crs) == {"pd-pdstack", "pd-pdstack-cluster"}
-    assert_exact("ClusterRole pd-pdstack", crs["pd-pdstack"]["rules"], rbac.NAMESPACED_RULES)
+    assert_exact("ClusterRole pd-pdstack", crs["pd-pdstack"]["rules"], rbac.cluster_wide_rules())
+    assert {("kopf.dev", "clusterkopfpeerings", v) for v in ("list", "watch", "patch")} <= \
+        grants(crs["pd-pdstack"]["rules"]), "cluster-wide HA heartbeats into a ClusterKopfPeering"
     assert_exact("ClusterRole pd-pdstack-cluster", crs["pd-pdstack-cluster"]["rules"], rbac.CLUSTER_RULES)
     _bindings_ok(objs, "ClusterRoleBinding", "ClusterRole")
 

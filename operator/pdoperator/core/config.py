@@ -2,14 +2,46 @@
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
-from typing import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from .pairs import DRAIN_CONFIRM_TIMEOUT_S, LOST_NODE_MARGIN_S
+from .render import PolicyPeers
 from .spec import HTTP_PORT
 
 PREFIX = "PDSTACK_OPERATOR_"
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # the API server sets it on every namespace
+
+
+def network_peers(raw: str | None, namespace: str | None) -> PolicyPeers:
+    """``PDSTACK_OPERATOR_NETWORK_PEERS``: JSON ``{"operator": [peer...], "prometheus": [peer...]}`` of
+    NetworkPolicyPeer objects (what the chart renders from its ``networkPolicy`` values). Unset: the operator's
+    own namespace (``$POD_NAMESPACE``, when it runs in a pod) and no Prometheus."""
+    if raw in (None, ""):
+        own = ({"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: namespace}}},) if namespace else ()
+        return PolicyPeers(operator=own)
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise SystemExit(f"{PREFIX}NETWORK_PEERS is not JSON ({e}); accepted: "
+                         '{"operator": [NetworkPolicyPeer...], "prometheus": [NetworkPolicyPeer...]}') from None
+    if not isinstance(doc, dict):
+        raise SystemExit(f"{PREFIX}NETWORK_PEERS={raw!r} is invalid; accepted: "
+                         '{"operator": [NetworkPolicyPeer...], "prometheus": [NetworkPolicyPeer...]}')
+    out: dict[str, tuple[dict[str, Any], ...]] = {}
+    keys = ("namespaceSelector", "podSelector", "ipBlock")
+    for role in ("operator", "prometheus"):
+        peers = doc.get(role, [])
+        if not isinstance(peers, list) or not all(isinstance(x, dict) and x and set(x) <= set(keys) for x in peers):
+            raise SystemExit(f"{PREFIX}NETWORK_PEERS.{role}={peers!r} is invalid; accepted: a list of "
+                             "NetworkPolicyPeer objects, each with namespaceSelector, podSelector and/or ipBlock")
+        out[role] = tuple(peers)
+    if set(doc) - {"operator", "prometheus"}:
+        raise SystemExit(f"{PREFIX}NETWORK_PEERS has keys {sorted(set(doc) - {'operator', 'prometheus'})}; "
+                         "accepted: operator, prometheus")
+    return PolicyPeers(**out)
 
 
 @dataclass(frozen=True)
@@ -25,6 +57,8 @@ class OperatorConfig:
     process_drift_s: float = 60.0  # read each ready worker's /config this often (drift source "process"); 0 = off
     worker_port: int = HTTP_PORT  # where worker pods serve /config
     stall_check_s: float = 15.0  # read the routers' /debug/requests and workers' /metrics this often; 0 = off
+    # admitted to the workers' http port by each PDDeployment's NetworkPolicy (the operator itself, Prometheus)
+    network_peers: PolicyPeers = field(default_factory=PolicyPeers)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "OperatorConfig":
@@ -51,4 +85,5 @@ class OperatorConfig:
             process_drift_s=get("PROCESS_DRIFT_S", 60.0, float),
             worker_port=int(get("WORKER_PORT", HTTP_PORT, int)),
             stall_check_s=get("STALL_CHECK_S", 15.0, float),
+            network_peers=network_peers(env.get(PREFIX + "NETWORK_PEERS"), env.get("POD_NAMESPACE")),
         )

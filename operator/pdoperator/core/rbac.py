@@ -1,8 +1,9 @@
 """The least-privilege RBAC rules the operator needs: the one source the chart's Role must equal.
 
 Each rule is a standard ``rbac.authorization.k8s.io/v1`` PolicyRule. ``NAMESPACED_RULES`` go into a
-Role in every watched namespace (or a ClusterRole in cluster-wide mode); ``CLUSTER_RULES`` are for
-cluster-scoped objects and always need a ClusterRole. Two tests hold this honest:
+Role in every watched namespace; in cluster-wide mode one ClusterRole holds :func:`cluster_wide_rules`
+(the same, with kopf's peering cluster-scoped); ``CLUSTER_RULES`` are for cluster-scoped objects and
+always need a ClusterRole. Two tests hold this honest:
 
 * the operator's integration runs against the emulator record every request it makes, and every
   recorded (verb, group, resource) is granted here and every verb granted here was used;
@@ -44,10 +45,16 @@ CLUSTER_RULES: list[PolicyRule] = [
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]},
 ]
 
-# Only with --all-namespaces: peering is cluster-scoped then.
+# Only with --all-namespaces: peering is cluster-scoped then (HA: the chart creates the ClusterKopfPeering).
 CLUSTERWIDE_RULES: list[PolicyRule] = [
     {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings"], "verbs": ["list", "watch", "patch"]},
 ]
+
+
+def cluster_wide_rules() -> list[PolicyRule]:
+    """The ClusterRole of cluster-wide mode (``--all-namespaces``): the namespaced rules in every namespace, with
+    kopf's peering heartbeats in the cluster-scoped ClusterKopfPeering instead of a KopfPeering per namespace."""
+    return [r for r in NAMESPACED_RULES if r["resources"] != ["kopfpeerings"]] + CLUSTERWIDE_RULES
 
 # Optional, not granted by the chart: with PDSTACK_OPERATOR_CLUSTER_POD_READ=1 and this rule, the
 # Unschedulable message also says how many GPUs other workloads hold; without, that part is left out.

@@ -575,12 +575,29 @@ def router_service(owner: Owner) -> dict[str, Any]:
 SGLANG_PEER_PORTS = (1024, 65535)  # TCP: SGLang's ZMQ sockets and transfer engines bind ports chosen at runtime
 
 
-def network_policy(spec: PDSpec, owner: Owner) -> dict[str, Any]:
-    """Workers accept traffic only from pods of the same PDDeployment (router and peers). With SGLang, its
-    workers also reach each other on the ZMQ / transfer-engine ports they open at runtime (not fixed ports):
+@dataclass(frozen=True)
+class PolicyPeers:
+    """Who besides the deployment's own pods may reach its workers' HTTP port: ``NetworkPolicyPeer`` objects
+    (``namespaceSelector`` / ``podSelector`` / ``ipBlock``), as the chart's ``networkPolicy`` values give them.
+
+    ``operator``: the operator's pods, which read every worker's ``/config`` (process drift) and ``/metrics``
+    (stall and canary evidence) by pod IP; ``prometheus``: the scraper of ``/metrics``. Empty: none admitted
+    (then an enforcing CNI drops those reads, and drift and stalls come back as "no evidence")."""
+
+    operator: tuple[Mapping[str, Any], ...] = ()
+    prometheus: tuple[Mapping[str, Any], ...] = ()
+
+
+def network_policy(spec: PDSpec, owner: Owner, peers: PolicyPeers = PolicyPeers()) -> dict[str, Any]:
+    """Workers accept traffic from pods of the same PDDeployment (router and peers) on the http and bootstrap
+    ports, and from ``peers`` (the operator, Prometheus) on the http port only (/config, /metrics). With SGLang,
+    its workers also reach each other on the ZMQ / transfer-engine ports they open at runtime (not fixed ports):
     TCP 1024-65535, from worker pods of the same deployment only."""
     ingress: list[dict[str, Any]] = [{"from": [{"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name}}}],
                                       "ports": [{"port": HTTP_PORT}, {"port": BOOTSTRAP_PORT}]}]
+    readers = [copy.deepcopy(dict(p)) for p in peers.operator + peers.prometheus]
+    if readers:
+        ingress.append({"from": readers, "ports": [{"protocol": "TCP", "port": HTTP_PORT}]})
     if spec.engine == "sglang":
         lo, hi = SGLANG_PEER_PORTS
         ingress.append({"from": [{"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name,
@@ -598,28 +615,36 @@ def disruption_budget(spec: PDSpec, owner: Owner) -> dict[str, Any]:
     A pair is down as soon as one of its pods is, so the budget is counted in pods: at most
     ``maxUnavailablePairs`` worker pods unavailable. A co-restarted pair stays "down" for the PDB until
     both its new pods are Ready (not-ready pods are unhealthy), so a second eviction waits for it.
+
+    ``unhealthyPodEvictionPolicy: AlwaysAllow``: a pod that is not Ready (crash-looping, stuck loading) may
+    always be evicted. Under the default (IfHealthyBudget) one crash-looping pair uses up the budget and then
+    blocks every node drain; evicting a pod that serves nothing costs no availability, and the pair's
+    co-restart recreates it elsewhere.
     """
     per_group = spec.prefill.replicas + spec.decode.replicas
     min_available = max(0, per_group * spec.pairs - spec.max_unavailable_pairs)
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": _meta(owner, workers_service_name(owner.name), {LABEL_COMPONENT: "worker"}),
-            "spec": {"minAvailable": min_available,
+            "spec": {"minAvailable": min_available, "unhealthyPodEvictionPolicy": "AlwaysAllow",
                      "selector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "worker"}}}}
 
 
 def static_children(spec: PDSpec, owner: Owner, revision: str,
-                    topology: Iterable[TopologyPair] | None = None, generation: int = 0) -> list[dict[str, Any]]:
-    """Children other than worker Pods and the Secret (those have their own lifecycles)."""
+                    topology: Iterable[TopologyPair] | None = None, generation: int = 0,
+                    peers: PolicyPeers = PolicyPeers()) -> list[dict[str, Any]]:
+    """Children other than worker Pods and the Secret (those have their own lifecycles); ``peers``: who else
+    reaches the workers (the operator's ``PDSTACK_OPERATOR_NETWORK_PEERS``)."""
     if topology is None:
         topology = [TopologyPair(k, False, None, None, prefill_hosts=(None,) * spec.prefill.replicas,
                                  decode_hosts=(None,) * spec.decode.replicas) for k in range(spec.pairs)]
     return [workers_service(owner), router_deployment(spec, owner), router_service(owner),
-            topology_configmap(owner, revision, topology, generation), network_policy(spec, owner),
+            topology_configmap(owner, revision, topology, generation), network_policy(spec, owner, peers),
             disruption_budget(spec, owner)]
 
 
 def render(spec: PDSpec, owner: Owner, revision: str, *, kv_token: str,
-           admin_token: str = "generated-once-by-the-operator", suffix: str = "0") -> list[dict[str, Any]]:
+           admin_token: str = "generated-once-by-the-operator", suffix: str = "0",
+           peers: PolicyPeers = PolicyPeers()) -> list[dict[str, Any]]:
     """Every child of a fresh PDDeployment: Secrets, pods of every pair, services, router, topology."""
     slots = group_slots(spec.prefill.replicas, spec.decode.replicas)
     pods = [worker_pod(spec, owner, revision, k, slot, suffix) for k in range(spec.pairs) for slot in slots]
@@ -628,4 +653,5 @@ def render(spec: PDSpec, owner: Owner, revision: str, *, kv_token: str,
                              decode_hosts=tuple(worker_dns(owner, k, s) for s in slots if s.startswith("decode")))
                 for k in range(spec.pairs)]
     admin = [admin_secret(owner, admin_token)] if spec.engine == "pdrt" else []
-    return [kv_secret(owner, kv_token)] + admin + pods + static_children(spec, owner, revision, topology)
+    return [kv_secret(owner, kv_token)] + admin + pods + static_children(spec, owner, revision, topology,
+                                                                           peers=peers)

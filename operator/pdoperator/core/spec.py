@@ -40,9 +40,6 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch")  # mirrors pdruntime.env.ATTENT
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # mirrors pdruntime.engine.device.DTYPE_CHOICES
 GPU_RESOURCE = "nvidia.com/gpu"
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-# The router is CPU-only: with engine pdrt it runs pdstack's CPU runtime image unless spec.router.image says
-# otherwise (spec.image is typically a CUDA image, gigabytes the router never uses).
-CPU_RUNTIME_IMAGE = "ghcr.io/pdstack/runtime:0.1.0"
 DEFAULT_STARTUP_SECONDS = 1800  # a 70B+ checkpoint from network storage can take tens of minutes
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?$")
 
@@ -337,10 +334,10 @@ class PDSpec:
     stall: StallSpec = section("stall", StallSpec)
 
     def router_image(self) -> str:
-        """spec.router.image, else pdstack's CPU runtime image (pdrt), else spec.image (sglang's router)."""
-        if self.router.pod.image:
-            return self.router.pod.image
-        return CPU_RUNTIME_IMAGE if self.engine == "pdrt" else self.image
+        """spec.router.image, else spec.image. Never an image the user did not name: a hard-coded registry tag
+        never pulls on kind (only loaded images run) or air-gapped clusters. The router is CPU-only, so with a
+        CUDA spec.image set spec.router.image to the CPU runtime image to spare the router its gigabytes."""
+        return self.router.pod.image or self.image
 
     @property
     def gpus_per_pair(self) -> int:

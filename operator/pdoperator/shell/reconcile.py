@@ -247,7 +247,7 @@ def plan(ctx: Context, obs: Observed) -> Planned:
     topo_pairs = [_topology_group(s, spec, canary=s.index == canary_pair) for s in planned.pairs + planned.retiring]
     doc = topology_doc(ctx.revision, topo_pairs, 0)
     doc["generation"] = topology_generation(obs.topology, doc)
-    children = static_children(spec, ctx.owner, ctx.revision, topo_pairs, doc["generation"])
+    children = static_children(spec, ctx.owner, ctx.revision, topo_pairs, doc["generation"], peers=cfg.network_peers)
     topo_cm = next(c for c in children if c["kind"] == "ConfigMap" and c["metadata"]["name"] == topology_name(ctx.name))
     planned = replace(planned, pairs=tuple(_stamp_drain(s, doc["generation"]) for s in planned.pairs),
                       retiring=tuple(_stamp_drain(s, doc["generation"]) for s in planned.retiring))
