@@ -64,6 +64,9 @@ class Metrics:
                                 "seconds, computed at scrape time (no series for a stage with none)", ["role", "stage"],
                                 registry=r)
         # workers
+        self.refused = Counter("pdrt_requests_refused_total", "Requests refused with 429/503 and Retry-After, by "
+                               "reason (kv_pages: decode's pool; pairs_busy: every pair busy, at the router)",
+                               ["role", "reason"], registry=r)
         self.pages_orphaned = Gauge("pdrt_kv_pages_orphaned", "KV pages in use that no live request holds (a leak; "
                                     "0 at every scrape in a healthy worker)", ["role"], registry=r)
         self.pool_blocks = Gauge("pdrt_kv_pool_blocks", "KV pool blocks by state (free, used, total)",

@@ -172,6 +172,7 @@ class Router:
         it: a first token, a leg error, our deadline, the client leaving (cancellation), or a bug."""
         tried: set[int] = set()
         last: LegError | None = None
+        busy: list[LegError] = []
         pinned = live.pinned
         while len(tried) < (MAX_ATTEMPTS if pinned is None else 1):  # a pinned request is never retried elsewhere
             now = time.monotonic()
@@ -194,6 +195,9 @@ class Router:
                 outcome = Outcome.SUCCESS
                 return legs, state, first
             except LegError as exc:
+                if exc.busy:  # at capacity, not failing: neutral for the breaker; another pair may have room
+                    busy.append(exc)
+                    continue
                 last = exc
                 if not exc.retryable:
                     raise ApiError(exc.status, exc.message, code=exc.code, param=exc.param,
@@ -206,6 +210,11 @@ class Router:
                 self.metrics.circuit_open.labels(state.pair.key).set(int(state.breaker.state(time.monotonic()) != "closed"))
                 if outcome is not Outcome.SUCCESS:
                     self.release(state)
+        if busy and last is None:
+            wait = min(e.retry_after or 1 for e in busy)
+            self.metrics.refused.labels("router", "pairs_busy").inc()
+            raise ApiError(429, f"every PD pair tried is at capacity ({busy[-1].leg}: {busy[-1].message}); retry after "
+                           f"{wait}s", type="server_overloaded", code="pairs_busy", headers={"Retry-After": str(wait)})
         if last is not None and pinned is not None:
             raise ApiError(502, f"pinned group {pinned} failed ({last.leg} leg: {last.message}); a pinned request is not "
                            "retried on another group", type="server_error", code="upstream_failed")

@@ -28,7 +28,7 @@ class LegError(Exception):
     request errors (4xx, which another pair would reject too) and for an expired deadline."""
 
     def __init__(self, status: int, message: str, *, leg: str, retryable: bool, code: str = "upstream_error",
-                 param: str | None = None) -> None:
+                 param: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.param = param  # the worker's "param" of a 4xx: passed on to the client
         self.status = status
@@ -36,6 +36,12 @@ class LegError(Exception):
         self.leg = leg
         self.retryable = retryable
         self.code = code
+        self.retry_after = retry_after  # seconds, a busy worker's suggestion
+
+    @property
+    def busy(self) -> bool:
+        """The worker is at capacity (429): try another pair; the pair is not failing (breaker untouched)."""
+        return self.status == 429
 
 
 def _error_message(resp_json: Any, fallback: str) -> tuple[str, str, str | None]:
@@ -48,12 +54,19 @@ def _error_message(resp_json: Any, fallback: str) -> tuple[str, str, str | None]
     return fallback, "upstream_error", None
 
 
-def _worker_error(status: int, payload: Any, fallback: str, leg: str) -> LegError:
+def _worker_error(status: int, payload: Any, fallback: str, leg: str, retry_after: Any = None) -> LegError:
     """A worker's error answer as a LegError: its 4xx passes on (the request's fault: not retried, another pair
-    would reject it too); 5xx and 499 (the worker lost its peer) become a retryable 502."""
+    would reject it too), except 429 (busy: :attr:`LegError.busy`); 5xx and 499 (the worker lost its peer)
+    become a retryable 502."""
     msg, code, param = _error_message(payload, fallback)
+    if retry_after is None and isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+        retry_after = payload["error"].get("retry_after")
+    try:
+        wait = max(1, int(float(retry_after))) if retry_after is not None else None
+    except (TypeError, ValueError):
+        wait = None
     return LegError(status if 400 <= status < 500 and status != 499 else 502, msg, leg=leg,
-                    retryable=status >= 500 or status == 499, code=code, param=param)
+                    retryable=status >= 500 or status == 499, code=code, param=param, retry_after=wait)
 
 
 def _stream_error(ev: dict) -> LegError:
@@ -115,7 +128,8 @@ class Legs:
                 payload = resp.json()
             except ValueError:
                 payload = None
-            raise _worker_error(resp.status_code, payload, f"prefill answered HTTP {resp.status_code}", "prefill")
+            raise _worker_error(resp.status_code, payload, f"prefill answered HTTP {resp.status_code}", "prefill",
+                                resp.headers.get("retry-after"))
 
     # ---- decode leg ----------------------------------------------------------------------------
     async def _open_decode(self) -> TokenEvent:
@@ -133,7 +147,7 @@ class Legs:
             except ValueError:
                 payload = None
             st = self.decode_resp.status_code
-            raise _worker_error(st, payload, f"decode answered HTTP {st}", "decode")
+            raise _worker_error(st, payload, f"decode answered HTTP {st}", "decode", self.decode_resp.headers.get("retry-after"))
         self._events = aiter_sse(self.decode_resp.aiter_lines())
         ev = await self._next_event()
         if ev is None:

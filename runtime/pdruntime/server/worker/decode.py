@@ -42,6 +42,9 @@ from pdruntime.util.aio import within
 
 log = logging.getLogger("pdruntime.decode")
 
+BUSY_GRACE_S = 0.5  # seconds a request waits for KV pages to come free before decode answers 429 (busy)
+BUSY_RETRY_MAX_S = 30  # the largest Retry-After decode suggests
+
 
 class DecodeWorker(WorkerBase):
     role = "decode"
@@ -58,6 +61,7 @@ class DecodeWorker(WorkerBase):
                         "one connection stalls in decode (never in production)", self.stall_fault.after,
                         self.stall_fault.after)
         self.fork_owner: dict[str, str] = {}  # engine id of a fork (choice >= 1) -> its request's rid
+        self.mean_request_s = 2.0  # EWMA of finished requests' seconds from admission (the busy Retry-After)
 
     async def start_role(self) -> None:
         tp = self.engine.tp_size  # one wire shard per tensor-parallel rank; every rank's cache has rank 0's shape
@@ -81,6 +85,11 @@ class DecodeWorker(WorkerBase):
     def _on_engine_error(self, rid: str, message: str, status: int) -> None:
         super()._on_engine_error(self.fork_owner.get(rid, rid), message, status)  # a fork fails its whole request
 
+    def busy_retry_after(self) -> int:
+        """Seconds a refused request should wait: half the recent mean request time (pages come free as requests
+        finish), at least 1, at most BUSY_RETRY_MAX_S."""
+        return max(1, min(BUSY_RETRY_MAX_S, round(self.mean_request_s / 2)))
+
     def owner_of(self, engine_id: str) -> str:
         return self.fork_owner.get(engine_id, engine_id)
 
@@ -90,14 +99,16 @@ class DecodeWorker(WorkerBase):
             self.fork_owner.pop(fid, None)
 
     # ---- failure and cleanup (idempotent) ----------------------------------------------------
-    def _fail(self, req: DecodeRequest, reason: str, *, cause: str = "peer_failure", status: int = 502) -> None:
+    def _fail(self, req: DecodeRequest, reason: str, *, cause: str = "peer_failure", status: int = 502,
+              retry_after: int | None = None) -> None:
         if req.failure is not None or req.rid not in self.queues:
             return
         req.failure = reason
         if not req.status.state.terminal:
             req.status.fail(self.clock.now(), reason)
-            self.metrics.transfers.labels(self.role, "failed").inc()
-            self.metrics.transfer_failures.labels(self.role, cause).inc()
+            if status != 429:  # a busy refusal is counted in pdrt_requests_refused_total, not as a failed transfer
+                self.metrics.transfers.labels(self.role, "failed").inc()
+                self.metrics.transfer_failures.labels(self.role, cause).inc()
         self.watchdog.disarm(req.rid)
         if req.writer is not None:
             req.writer.close()
@@ -120,8 +131,9 @@ class DecodeWorker(WorkerBase):
             free_pages()
         if cause in ("client_disconnect", "abort_request", "watchdog"):
             self.metrics.aborts.labels(self.role, cause).inc()
-        req.outputs.put_nowait(DecodeFailed(reason, status))
-        log.warning("decode request failed: rid=%s room=%s reason=%s", req.rid, req.room, reason)
+        req.outputs.put_nowait(DecodeFailed(reason, status, retry_after=retry_after))
+        (log.info if status == 429 else log.warning)("decode request %s: rid=%s room=%s reason=%s",
+                                                     "refused" if status == 429 else "failed", req.rid, req.room, reason)
 
     def _pages_freed(self) -> None:
         self.pages_freed.set()
@@ -131,15 +143,18 @@ class DecodeWorker(WorkerBase):
     async def _reserve(self, req: DecodeRequest) -> list[int]:
         from pdruntime.engine import OutOfBlocks
 
-        deadline = time.monotonic() + self.env.decode_transfer_timeout_s
+        deadline = time.monotonic() + BUSY_GRACE_S
         while True:
             event = self.pages_freed
             try:
                 return await self.runner.call(Reserve(req))  # RequestGone once failed: no page without an owner
             except OutOfBlocks as exc:
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    raise DecodeFailed(f"decode KV pool is full: {exc}", 503) from None
+                if left <= 0:  # busy, not broken: the router neither fails the pair nor opens its breaker
+                    wait = self.busy_retry_after()
+                    self.metrics.refused.labels(self.role, "kv_pages").inc()
+                    raise DecodeFailed(f"decode is at capacity: its KV pool has no room for this request ({exc}); "
+                                       f"retry after {wait}s", 429, retry_after=wait) from None
                 try:
                     await within(event.wait(), min(left, 0.5))  # within: a cancel (router failed it) propagates
                 except TimeoutError:
@@ -211,7 +226,7 @@ class DecodeWorker(WorkerBase):
         except RequestGone:
             return  # failed meanwhile; its failure freed whatever it held
         except DecodeFailed as exc:
-            self._fail(req, exc.reason, status=exc.status)
+            self._fail(req, exc.reason, status=exc.status, retry_after=exc.retry_after)
         except WireError as exc:
             status = _request_failed_status(exc.reason)
             if status is not None:  # prefill failed the request itself: its error, not the pair's
@@ -262,6 +277,7 @@ class DecodeWorker(WorkerBase):
             req.open_ids.discard(out.request_id)
             if not req.open_ids:  # the last choice
                 self._forget(req)
+                self.mean_request_s += 0.2 * (self.clock.now() - req.created_at - self.mean_request_s)
             self._pages_freed()
 
     # ---- HTTP ----------------------------------------------------------------------------------

@@ -19,10 +19,27 @@ log = logging.getLogger("pdruntime.decode")
 
 
 class DecodeFailed(Exception):
-    def __init__(self, reason: str, status: int = 502) -> None:
+    """A decode request ends with an error: ``status`` (the HTTP status), and for a busy worker (429) the
+    ``retry_after`` seconds it suggests and the code ``decode_busy``."""
+
+    def __init__(self, reason: str, status: int = 502, *, retry_after: int | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
+        self.retry_after = retry_after
+
+    @property
+    def code(self) -> str:
+        return "decode_busy" if self.status == 429 else "decode_failed"
+
+    def body(self) -> dict:
+        err = error_body(self.status, self.reason, type="server_error", code=self.code)
+        if self.retry_after is not None:
+            err["error"]["retry_after"] = self.retry_after
+        return err
+
+    def headers(self) -> dict | None:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
 
 
 class EarlyToken:
@@ -65,7 +82,8 @@ class _Worker(Protocol):
     clock: Any  # the watchdog clock: progress times
     loaded: Any  # the model: its tokenizer renders logprobs
 
-    def _fail(self, req: DecodeRequest, reason: str, *, cause: str = ..., status: int = ...) -> None: ...
+    def _fail(self, req: DecodeRequest, reason: str, *, cause: str = ..., status: int = ...,
+              retry_after: int | None = ...) -> None: ...
 
 
 class DecodeStream:
@@ -153,7 +171,7 @@ class DecodeStream:
                                                  choices=choices):
                         yield sse(c)
         except DecodeFailed as exc:
-            err = error_body(exc.status, exc.reason, type="server_error", code="decode_failed")
+            err = exc.body()
             err["error"]["status"] = exc.status  # the HTTP status this would have had (200 was already sent)
             yield sse(err)
             return
@@ -179,7 +197,6 @@ class DecodeStream:
                 [shape.choice(i, f.text, f, logprobs=lps[i] if want_lps else None) for i, f in enumerate(finals)],
                 choices.usage()))
         except DecodeFailed as exc:
-            return JSONResponse(error_body(exc.status, exc.reason, type="server_error", code="decode_failed"),
-                                status_code=exc.status)
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
         finally:
             await self.on_close(completed)

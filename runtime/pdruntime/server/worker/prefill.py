@@ -35,9 +35,6 @@ from pdruntime.server.worker.prompts import client_of, read_generate, request_id
 
 log = logging.getLogger("pdruntime.prefill")
 
-# seconds an attach may wait for its room to be registered: routers send both legs at once, so decode
-# can attach a moment before the prefill request arrives; longer than that is a wrong room
-ATTACH_GRACE_S = 2.0
 REJECT_LOG_INTERVAL_S = 10.0  # seconds between WARNING lines about rejected KV pulls (the rest are counted)
 # KV-wire ERROR reason "request_failed:<status>": prefill failed the request itself (a 4xx), not the pair
 REQUEST_FAILED = "request_failed"
@@ -195,7 +192,9 @@ class PrefillWorker(WorkerBase):
         if tp_msg:  # refused at bootstrap, before any prefill work
             await self._reject(conn, "mismatch", f"room {att.room}: {tp_msg}")
             return
-        req = await self.queues.wait_room(att.room, min(self.env.bootstrap_timeout_s, ATTACH_GRACE_S))
+        # an authenticated decode may attach before the router's prefill request arrives (both legs go at once,
+        # and a busy prefill reads its HTTP requests late): wait for the room as long as bootstrap may take
+        req = await self.queues.wait_room(att.room, self.env.bootstrap_timeout_s)
         if req is None or req.rid != att.rid and att.rid:
             await self._reject(conn, "unknown_room", f"no live request for room {att.room} (rid {att.rid})")
             return
