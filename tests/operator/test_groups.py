@@ -10,7 +10,7 @@ import json
 import aiohttp
 import yaml
 
-from pdop_harness import NS, PDDS, R, eventually, manifest
+from pdop_harness import NS, R, eventually, manifest
 from pdoperator.pairs import CoRestart, CreatePods, PodView, plan_pairs
 from pdoperator.render import Owner, TopologyPair, group_slots, render, topology_doc
 from pdoperator.spec import CoRestartSpec, parse_spec

@@ -374,7 +374,7 @@ def test_unauthenticated_and_wrong_room_pulls_are_rejected_and_counted(stack):
 def test_router_hot_reloads_topology_and_retries_on_another_pair_before_the_first_token(stack, model_id, tmp_path):
     """A second router in front of the shared pair, fed by a topology file it hot-reloads."""
     import yaml
-    from pd_harness import base_env, free_port, spawn, wait_healthy
+    from pd_harness import base_env, free_port, spawn
 
     pre, dec = stack.prefill.url, stack.decode.url
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
