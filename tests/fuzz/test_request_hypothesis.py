@@ -39,11 +39,6 @@ NUMERIC = ("temperature", "top_p", "top_k", "seed", "max_tokens", "max_completio
            "presence_penalty", "frequency_penalty")
 
 
-def field_value(name: str):
-    small = st.integers(min_value=1, max_value=6) if name in ("max_tokens", "max_completion_tokens") else st.nothing()
-    return st.one_of(EXTREME_FLOATS, EXTREME_INTS, small, SCALARS, JSON)
-
-
 @st.composite
 def openai_bodies(draw, model_id: str):
     """A valid chat or text request with 0-3 of its fields replaced by extreme or arbitrary values: each
