@@ -97,4 +97,4 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info $(TOOLS) .wheelhouse
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info $(TOOLS) .wheelhouse
