@@ -24,7 +24,8 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(VENV)/bin/pdrt up
 
-test: setup tools
+# lint first: a defect ruff can name (an unused import, an undefined name) fails in seconds, not minutes
+test: setup tools lint
 	$(PY) -m pytest -m "not slow and not gpu and not kind" -q
 
 # exit 5 = no tests collected (no slow tests in this checkout): not a failure
@@ -91,5 +92,9 @@ images: setup
 e2e: setup tools
 	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest e2e -q -rs
 
+# ruff with the rule set in pyproject.toml [tool.ruff]: real defects (pyflakes, call/mutable defaults), not style
+lint: setup
+	$(VENV)/bin/ruff check .
+
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info $(TOOLS) .wheelhouse
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info $(TOOLS) .wheelhouse

@@ -21,7 +21,6 @@ sequences of one case at the same length.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from dataclasses import dataclass

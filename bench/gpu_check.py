@@ -104,7 +104,6 @@ def pdstack_engine(hf, shape: Shape, config):
 
 def _json_tokenizer():
     """The in-process BPE tokenizer of pdruntime.model.testing, through the runtime's own loader."""
-    import json
     import tempfile
 
     from pdruntime.model.testing import CHAT_TEMPLATE, build_tokenizer

@@ -20,12 +20,12 @@ from pdruntime.util.ports import free_port_block  # noqa: E402
 pytestmark = [pytest.mark.timeout(900)]
 
 
-def test_eight_agents_five_rounds_of_tool_use_against_pdrt_up_with_zero_errors(agent_tiny_model):
+def test_eight_agents_five_rounds_of_tool_use_against_pdrt_up_with_zero_errors(tiny_model):
     pytest.importorskip("openai")
     import agent_harness
 
     port, base = free_port(), free_port_block(3)
-    proc = subprocess.Popen([sys.executable, "-m", "pdruntime.server", "up", "--model", agent_tiny_model, "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "pdruntime.server", "up", "--model", tiny_model, "--port",
                              str(port), "--base-port", str(base), "--num-blocks", "2048"], env=base_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []

@@ -6,22 +6,14 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 from pdruntime.engine import Engine, EngineConfig, SamplingParams
-from pdruntime.model import load_model
-from pdruntime.model.testing import write_tiny_checkpoint
 from pdruntime.server.openai.structured import _json_grammar
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "ok": {"type": "boolean"}}, "required": ["n", "ok"],
           "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return load_model(write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-structured"))))
 
 
 def _engine(tiny, block=4):

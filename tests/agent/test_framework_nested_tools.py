@@ -114,7 +114,7 @@ def test_official_client_pydantic_function_tool_with_a_nested_model_completes_a_
     GetWeather.model_validate_json(call.function.arguments)  # nested City, days within 1..7
 
 
-def test_openai_agents_sdk_agent_with_a_nested_model_tool_completes_a_tool_call(pd_stack, model_id):
+def test_openai_agents_sdk_agent_with_a_nested_model_tool_completes_a_tool_call(stack, model_id):
     agents = pytest.importorskip("agents", reason="the openai-agents SDK is in the dev extra")
     openai = pytest.importorskip("openai")
     agents.set_tracing_disabled(True)  # no trace export: nothing leaves loopback
@@ -127,7 +127,7 @@ def test_openai_agents_sdk_agent_with_a_nested_model_tool_completes_a_tool_call(
         return f"sunny in {query.city.name}"
 
     model = agents.OpenAIChatCompletionsModel(model=model_id, openai_client=openai.AsyncOpenAI(
-        base_url=pd_stack.router.url + "/v1", api_key="unused", max_retries=0, timeout=120))
+        base_url=stack.router.url + "/v1", api_key="unused", max_retries=0, timeout=120))
     agent = agents.Agent(name="weather", instructions="Answer with the tool.", model=model, tools=[get_weather],
                          model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=200,
                                                              temperature=0.8),

@@ -49,7 +49,7 @@ def _chunks_by_choice(chunks, chat: bool) -> dict[int, dict]:
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_n3_is_one_prefill_and_one_transfer_with_three_indexed_choices(pd_stack, client, model_id, chat, stream):
+def test_n3_is_one_prefill_and_one_transfer_with_three_indexed_choices(stack, client, model_id, chat, stream):
     kw = dict(model=model_id, max_tokens=6, temperature=1.0, seed=11, n=N, extra_body={"ignore_eos": True})
     if stream:
         kw["stream_options"] = {"include_usage": True}
@@ -57,7 +57,7 @@ def test_n3_is_one_prefill_and_one_transfer_with_three_indexed_choices(pd_stack,
                                                          **k)) if chat else \
         (lambda **k: client.completions.create(prompt="Three colours are", **k))
     one = create(**{**kw, "n": 1, "stream": False, "stream_options": None})  # the prompt's size, alone
-    before = _prefill_and_transfers(pd_stack)
+    before = _prefill_and_transfers(stack)
     r = create(**kw, stream=stream)
     if stream:
         chunks = list(r)
@@ -74,10 +74,10 @@ def test_n3_is_one_prefill_and_one_transfer_with_three_indexed_choices(pd_stack,
         usage = r.usage
     assert usage.prompt_tokens == one.usage.prompt_tokens  # the prompt once
     assert usage.completion_tokens == N * 6 and usage.total_tokens == usage.prompt_tokens + N * 6
-    _one_pd_request_since(pd_stack, before)
+    _one_pd_request_since(stack, before)
 
 
-def test_the_decode_forks_share_the_transferred_prompt_pages(pd_stack, client, model_id, reference):
+def test_the_decode_forks_share_the_transferred_prompt_pages(stack, client, model_id, reference):
     """During an n = 3 generation decode holds the prompt's pages once (held by 3 sequences each), plus one copied
     page per fork: with copies it would hold about 3x a lone request's pages."""
     tok, _ = reference
@@ -95,16 +95,16 @@ def test_the_decode_forks_share_the_transferred_prompt_pages(pd_stack, client, m
         for ch in stream:
             started |= {c.index for c in ch.choices}
             if not seen and len(started) == n:  # every choice has its first token: all are in the batch
-                seen["used"] = pd_stack.metric(pd_stack.decode, "pdrt_kv_pool_blocks", {"role": "decode", "state": "used"})
-                seen["rows"] = pd_stack.debug(pd_stack.decode)["requests"]
+                seen["used"] = stack.metric(stack.decode, "pdrt_kv_pool_blocks", {"role": "decode", "state": "used"})
+                seen["rows"] = stack.debug(stack.decode)["requests"]
         return seen["used"], seen["rows"]
 
-    pd_stack.hooks(pd_stack.decode, step_delay_s=0.3)  # slow decode steps: the request stays live to be looked at
+    stack.hooks(stack.decode, step_delay_s=0.3)  # slow decode steps: the request stays live to be looked at
     try:
         alone, _ = used_pages_while_generating(1)
         forked, rows = used_pages_while_generating(N)
     finally:
-        pd_stack.hooks(pd_stack.decode, step_delay_s=0)
+        stack.hooks(stack.decode, step_delay_s=0)
     assert alone >= shared + 1
     assert forked <= alone + 2 * (N - 1), (alone, forked)  # each fork: its copied page (+ at most one decode page)
     assert forked < 2 * alone, (alone, forked)  # copying the prompt would take >= 3x
@@ -113,10 +113,10 @@ def test_the_decode_forks_share_the_transferred_prompt_pages(pd_stack, client, m
     refs = row["prompt_page_refs"]  # the engine's reference counts of choice 0's pages, right after the fork
     assert refs[:shared] == [N] * shared, refs  # every full prompt page: one physical page, three holders
     assert set(refs[shared:]) == {1}, refs  # the page with the last prompt position: copied per choice
-    pd_stack.wait_idle()
+    stack.wait_idle()
 
 
-def test_seeded_n3_is_reproducible_varied_and_equal_to_lone_requests_seeded_seed_plus_i(pd_stack, client, model_id):
+def test_seeded_n3_is_reproducible_varied_and_equal_to_lone_requests_seeded_seed_plus_i(stack, client, model_id):
     msgs = [{"role": "user", "content": "tell a short story about a boat"}]
     kw = dict(model=model_id, messages=msgs, max_tokens=10, temperature=1.0)
     a = client.chat.completions.create(**kw, n=N, seed=7)
@@ -127,12 +127,12 @@ def test_seeded_n3_is_reproducible_varied_and_equal_to_lone_requests_seeded_seed
     lone = [client.chat.completions.create(**kw, n=1, seed=7 + i).choices[0].message.content for i in range(N)]
     assert lone == texts  # choice i is the request seeded seed + i (the fan-out convention, kept)
     # single-server mode: the decode worker alone (no bootstrap fields: it prefills itself), same forks
-    mono = httpx.post(pd_stack.decode.url + "/generate", timeout=60, json={
+    mono = httpx.post(stack.decode.url + "/generate", timeout=60, json={
         "messages": msgs, "sampling_params": {"max_new_tokens": 10, "temperature": 1.0, "seed": 7, "n": N}}).json()
     assert [m["index"] for m in mono] == [0, 1, 2] and [m["text"] for m in mono] == texts
 
 
-def test_logprobs_of_each_choice_are_its_own_tokens(pd_stack, client, model_id, reference):
+def test_logprobs_of_each_choice_are_its_own_tokens(stack, client, model_id, reference):
     tok, logits_of = reference
     msgs = [{"role": "user", "content": "count to five"}]
     r = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=5, temperature=1.0, seed=3, n=N,
@@ -177,41 +177,41 @@ def test_json_schema_holds_for_every_choice(client, model_id):
         assert set(obj) == {"ok", "n"} and isinstance(obj["ok"], bool) and 0 <= obj["n"] <= 99
 
 
-def test_a_client_that_leaves_mid_stream_ends_every_choice(pd_stack, model_id):
-    aborted = pd_stack.metric(pd_stack.decode, "pdrt_aborted_requests_total", {"role": "decode"})
-    pd_stack.hooks(pd_stack.decode, step_delay_s=0.2)  # 200 tokens: 40 s unless aborted
+def test_a_client_that_leaves_mid_stream_ends_every_choice(stack, model_id):
+    aborted = stack.metric(stack.decode, "pdrt_aborted_requests_total", {"role": "decode"})
+    stack.hooks(stack.decode, step_delay_s=0.2)  # 200 tokens: 40 s unless aborted
     try:
         started: set[int] = set()
         body = {"model": model_id, "prompt": "a long story", "max_tokens": 200, "n": N, "temperature": 1.0,
                 "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", pd_stack.router.url + "/v1/completions", json=body, timeout=60) as resp:
+        with httpx.stream("POST", stack.router.url + "/v1/completions", json=body, timeout=60) as resp:
             for line in resp.iter_lines():
                 if line.startswith("data: {"):
                     started |= {c["index"] for c in json.loads(line[6:])["choices"]}
                     if len(started) == N:
-                        rows = pd_stack.debug(pd_stack.decode)["requests"]
+                        rows = stack.debug(stack.decode)["requests"]
                         assert len(rows) == 1 and rows[0]["n"] == N and rows[0]["choices_open"] == N, rows
                         break  # every choice is generating: leave (closing the stream)
-        p, d = pd_stack.wait_idle(timeout=20)  # still slow: only an abort ends it this soon
+        p, d = stack.wait_idle(timeout=20)  # still slow: only an abort ends it this soon
     finally:
-        pd_stack.hooks(pd_stack.decode, step_delay_s=0)
+        stack.hooks(stack.decode, step_delay_s=0)
     assert d["live"] == 0 and d["pool"]["free"] == d["pool"]["total"], d  # every fork aborted, its pages freed
     assert p["live"] == 0
-    assert pd_stack.metric(pd_stack.decode, "pdrt_aborted_requests_total", {"role": "decode"}) == aborted + 1
+    assert stack.metric(stack.decode, "pdrt_aborted_requests_total", {"role": "decode"}) == aborted + 1
 
 
-def test_a_failed_transfer_fails_the_n3_request_once(pd_stack, client, model_id):
+def test_a_failed_transfer_fails_the_n3_request_once(stack, client, model_id):
     import openai
 
-    before = _prefill_and_transfers(pd_stack)
-    pd_stack.hooks(pd_stack.prefill, corrupt_kv_chunk=1)
+    before = _prefill_and_transfers(stack)
+    stack.hooks(stack.prefill, corrupt_kv_chunk=1)
     with pytest.raises(openai.APIStatusError) as e:
         client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        n=N)
     assert e.value.status_code == 502 and "checksum" in str(e.value), str(e.value)
-    p, d = pd_stack.wait_idle()
+    p, d = stack.wait_idle()
     assert d["live"] == 0 and d["pool"]["free"] == d["pool"]["total"], d
-    _one_pd_request_since(pd_stack, before)  # one prefill, one (failed) transfer: no retry per choice
+    _one_pd_request_since(stack, before)  # one prefill, one (failed) transfer: no retry per choice
 
 
 def test_unsupported_n_values_are_400s_naming_n(client, model_id):
@@ -227,14 +227,14 @@ def test_unsupported_n_values_are_400s_naming_n(client, model_id):
     assert "best_of" in str(e.value)
 
 
-def test_generate_with_n_through_the_sglang_router_is_one_transfer_and_n_choices(pd_stack, tmp_path):
+def test_generate_with_n_through_the_sglang_router_is_one_transfer_and_n_choices(stack, tmp_path):
     """SGLang's /generate carries n in sampling_params; SGLang's router sends it to both workers with one room."""
     from test_sglang_router import SGLangRouter  # skips without sglang-router (tests/pd is on sys.path)
 
-    sgl = SGLangRouter(pd_stack, str(tmp_path))
+    sgl = SGLangRouter(stack, str(tmp_path))
     try:
         sgl.wait_workers()
-        before = _prefill_and_transfers(pd_stack)
+        before = _prefill_and_transfers(stack)
         body = {"text": "three ways to say hi", "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "n": N,
                                                                     "ignore_eos": True}}
         r = httpx.post(sgl.url + "/generate", json=body, timeout=60)
@@ -243,20 +243,20 @@ def test_generate_with_n_through_the_sglang_router_is_one_transfer_and_n_choices
         assert [o["index"] for o in out] == [0, 1, 2]
         assert all(o["meta_info"]["completion_tokens"] == 4 and o["meta_info"]["finish_reason"]["type"] == "length"
                    for o in out)
-        _one_pd_request_since(pd_stack, before)
-        idle = pd_stack.wait_idle()
+        _one_pd_request_since(stack, before)
+        idle = stack.wait_idle()
         assert all(x["live"] == 0 and x["pool"]["free"] == x["pool"]["total"] for x in idle), idle
     finally:
         sgl.stop()
 
 
-def test_engine_reserves_fork_pages_with_the_prompt_all_or_nothing(agent_tiny_model):
+def test_engine_reserves_fork_pages_with_the_prompt_all_or_nothing(tiny_model):
     """Decode engine: reserve(fork_ids) holds each fork's copy page before the KV arrives; add_prefilled takes them
     (no allocation after the transfer); too few pages reserve nothing; aborting every id frees every page."""
     from pdruntime.engine import Engine, EngineConfig, OutOfBlocks, SamplingParams
     from pdruntime.model import load_model
 
-    eng = Engine(load_model(agent_tiny_model), EngineConfig(num_blocks=8, block_size=4))
+    eng = Engine(load_model(tiny_model), EngineConfig(num_blocks=8, block_size=4))
     prompt = list(range(5, 19))  # 14 tokens: 4 pages (+ the decode slot, the same page), 3 shared with forks
     with pytest.raises(OutOfBlocks):
         eng.reserve("big", 30, ["big#1"])  # 8 + 1 pages of 8: none taken

@@ -7,13 +7,6 @@ import pytest
 
 from pdruntime.engine import Engine, EngineConfig, SamplingParams
 from pdruntime.engine.block_pool import BlockPool
-from pdruntime.model import load_model
-from pdruntime.model.testing import write_tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return load_model(write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-fork"))))
 
 
 def _engine(tiny, **kw):

@@ -27,9 +27,9 @@ from .test_openai_client import WEATHER, _validate  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def sgl_client(pd_stack, tmp_path_factory):
+def sgl_client(stack, tmp_path_factory):
     openai = pytest.importorskip("openai")
-    r = SGLangRouter(pd_stack, str(tmp_path_factory.mktemp("sgl-agent")))
+    r = SGLangRouter(stack, str(tmp_path_factory.mktemp("sgl-agent")))
     try:
         r.workers = r.wait_workers()
         yield openai.OpenAI(base_url=r.url + "/v1", api_key="unused", timeout=120, max_retries=0)

@@ -8,20 +8,20 @@ from pdruntime.cli import build_parser, main
 from pdruntime.engine import Engine, EngineConfig, SamplingParams
 
 
-def test_generate_prints_the_greedy_completion(tiny, tiny_dir, capsys):
+def test_generate_prints_the_greedy_completion(tiny, tiny_model, capsys):
     prompt = "The quick brown fox"
     want = Engine(tiny, EngineConfig()).generate(
         [tiny.tokenizer.encode(prompt)], SamplingParams(max_tokens=12, temperature=0))[0]
-    assert main(["generate", prompt, "--model", tiny_dir, "--max-tokens", "12", "--temperature", "0"]) == 0
+    assert main(["generate", prompt, "--model", tiny_model, "--max-tokens", "12", "--temperature", "0"]) == 0
     out = capsys.readouterr().out
     eos = tiny.tokenizer.eos_token_ids
     assert out == tiny.tokenizer.decode([t for t in want if t not in eos]) + "\n"
 
 
-def test_generate_chat_uses_the_template(tiny, tiny_dir, capsys):
+def test_generate_chat_uses_the_template(tiny, tiny_model, capsys):
     text = tiny.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     want = Engine(tiny, EngineConfig()).generate([tiny.tokenizer.encode(text)], SamplingParams(max_tokens=6, temperature=0))[0]
-    assert main(["generate", "hi", "--chat", "--model", tiny_dir, "--max-tokens", "6"]) == 0
+    assert main(["generate", "hi", "--chat", "--model", tiny_model, "--max-tokens", "6"]) == 0
     eos = tiny.tokenizer.eos_token_ids
     assert capsys.readouterr().out == tiny.tokenizer.decode([t for t in want if t not in eos]) + "\n"
 
@@ -32,8 +32,8 @@ def test_generate_chat_uses_the_template(tiny, tiny_dir, capsys):
     (["generate", "x", "--temperature", "-1"], "temperature=-1.0"),
     (["generate", "x", "--max-tokens", "5000"], "exceeds the context limit of 2048"),
 ])
-def test_generate_bad_input_exits_2(tiny_dir, capsys, argv, match):
-    assert main(argv + ["--model", tiny_dir]) == 2
+def test_generate_bad_input_exits_2(tiny_model, capsys, argv, match):
+    assert main(argv + ["--model", tiny_model]) == 2
     err = capsys.readouterr().err
     assert "pdrt generate: error:" in err and match in err
 

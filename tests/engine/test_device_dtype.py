@@ -85,20 +85,20 @@ def test_engine_config_resolve_and_validation():
         EngineConfig(device="cuda")
 
 
-def test_engine_refuses_a_model_loaded_for_another_dtype(tiny_dir):
-    loaded = load_model(tiny_dir, dtype=torch.bfloat16)
+def test_engine_refuses_a_model_loaded_for_another_dtype(tiny_model):
+    loaded = load_model(tiny_model, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="loaded as torch.bfloat16 on cpu but the engine is configured for torch.float32"):
         Engine(loaded, EngineConfig(num_blocks=16))
 
 
-def _serve_args(tiny_dir: str, *extra: str) -> argparse.Namespace:
+def _serve_args(tiny_model: str, *extra: str) -> argparse.Namespace:
     from pdruntime.cli import build_parser
 
-    return build_parser().parse_args(["serve", "--role", "decode", "--model", tiny_dir, "--num-blocks", "64",
+    return build_parser().parse_args(["serve", "--role", "decode", "--model", tiny_model, "--num-blocks", "64",
                                       "--port", "0", *extra])
 
 
-def test_device_cpu_serves_on_a_host_that_reports_cuda(tiny_dir, monkeypatch):
+def test_device_cpu_serves_on_a_host_that_reports_cuda(tiny_model, monkeypatch):
     """Regression: on a CUDA host the backend used to be picked from the host (Triton) while the engine ran on
     the CPU, and the first decode step raised. With --device cpu the engine must serve, whatever the host says."""
     from fastapi.testclient import TestClient
@@ -108,7 +108,7 @@ def test_device_cpu_serves_on_a_host_that_reports_cuda(tiny_dir, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    app, worker = build_server(_serve_args(tiny_dir, "--device", "cpu"), RuntimeEnv())
+    app, worker = build_server(_serve_args(tiny_model, "--device", "cpu"), RuntimeEnv())
     with TestClient(app) as client:
         r = client.post("/generate", json={"input_ids": [5, 9, 44, 101], "sampling_params": {
             "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}})
@@ -120,48 +120,48 @@ def test_device_cpu_serves_on_a_host_that_reports_cuda(tiny_dir, monkeypatch):
     assert cfg["kv_pages"] == 64 and cfg["max_full_context_seqs"] >= 0 and cfg["weight_bytes"] > 0
 
 
-def test_auto_device_would_pick_cuda_on_such_a_host_and_fail_loudly_here(tiny_dir, monkeypatch):
+def test_auto_device_would_pick_cuda_on_such_a_host_and_fail_loudly_here(tiny_model, monkeypatch):
     """The flip side: ``auto`` follows the host, so it resolves to cuda:0 there (and loading onto a CUDA device
     this CPU-only torch lacks fails at start-up with an error, never at the first decode step)."""
     from pdruntime.server.commands import _engine_config
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    cfg = _engine_config(_serve_args(tiny_dir))
+    cfg = _engine_config(_serve_args(tiny_model))
     assert (cfg.device, cfg.dtype, cfg.cuda_graphs) == ("cuda:0", "bf16", True)
-    prefill = _serve_args(tiny_dir)
+    prefill = _serve_args(tiny_model)
     prefill.role = "prefill"
     assert _engine_config(prefill).cuda_graphs is False  # prefill never decodes: nothing to capture
 
 
-def test_bad_device_flag_is_a_clear_start_up_error(tiny_dir, capsys):
+def test_bad_device_flag_is_a_clear_start_up_error(tiny_model, capsys):
     from pdruntime.server.commands import cmd_serve
 
-    args = _serve_args(tiny_dir, "--device", "tpu")
+    args = _serve_args(tiny_model, "--device", "tpu")
     args.log_level = "warning"
     assert cmd_serve(args) == 2
     assert "device 'tpu' is not accepted; accepted: auto, cpu, cuda, cuda:N" in capsys.readouterr().err
 
 
-def test_generate_cli_takes_device_and_dtype(tiny_dir, capsys):
+def test_generate_cli_takes_device_and_dtype(tiny_model, capsys):
     from pdruntime.cli import main
 
-    assert main(["generate", "hello", "--model", tiny_dir, "--device", "cpu", "--dtype", "bf16",
+    assert main(["generate", "hello", "--model", tiny_model, "--device", "cpu", "--dtype", "bf16",
                  "--max-tokens", "4", "--verbose"]) == 0
     err = capsys.readouterr().err
     assert '"dtype": "bfloat16"' in err and '"device": "cpu"' in err
 
 
-def test_kv_cache_and_weights_follow_the_config_dtype(tiny_dir):
+def test_kv_cache_and_weights_follow_the_config_dtype(tiny_model):
     cfg = EngineConfig(num_blocks=32, block_size=4, dtype="fp16")
-    engine = Engine(load_for(tiny_dir, cfg), cfg)
+    engine = Engine(load_for(tiny_model, cfg), cfg)
     assert engine.kv.k[0].dtype == torch.float16 and engine.model.embed.dtype == torch.float16
     out = engine.generate([[5, 9, 44]], SamplingParams(max_tokens=4, temperature=0.8, seed=3, ignore_eos=True))
     assert len(out[0]) == 4
     assert engine.describe()["dtype"] == "float16"
 
 
-def test_checkpoints_are_read_one_tensor_at_a_time(tiny_dir, monkeypatch):
+def test_checkpoints_are_read_one_tensor_at_a_time(tiny_model, monkeypatch):
     """Safetensors are read lazily: each tensor once, when the model copies it (converted and moved right
     away), never the whole checkpoint up front; membership checks read nothing."""
     from pdruntime.model import loader
@@ -174,7 +174,7 @@ def test_checkpoints_are_read_one_tensor_at_a_time(tiny_dir, monkeypatch):
         return original(self, name)
 
     monkeypatch.setattr(loader._LazyTensors, "__getitem__", spy)
-    lazy = loader._LazyTensors([f"{tiny_dir}/model.safetensors"])
+    lazy = loader._LazyTensors([f"{tiny_model}/model.safetensors"])
     assert "lm_head.weight" in lazy and "nope" not in lazy and reads == []
-    load_model(tiny_dir, dtype=torch.bfloat16)
+    load_model(tiny_model, dtype=torch.bfloat16)
     assert sorted(reads) == sorted(set(reads)) and len(reads) == len(lazy)  # every tensor exactly once

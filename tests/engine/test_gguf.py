@@ -116,8 +116,8 @@ def write_gguf_from_hf(hf_dir: str, out: str, qtype: str = "F32") -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tiny_dir, tmp_path_factory):
-    return write_gguf_from_hf(tiny_dir, str(tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf"))
+def tiny_gguf(tiny_model, tmp_path_factory):
+    return write_gguf_from_hf(tiny_model, str(tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf"))
 
 
 
@@ -136,8 +136,8 @@ def test_f32_gguf_equals_hf_layout_twin(tiny, tiny_gguf):
 
 
 @pytest.mark.parametrize("qtype,tol", [("Q8_0", 0.05), ("Q4_1", 0.5)])
-def test_quantised_gguf_loads_close_to_fp32(tiny, tiny_dir, tmp_path, qtype, tol):
-    g = load_model(write_gguf_from_hf(tiny_dir, str(tmp_path / f"tiny-{qtype}.gguf"), qtype))
+def test_quantised_gguf_loads_close_to_fp32(tiny, tiny_model, tmp_path, qtype, tol):
+    g = load_model(write_gguf_from_hf(tiny_model, str(tmp_path / f"tiny-{qtype}.gguf"), qtype))
     ids = tiny.tokenizer.encode("Continuous batching lets new requests join")
     err = rel_err(prefill_logits(g, ids), prefill_logits(tiny, ids))
     assert 0 < err <= tol, err

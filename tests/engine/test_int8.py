@@ -12,8 +12,8 @@ from .helpers import prefill_logits, rel_err
 
 
 
-def test_int8_weights_are_close_to_fp32_and_serve(tiny, tiny_dir):
-    q = load_model(tiny_dir, weights="int8")
+def test_int8_weights_are_close_to_fp32_and_serve(tiny, tiny_model):
+    q = load_model(tiny_model, weights="int8")
     assert q.info.weights == "int8-dynamic"
     ids = tiny.tokenizer.encode("Paged attention stores the KV cache")
     err = rel_err(prefill_logits(q, ids), prefill_logits(tiny, ids))
@@ -25,6 +25,6 @@ def test_int8_weights_are_close_to_fp32_and_serve(tiny, tiny_dir):
     engine.pool.assert_no_leaks()
 
 
-def test_unknown_weight_format_is_refused(tiny_dir):
+def test_unknown_weight_format_is_refused(tiny_model):
     with pytest.raises(ModelLoadError, match="weights='int4' is not accepted; accepted: fp32, int8"):
-        load_model(tiny_dir, weights="int4")
+        load_model(tiny_model, weights="int4")

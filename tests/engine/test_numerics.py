@@ -19,8 +19,8 @@ def _kv(model, num_blocks=64, block=4):
     return KVCache(c.num_layers, num_blocks, block, c.num_kv_heads, c.head_dim)
 
 
-def test_prefill_logits_match_hf(tiny, tiny_dir):
-    hf = hf_reference(tiny_dir)
+def test_prefill_logits_match_hf(tiny, tiny_model):
+    hf = hf_reference(tiny_model)
     model = tiny.model
     gen = torch.Generator().manual_seed(1)
     for length in (1, 7, 33):
@@ -34,9 +34,9 @@ def test_prefill_logits_match_hf(tiny, tiny_dir):
         assert rel_err(ours, ref) <= TOL, (length, rel_err(ours, ref))
 
 
-def test_chunked_prefill_matches_hf(tiny, tiny_dir):
+def test_chunked_prefill_matches_hf(tiny, tiny_model):
     """A prompt prefilled in chunks (attending to cached pages of earlier chunks) equals one HF forward."""
-    hf = hf_reference(tiny_dir)
+    hf = hf_reference(tiny_model)
     model = tiny.model
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, model.config.vocab_size, (29,), generator=gen)
@@ -50,9 +50,9 @@ def test_chunked_prefill_matches_hf(tiny, tiny_dir):
     assert rel_err(torch.cat(parts), ref) <= TOL
 
 
-def test_batched_decode_32_steps_matches_hf(tiny, tiny_dir):
+def test_batched_decode_32_steps_matches_hf(tiny, tiny_model):
     """4 sequences of different lengths decode 32 teacher-forced steps as one batch over paged KV."""
-    hf = hf_reference(tiny_dir)
+    hf = hf_reference(tiny_model)
     model = tiny.model
     cfg = model.config
     rng = random.Random(3)
@@ -89,9 +89,9 @@ def test_batched_decode_32_steps_matches_hf(tiny, tiny_dir):
             assert rel_err(got, want) <= TOL, (i, rel_err(got, want))
 
 
-def test_engine_greedy_equals_hf_generate(tiny, tiny_dir):
+def test_engine_greedy_equals_hf_generate(tiny, tiny_model):
     """End to end through the scheduler (batched, chunked prefill, paged decode) vs HF greedy generate."""
-    hf = hf_reference(tiny_dir)
+    hf = hf_reference(tiny_model)
     engine = Engine(tiny, EngineConfig(block_size=4, num_blocks=128, max_prefill_tokens=8))
     prompts = [tiny.tokenizer.encode(t) for t in ("Paged attention", "The quick brown fox jumps over", "0")]
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
@@ -126,11 +126,11 @@ def test_rope_scaling_variants_match_hf(tmp_path):
         assert rel_err(got, want) <= TOL, (scaling["rope_type"], rel_err(got, want))
 
 
-def test_batched_prefill_of_several_sequences_matches_hf(tiny, tiny_dir):
+def test_batched_prefill_of_several_sequences_matches_hf(tiny, tiny_model):
     """Chunks of three sequences (one continuing from cached pages) in one forward equal HF per sequence."""
     from pdruntime.model.llama import PrefillChunk
 
-    hf = hf_reference(tiny_dir)
+    hf = hf_reference(tiny_model)
     model = tiny.model
     gen = torch.Generator().manual_seed(4)
     kv = _kv(model, 64, 4)

@@ -39,11 +39,6 @@ NUMERIC = ("temperature", "top_p", "top_k", "seed", "max_tokens", "max_completio
            "presence_penalty", "frequency_penalty")
 
 
-def field_value(name: str):
-    small = st.integers(min_value=1, max_value=6) if name in ("max_tokens", "max_completion_tokens") else st.nothing()
-    return st.one_of(EXTREME_FLOATS, EXTREME_INTS, small, SCALARS, JSON)
-
-
 @st.composite
 def openai_bodies(draw, model_id: str):
     """A valid chat or text request with 0-3 of its fields replaced by extreme or arbitrary values: each
@@ -95,18 +90,18 @@ def _post_raw(client: httpx.Client, url: str, body: dict) -> httpx.Response:
 
 
 def test_router_answers_fuzzed_requests_without_5xx_and_a_concurrent_clean_client_is_unaffected(
-        fuzz_stack, fuzz_model_id):
-    clean = CleanClient(fuzz_stack.router.url, fuzz_model_id)
+        stack, model_id):
+    clean = CleanClient(stack.router.url, model_id)
     clean.start()
     statuses: dict[int, int] = {}
     try:
         with httpx.Client(timeout=60) as client:
             @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
                       database=None)
-            @given(req=openai_bodies(fuzz_model_id))
+            @given(req=openai_bodies(model_id))
             def run(req) -> None:
                 path, body = req
-                r = _post_raw(client, fuzz_stack.router.url + path, body)
+                r = _post_raw(client, stack.router.url + path, body)
                 statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
                 assert r.status_code < 500, (r.status_code, r.text[:300])
                 if r.status_code >= 400:
@@ -120,10 +115,10 @@ def test_router_answers_fuzzed_requests_without_5xx_and_a_concurrent_clean_clien
           f"{max(t for _, t in clean.results):.2f}s")
     assert clean.results and all(s == 200 for s, _ in clean.results), clean.results
     assert max(t for _, t in clean.results) < 30  # a hang catcher, not a timing assertion
-    assert fuzz_stack.debug(fuzz_stack.router)["live"] == 0
-    assert fuzz_stack.metric(fuzz_stack.router, "pdrt_router_pair_outstanding_requests") == 0
-    assert fuzz_stack.metric(fuzz_stack.router, "pdrt_router_circuit_open") == 0
-    p, d = fuzz_stack.wait_idle()
+    assert stack.debug(stack.router)["live"] == 0
+    assert stack.metric(stack.router, "pdrt_router_pair_outstanding_requests") == 0
+    assert stack.metric(stack.router, "pdrt_router_circuit_open") == 0
+    p, d = stack.wait_idle()
     assert p["pool"]["free"] == p["pool"]["total"] and d["pool"]["free"] == d["pool"]["total"]
 
 
@@ -139,16 +134,16 @@ def generate_bodies(draw):
     return body
 
 
-def test_worker_generate_answers_fuzzed_requests_without_5xx(fuzz_stack):
+def test_worker_generate_answers_fuzzed_requests_without_5xx(stack):
     """The workers' SGLang edge uses the same bounded model (monolithic on decode: no bootstrap fields)."""
     with httpx.Client(timeout=60) as client:
         @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
                   database=None)
         @given(body=generate_bodies())
         def run(body) -> None:
-            r = _post_raw(client, fuzz_stack.decode.url + "/generate", body)
+            r = _post_raw(client, stack.decode.url + "/generate", body)
             assert r.status_code < 500, (r.status_code, r.text[:300])
 
         run()
-    p, d = fuzz_stack.wait_idle()
+    p, d = stack.wait_idle()
     assert d["live"] == 0 and d["pool"]["free"] == d["pool"]["total"]

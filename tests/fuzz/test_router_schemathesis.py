@@ -22,23 +22,23 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def router_schema(fuzz_stack):
-    doc = httpx.get(fuzz_stack.router.url + "/openapi.json", timeout=10).json()
+def router_schema(stack):
+    doc = httpx.get(stack.router.url + "/openapi.json", timeout=10).json()
     for path in ("/v1/chat/completions", "/v1/completions"):
         assert "requestBody" in doc["paths"][path]["post"], f"{path} has no request body in the schema"
-    return schemathesis.openapi.from_url(fuzz_stack.router.url + "/openapi.json")  # base URL: the router
+    return schemathesis.openapi.from_url(stack.router.url + "/openapi.json")  # base URL: the router
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["valid", "invalid"])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-def test_router_never_answers_5xx_to_schema_generated_requests(router_schema, fuzz_model_id, path, mode):
+def test_router_never_answers_5xx_to_schema_generated_requests(router_schema, model_id, path, mode):
     """Positive and negative bodies generated from the schema (schemathesis' strategy, driven by hypothesis
     here: its pytest plugin does not run under this pytest)."""
     statuses: dict[int, int] = {}
 
     def real_model(case):  # valid bodies name the served model, so they reach the workers and generate
         if mode is GenerationMode.POSITIVE and isinstance(case.body, dict):
-            case.body["model"] = fuzz_model_id
+            case.body["model"] = model_id
             if isinstance(case.body.get("max_tokens"), int):
                 case.body["max_tokens"] = min(case.body["max_tokens"], 16)  # keep generation short
         return case
@@ -58,13 +58,13 @@ def test_router_never_answers_5xx_to_schema_generated_requests(router_schema, fu
         assert set(statuses) <= {400, 404, 405, 413, 422}, statuses
 
 
-def test_stack_is_clean_after_the_schema_fuzz(fuzz_stack, fuzz_model_id):
+def test_stack_is_clean_after_the_schema_fuzz(stack, model_id):
     """Nothing the fuzz sent leaked: no live entry, no outstanding count, breaker closed, pools free."""
-    r = httpx.post(fuzz_stack.router.url + "/v1/completions", json={"model": fuzz_model_id, "prompt": "hi",
+    r = httpx.post(stack.router.url + "/v1/completions", json={"model": model_id, "prompt": "hi",
                                                                    "max_tokens": 2}, timeout=60)
     assert r.status_code == 200, r.text
-    p, d = fuzz_stack.wait_idle()
+    p, d = stack.wait_idle()
     assert p["live"] == d["live"] == 0 and p["pool"]["free"] == p["pool"]["total"] and d["pool"]["free"] == d["pool"]["total"]
-    assert fuzz_stack.debug(fuzz_stack.router)["live"] == 0
-    assert fuzz_stack.metric(fuzz_stack.router, "pdrt_router_circuit_open") == 0
-    assert fuzz_stack.metric(fuzz_stack.router, "pdrt_router_pair_outstanding_requests") == 0
+    assert stack.debug(stack.router)["live"] == 0
+    assert stack.metric(stack.router, "pdrt_router_circuit_open") == 0
+    assert stack.metric(stack.router, "pdrt_router_pair_outstanding_requests") == 0

@@ -103,6 +103,28 @@ async def eventually(check: Callable[[], Any], *, timeout: float = 15.0, interva
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
 
 
+def reconciles(name: str, namespace: str = NS) -> int:
+    """Finished reconciles of one PDDeployment so far by the operators in this process: the count of the
+    operator's ``pdstack_operator_reconcile_duration_seconds`` histogram, observed once per reconcile after its
+    status write (kept across deployments of the same name: compare with an earlier reading)."""
+    from prometheus_client import REGISTRY
+
+    return int(REGISTRY.get_sample_value("pdstack_operator_reconcile_duration_seconds_count",
+                                         {"namespace": namespace, "deployment": name}) or 0)
+
+
+async def more_reconciles(c: Cluster, name: str, n: int = 3, *, timeout: float = 30.0) -> None:
+    """Return once the in-process operator has finished ``n`` more reconciles of ``name``, each after a poke made
+    when the previous one had finished (an annotation edit: a PDDeployment event wakes its reconciler). A check
+    that follows sees what ``n`` reconciles did, however fast or slow the machine; a fixed sleep may see none."""
+    for i in range(n):
+        before = reconciles(name)
+        pdd = c.pdd(name)
+        pdd["metadata"].setdefault("annotations", {})["test/poke"] = f"{before}-{i}"
+        c.api._store(PDDS, NS, name, pdd, manager="kubectl")
+        await eventually(lambda: reconciles(name) > before, timeout=timeout, what=f"reconcile {i + 1}/{n} of {name}")
+
+
 @pytest.fixture
 async def cluster() -> AsyncIterator[Cluster]:
     """Emulator on loopback + kubelet with two 8-GPU nodes."""

@@ -25,7 +25,7 @@ import httpx
 import pytest
 import yaml
 
-from pdop_harness import NS, PODS, eventually, manifest, running_operator
+from pdop_harness import NS, PODS, eventually, manifest, more_reconciles, running_operator
 from pdop_k8s_emulator import R
 from pdoperator.safety import rollout as safety
 
@@ -137,7 +137,7 @@ async def test_a_failed_canary_rolls_back_its_pair_and_stops_the_rollout(with_ro
                          == "False" and len(c.pods(name)) == 4 and all(
                              p["status"].get("phase") == "Running" for p in c.pods(name)), timeout=30,
                          what="pair 1 back at the old revision")
-        await asyncio.sleep(1.0)  # more reconciles: nobody moves to the failed revision again
+        await more_reconciles(c, name, 3)  # nobody moves to the failed revision again
         assert revisions_ever(c, name, 0) == {old}
         assert revisions_ever(c, name, 1) == {old, new}
         assert pairs_at(c, name) == {0: old, 1: old} and len(probe.calls) == 1

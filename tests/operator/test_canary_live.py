@@ -12,13 +12,12 @@ label (every pod the emulator ever created is checked).
 
 from __future__ import annotations
 
-import asyncio
 
 import httpx
 import pytest
 
 from live_stack import live_stack, pods_ready
-from pdop_harness import PODS, Cluster, eventually
+from pdop_harness import PODS, Cluster, eventually, more_reconciles
 
 pytestmark = pytest.mark.slow
 FAULT = "PDRT_FAULT_DECODE_STALL_AFTER"
@@ -62,7 +61,7 @@ async def test_canary_catches_a_bad_knob_and_the_other_pair_never_gets_it(tmp_pa
         # the canary pair comes back at the old revision; the rollout stops there
         await eventually(lambda: {p["index"]: p["revision"] for p in c.pdd(name)["status"]["pairs"]} == {0: old, 1: old}
                          and pods_ready(c, name, 4), timeout=120, interval=0.2, what="pair 1 back at the old revision")
-        await asyncio.sleep(3)  # a few more reconciles: nobody moves to the failed revision again
+        await more_reconciles(c, name, 3)  # nobody moves to the failed revision again
         assert revisions_ever(c, name, 0) == {old}, "pair 0 received the canary revision"
         assert revisions_ever(c, name, 1) == {old, new}
         assert c.pdd(name)["status"]["updateRevision"] == new  # the spec still asks for it

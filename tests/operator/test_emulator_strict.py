@@ -22,7 +22,6 @@ from pdop_harness import NS, eventually, manifest
 from pdop_k8s_emulator import Kubelet, PDEmulator, R
 
 PODS = R("", "v1", "pods")
-SVCS = R("", "v1", "services")
 CMS = R("", "v1", "configmaps")
 DEPLOYMENTS = R("apps", "v1", "deployments")
 PDDS = R("pdstack.io", "v1alpha1", "pddeployments")

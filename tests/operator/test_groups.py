@@ -10,7 +10,7 @@ import json
 import aiohttp
 import yaml
 
-from pdop_harness import NS, PDDS, R, eventually, manifest
+from pdop_harness import NS, R, eventually, manifest
 from pdoperator.core.pairs import CoRestart, CreatePods, PodView, PlanInput, plan_pairs
 from pdoperator.core.render import Owner, TopologyPair, group_slots, render, topology_doc
 from pdoperator.core.spec import CoRestartSpec, parse_spec

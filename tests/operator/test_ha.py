@@ -56,6 +56,27 @@ def api_time(ts: float) -> str:
     return datetime.datetime.fromtimestamp(ts, tz=datetime.timezone.utc).isoformat()[:19]
 
 
+def pauses(log: Path) -> int:
+    """How often this replica's kopf logged that it pauses in favour of a higher-priority peer (it logs a pause
+    that ends its activity; a replica paused from its start, for a peer it saw first, logs none)."""
+    return log.read_text(errors="replace").count("Pausing operations in favour of")
+
+
+def heartbeat(api: PDEmulator, priority: int) -> str:
+    """``lastseen`` of the replica with this peering priority ('' before its first heartbeat)."""
+    peers = (api.read(PEERINGS, NS, "pdstack-operator") or {}).get("status") or {}
+    return max((p.get("lastseen", "") for p in peers.values() if p and p.get("priority") == priority), default="")
+
+
+async def heartbeats(api: PDEmulator, priority: int, n: int = 2) -> None:
+    """Return after ``n`` more heartbeats of that replica (one a second here): its process ran meanwhile, so a
+    check that follows sees what it did in that time, however starved of CPU the machine is."""
+    for i in range(n):
+        last = heartbeat(api, priority)
+        await eventually(lambda: heartbeat(api, priority) > last, timeout=30,
+                         what=f"heartbeat {i + 1}/{n} of the priority-{priority} replica")
+
+
 def writes_by(api: PDEmulator, user: str, since: float = 0.0) -> list[tuple]:
     return [r for r in api.request_log if r[0] == user and r[1] in WRITES and r[3] != "kopfpeerings"
             and r[5] >= since]
@@ -106,7 +127,7 @@ async def test_standby_takes_over_within_the_bound_and_never_duplicates_pods(tmp
                     return any(cnd["type"] == "Ready" and cnd["status"] == "True"
                                for cnd in (pdd.get("status") or {}).get("conditions", []))
                 await eventually(ready, timeout=60, what="Ready (active replica)")
-                await asyncio.sleep(2)
+                await heartbeats(api, 50)  # the standby runs on, and stays out
                 assert writes_by(api, "op-a"), "the priority-100 replica did not act"
                 assert writes_by(api, "op-b") == [], f"the standby wrote: {writes_by(api, 'op-b')[:3]}"
                 peers = api.read(PEERINGS, NS, "pdstack-operator")["status"]
@@ -129,6 +150,7 @@ async def test_standby_takes_over_within_the_bound_and_never_duplicates_pods(tmp
                 assert writes_by(api, "op-a", killed + 0.5) == []
 
                 # the priority-100 replica comes back: the standby pauses (its daemons are stopped) and A acts
+                paused = pauses(tmp_path / "b.log")
                 a2 = await spawn(kubeconfig(tmp_path, url, "token-a"), 100, tmp_path / "a2.log")
                 procs.append(a2)
                 back = time.time()
@@ -138,7 +160,8 @@ async def test_standby_takes_over_within_the_bound_and_never_duplicates_pods(tmp
                     return any(p and p.get("priority") == 100 and p.get("lastseen", "") >= api_time(back)
                                for p in peers.values())
                 await eventually(a_heartbeat, timeout=30, what="A's heartbeat")
-                await asyncio.sleep(3)  # the standby reads it and pauses
+                await eventually(lambda: pauses(tmp_path / "b.log") > paused, timeout=30,
+                                 what="the standby reading it and pausing again")
                 quiet = time.time()
                 victim = next(p for p in api.select(PODS, NS, "pdstack.io/deployment=ha")
                               if p["metadata"]["labels"]["pdstack.io/pair"] == "1")["metadata"]["name"]
@@ -180,7 +203,7 @@ async def test_replicas_started_together_never_both_reconcile(tmp_path):
                     return any(cnd["type"] == "Ready" and cnd["status"] == "True"
                                for cnd in (pdd.get("status") or {}).get("conditions", []))
                 await eventually(ready, timeout=60, what="Ready")
-                await asyncio.sleep(2)
+                await heartbeats(api, 50)  # the standby runs on, and stays out
                 # kopf's own finalizer patch on the PDDeployment may come from both (idempotent); the operator's
                 # writes (children, status, pods) only from the active replica
                 ours = [r for r in writes_by(api, "op-b") if r[3] != "pddeployments"]

@@ -130,7 +130,12 @@ async def test_real_worker_load_passes_the_startup_probe_and_a_hang_trips_livene
             await asyncio.sleep(0.2)
         first_ok = next(t for t, k, s in new_log if s == 200)
         assert first_ok > 2, new_log  # the load outlasted liveness's 2 s window
-        await asyncio.sleep(3)  # liveness running on a healthy worker: no restart
+        # liveness running on a healthy worker: three liveness rounds (past its threshold of 2), no restart
+        seen = len(new_log)
+        while sum(1 for _, k, _ in new_log[seen:] if k == "liveness") < 3:
+            assert not new.done(), f"restarted a healthy worker: {new.result()} {new_log}"
+            assert time.monotonic() < deadline, new_log
+            await asyncio.sleep(0.2)
         assert not new.done(), new_log
         proc.send_signal(signal.SIGSTOP)  # a hung engine: the process no longer answers
         reason = await asyncio.wait_for(new, 60)

@@ -4,9 +4,7 @@ an Event naming the field), since a pod spec cannot be reverted in place. Under 
 
 from __future__ import annotations
 
-import asyncio
-
-from pdop_harness import NS, PDDS, PODS, eventually, manifest
+from pdop_harness import NS, PODS, eventually, manifest, more_reconciles
 
 from test_operator_integration import is_ready
 
@@ -30,11 +28,7 @@ async def test_a_pod_edit_is_drift_and_revert_recreates_the_pair(operator):
     assert cond["message"] == line, cond
 
     # Report (the default): the edited pod keeps running; nothing restarts over several reconciles
-    for i in range(3):
-        pdd = c.pdd(name)
-        pdd["metadata"].setdefault("annotations", {})["test/poke"] = str(i)
-        c.api._store(PDDS, NS, name, pdd, manager="kubectl")
-        await asyncio.sleep(0.3)
+    await more_reconciles(c, name, 3)
     assert {role: p["metadata"]["uid"] for role, p in c.pair_pods(name, 1).items()} == before
     assert not c.events(name, "CoRestart")
     assert c.condition(name, "ConfigDrift")["message"] == line

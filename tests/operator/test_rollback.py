@@ -8,13 +8,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 from kmock._internal import dicts
 
-from pdop_harness import NS, eventually, manifest
+from pdop_harness import NS, eventually, manifest, more_reconciles
 from pdop_k8s_emulator import R
 from pdoperator.cli.kubectl_pd import rollback_plan
 from pdoperator.core.revisions import (ANN_KNOWN_GOOD, REVISION_KEYS, controller_revision, merge_patch, recorded_spec,
@@ -184,8 +183,8 @@ async def test_auto_rollback_on_a_stall_soon_after_a_revision_change(operator):
     assert "env" not in c.pdd(name)["spec"]["decode"]
     record = c.pdd(name)["status"]["autoRollback"]
     assert record["from"] == bad and record["to"] == good and record["reverted"] == [bad]
-    await eventually(lambda: (st := c.pdd(name)["status"])["currentRevision"] == good and is_ready(c, name),
+    await eventually(lambda: c.pdd(name)["status"]["currentRevision"] == good and is_ready(c, name),
                      timeout=30, what="back at the known-good revision")
     # the stall still shows (nothing cleared it in this test): no second rollback, no flapping
-    await asyncio.sleep(1.0)
+    await more_reconciles(c, name, 3)
     assert len(c.events(name, "AutoRollback")) == 1

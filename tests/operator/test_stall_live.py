@@ -27,7 +27,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from live_stack import live_stack
-from pdop_harness import NS, Cluster, eventually
+from pdop_harness import NS, Cluster, eventually, more_reconciles
 from test_kubectl_pd_requests import kpd
 from pdruntime.util.sse import DONE, aiter_sse
 
@@ -116,7 +116,7 @@ async def test_frozen_decode_is_stalled_then_recovers(tmp_path, monkeypatch):
             assert rc == 0 and "  pair 0 since " in text and "Stalled=True PairStalled" in text
             print(f"Stalled: {msg}\n\n$ kubectl-pd requests {NAME}\n{table}\n$ kubectl-pd status {NAME}\n{text}")
 
-            await asyncio.sleep(3)  # more sweeps of the same episode: still one Event
+            await more_reconciles(c, NAME, 3)  # more sweeps of the same episode: still one Event
             assert len(c.events(NAME, "Stalled")) == 1
             assert c.condition(NAME, "Stalled")["lastTransitionTime"] == cond["lastTransitionTime"]
         finally:

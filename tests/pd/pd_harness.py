@@ -1,9 +1,9 @@
-"""Helpers that start real pdrt processes on loopback with a tiny random model (used by conftest.py).
+"""Helpers that start real pdrt processes on loopback with a tiny random model.
 
-The shared stack (router + one PD pair) is session-scoped: tests that do not kill processes share it.
-Tests that kill workers start their own pair and router. Watchdog timeouts are short via PDRT_* env, and
-PDRT_TEST_HOOKS=1 enables the workers' test-only POST /debug/test (advance the watchdog clock, slow
-engine steps, stall transfers).
+The shared stack (router + one PD pair, the ``stack`` fixture of tests/support/tiny_stack.py) is module-scoped:
+a module's tests that do not kill processes share it. Tests that kill workers start their own pair and router.
+Watchdog timeouts are short via PDRT_* env, and PDRT_TEST_HOOKS=1 enables the workers' test-only POST /debug/test
+(advance the watchdog clock, slow engine steps, stall transfers).
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ from pd_harness import base_env, free_port, spawn, wait_healthy
 pytestmark = pytest.mark.timeout(180)
 
 BODY_TIMEOUT_S = 2.0
-MAX_BODY = 8 << 20
 
 
 @pytest.fixture(scope="module")

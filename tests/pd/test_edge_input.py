@@ -8,10 +8,11 @@ PYTHONPATH, same tests) and failed there, as its docstring says; all pass after 
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
+
+from pd_harness import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,6 +26,14 @@ def chat(model_id, content="hello there", **kw):
 def post(stack, body, path="/v1/chat/completions", **kw):
     headers = {"X-Request-Timeout": "20", **kw.pop("headers", {})}
     return httpx.post(stack.router.url + path, json=body, headers=headers, timeout=60, **kw)
+
+
+def settled(stack) -> None:
+    """Wait until no process has a live request and every KV page is free: what those requests logged is written
+    (each process logs a request's failure before it drops the request)."""
+    p, d = stack.wait_idle()
+    assert all(x["live"] == 0 and x["pool"]["free"] == x["pool"]["total"] for x in (p, d)), (p, d)
+    wait_for(lambda: stack.debug(stack.router)["live"] == 0, 20, "no live request on the router")
 
 
 def router_totals(stack) -> tuple[float, float, float]:
@@ -98,7 +107,7 @@ def test_invalid_unicode_is_400_leaks_nothing_and_is_never_logged(stack, model_i
     assert stack.debug(stack.router)["live"] == 0
     assert stack.metric(stack.router, "pdrt_router_pair_outstanding_requests") == 0
     assert post(stack, chat(model_id, max_tokens=2)).status_code == 200
-    time.sleep(0.5)  # let log lines flush
+    settled(stack)
     for proc in (stack.router, stack.prefill, stack.decode):
         assert MARKER not in proc.log_text(), f"prompt text in the {proc.name} log"
 
@@ -113,7 +122,7 @@ def test_worker_4xx_is_neutral_for_the_breaker_and_its_prompt_never_reaches_a_lo
         assert r.json()["error"]["param"] == "messages"  # the worker's param reaches the client through the router
     assert router_totals(stack) == (before[0], 0, 0)
     assert post(stack, chat(model_id, max_tokens=2)).status_code == 200
-    time.sleep(0.5)
+    settled(stack)
     for proc in (stack.router, stack.prefill, stack.decode):
         assert MARKER not in proc.log_text()
 

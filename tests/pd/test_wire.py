@@ -445,10 +445,15 @@ def test_after_io_waits_for_a_blocked_receive_to_end_before_pages_may_be_freed()
         conn = transfer.KVConn(b, 10)
         freed = []
         task = asyncio.ensure_future(conn.run(conn.fs.recv_exact, 10))  # blocks: nothing is sent
-        await asyncio.sleep(0.2)
+        for _ in range(500):  # until the receive runs on its thread (blocked: nothing is sent)
+            if conn._io is not None and conn._io.running():
+                break
+            await asyncio.sleep(0.01)
+        assert conn._io is not None and conn._io.running()
         task.cancel()  # what decode's _fail does to the transfer task
         conn.after_io(lambda: freed.append("freed"))
-        await asyncio.sleep(0.2)
+        await asyncio.wait({task})  # the cancellation has reached the caller
+        await asyncio.sleep(0)  # and what it scheduled on the loop has run
         early = list(freed)
         conn.close()  # wakes the blocked receive; only then the pages go
         for _ in range(100):

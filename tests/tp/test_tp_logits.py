@@ -9,23 +9,16 @@ import torch
 from pdruntime.engine import Engine, EngineConfig, SamplingParams, load_for
 from pdruntime.model import ModelLoadError
 from pdruntime.model.parallel import TPShard, shard_config
-from pdruntime.model.testing import write_tiny_checkpoint
 
 TOL = 1e-4  # max |diff| / max |logit|, fp32
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> str:
-    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-tp")), seed=0, num_layers=2, hidden_size=64,
-                                 num_heads=4, num_kv_heads=2, vocab_size=320)
-
-
-@pytest.fixture(scope="module")
-def engines(tiny_dir):
+def engines(tiny_model):
     one = EngineConfig(num_blocks=64, block_size=4)
     two = EngineConfig(num_blocks=64, block_size=4, tensor_parallel_size=2)
-    e1 = Engine(load_for(tiny_dir, one), one)
-    e2 = Engine(load_for(tiny_dir, two), two)
+    e1 = Engine(load_for(tiny_model, one), one)
+    e2 = Engine(load_for(tiny_model, two), two)
     yield e1, e2
     e2.shutdown()
 
@@ -87,7 +80,7 @@ def test_tp2_gather_then_scatter_moves_every_ranks_heads(engines):
             assert torch.equal(x, y)
 
 
-def test_indivisible_tp_size_is_refused_with_what_is_accepted(tiny_dir):
+def test_indivisible_tp_size_is_refused_with_what_is_accepted(tiny_model):
     from pdruntime.model.config import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4,
