@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import datetime
 import itertools
 import secrets
 import time

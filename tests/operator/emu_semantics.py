@@ -296,7 +296,7 @@ def remove_at(obj: Any, path: Path) -> None:
     if not path:
         return
     if path[-1] == ".":
-        parent_path, key = path[:-2], path[-2]
+        parent_path = path[:-2]
         found, lst = value_at(obj, parent_path)
         ok, item = value_at(obj, path[:-1])
         if found and ok and isinstance(lst, list):

@@ -114,7 +114,7 @@ class DecodeWorker(WorkerBase):
             req.writer.close()
         if req.task is not None and req.task is not asyncio.current_task():
             req.task.cancel()
-        def free_pages(ids: list[str] = req.engine_ids()) -> None:
+        def free_pages(ids: list[str] = req.engine_ids()) -> None:  # noqa: B008 - the ids as of now
             if self.runner is not None:
                 # always: a reserve() may be queued on the engine thread but not yet answered; the engine runs
                 # commands in order, so this abort lands after it and frees those pages (unknown ids: no-op).
