@@ -9,6 +9,12 @@ so a value the router accepts is one the worker and its engine accept, and a val
 engine step raise (a subnormal temperature, a seed past 64 bits, a token id past the vocabulary) is a
 400 naming the parameter at whichever edge sees it first.
 
+Each process validates a request once, at its own HTTP edge: the router into :class:`ChatCompletionRequest` /
+:class:`CompletionRequest` (then ``router.reply.EdgeRequest``), a worker into :class:`GenerateRequest`; the layers
+below read those objects. What a client leaves out gets its default here (:data:`DEFAULT_MAX_TOKENS`,
+:data:`COMPLETION_DEFAULT_MAX_TOKENS`; sampling defaults: the model's, ``engine.defaults``). The engine keeps its
+own checks as the guard of its Python API.
+
 :func:`parse_body` is the byte-level edge: valid UTF-8, valid JSON (no NaN/Infinity), an object, nested at
 most :data:`MAX_JSON_DEPTH` deep, and no lone surrogates in any string (``"\\ud800"`` is valid JSON but
 not Unicode text).

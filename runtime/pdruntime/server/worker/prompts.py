@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import Request
 
-from pdruntime.server.openai.schemas import ApiError, GenerateRequest, default_max_tokens
+from pdruntime.server.openai.schemas import ApiError, GenerateRequest, default_max_tokens, parse_body, validate_generate
 
 
 def request_id(req: GenerateRequest) -> str:
@@ -24,8 +24,7 @@ def client_of(request: Request) -> str:
 
 
 async def read_generate(request: Request) -> GenerateRequest:
-    from pdruntime.server.openai.schemas import parse_body, validate_generate
-
+    """A worker's ``/generate`` body, validated (the worker's HTTP edge)."""
     return validate_generate(parse_body(await request.body()))
 
 

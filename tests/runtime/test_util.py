@@ -1,0 +1,87 @@
+"""pdruntime.util: the one SSE parser, port pickers, capped backoff and periodic task; decode's typed token events."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from pdruntime.server.openai.events import TokenEvent
+from pdruntime.util.backoff import capped_backoff
+from pdruntime.util.periodic import PeriodicTask
+from pdruntime.util.ports import BLOCK_RANGE, free_port, free_port_block
+from pdruntime.util.sse import DONE, SSE_DONE, aiter_sse, iter_sse, sse
+
+
+def test_sse_round_trip_skips_other_lines_and_yields_done():
+    body = (sse({"a": 1}) + b": comment\n\n" + sse([2]) + SSE_DONE).decode()
+    assert list(iter_sse(body.splitlines())) == [{"a": 1}, [2], DONE]
+    with pytest.raises(ValueError):
+        list(iter_sse(["data: {not json"]))
+
+    async def lines():
+        for line in body.splitlines():
+            yield line
+
+    async def collect():
+        return [ev async for ev in aiter_sse(lines())]
+
+    assert asyncio.run(collect()) == [{"a": 1}, [2], DONE]
+
+
+@pytest.mark.parametrize("attempt, want", [(-1, 0.0), (0, 0.0), (1, 0.5), (2, 1.0), (3, 2.0), (4, 3.0), (10 ** 6, 3.0)])
+def test_capped_backoff_doubles_from_base_up_to_the_cap(attempt, want):
+    assert capped_backoff(attempt, 0.5, 3.0) == want
+
+
+def test_port_block_is_below_the_ephemeral_range_and_free():
+    base = free_port_block(5)
+    assert BLOCK_RANGE[0] <= base and base + 5 <= BLOCK_RANGE[1] + 1
+    socks = [socket.socket() for _ in range(5)]
+    try:
+        for i, s in enumerate(socks):
+            s.bind(("127.0.0.1", base + i))  # all five were free
+    finally:
+        for s in socks:
+            s.close()
+    assert len({free_port() for _ in range(3)}) == 3
+
+
+def test_periodic_task_ticks_outlives_a_failing_tick_and_stops():
+    async def main():
+        ticks = []
+
+        def tick():
+            ticks.append(len(ticks))
+            if len(ticks) == 2:
+                raise RuntimeError("one bad tick")
+
+        task = PeriodicTask(tick, 0.01, name="test", immediate=True)
+        task.start()
+        task.start()  # idempotent
+        await asyncio.sleep(0)
+        assert ticks == [0]  # immediate: the first tick runs at start
+        while len(ticks) < 4:
+            await asyncio.sleep(0.01)
+        await task.stop()
+        await task.stop()
+        n = len(ticks)
+        await asyncio.sleep(0.05)
+        return n, len(ticks), task.running
+
+    n, later, running = asyncio.run(main())
+    assert n == later and not running
+
+
+def test_token_event_wire_shape_round_trips():
+    ev = TokenEvent(delta="b", token_ids=[7], text="ab", rid="r", prompt_tokens=3, completion_tokens=2,
+                    finish="length", index=1, logprobs=[None])
+    wire = ev.to_json()
+    assert wire == {"text": "ab", "delta": "b", "token_ids": [7], "meta_info": {
+        "id": "r", "prompt_tokens": 3, "completion_tokens": 2, "finish_reason": {"type": "length"}},
+        "index": 1, "logprobs": [None]}
+    assert TokenEvent.from_json(wire, 2) == ev and ev.finish_reason == "length" and ev.choice == 1
+    assert TokenEvent.from_json({"delta": "x", "meta_info": {"finish_reason": "eos"}}).finish_reason == "stop"
+    with pytest.raises(ValueError, match="index"):
+        TokenEvent.from_json(wire, 1)
