@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from pdruntime.util.public_error import public_error
+
 from .config import InvalidRequest
 
 
@@ -42,7 +44,7 @@ class Grammars:
 
         m = llguidance.LLMatcher(self._lltok(), grammar, log_level=0)
         if m.is_error():
-            raise InvalidRequest(f"the structured-output grammar is invalid: {m.get_error()[:300]}")
+            raise InvalidRequest(f"the structured-output grammar is invalid: {public_error(m.get_error())}")
         return m
 
     def mask(self, matcher: Any) -> torch.Tensor:

@@ -13,9 +13,11 @@ model inside a valid-but-endless value until max_tokens.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pdruntime.server.openai.tools import parser_for
+from pdruntime.util.public_error import public_error
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -23,7 +25,10 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 def _json_grammar(schema: dict) -> str:
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+    except Exception as exc:  # the library's text may be a Rust panic with a backtrace: logged, not returned
+        raise ValueError(f"response_format.json_schema cannot be compiled: {public_error(str(exc))}") from None
 
 
 def _lark_json(schema: dict) -> str:
@@ -80,8 +85,73 @@ def tool_grammar(tools: list, named: str | None, parallel: bool, parser: str) ->
     return p.lark(_lark_json(schema), many)
 
 
+MAX_SCHEMA_BYTES = 64 << 10  # bytes of one schema (a json_schema, one tool's parameters), as compact JSON
+MAX_TOOLS_SCHEMA_BYTES = 256 << 10  # bytes of every tool's parameters together
+MAX_SCHEMA_DEPTH = 64  # nesting of JSON objects and arrays in one schema ("properties" maps count: ~32 object levels)
+MAX_PATTERN_CHARS = 1000  # characters of one regex (pattern, patternProperties keys)
+MAX_PATTERN_REPEAT = 256  # largest bound of a counted repetition {m,n} in a regex (each one multiplies states)
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def _schema_depth_and_patterns(schema: Any) -> tuple[int, list[str]]:
+    """(nesting depth, every regex) of a JSON schema, walked without recursion (a 500-deep body stays cheap)."""
+    depth, patterns = 0, []
+    stack = [(schema, 1)]
+    while stack:
+        node, d = stack.pop()
+        depth = max(depth, d)
+        if depth > MAX_SCHEMA_DEPTH:
+            break
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                patterns.append(node["pattern"])
+            if isinstance(node.get("patternProperties"), dict):
+                patterns.extend(k for k in node["patternProperties"] if isinstance(k, str))
+            stack.extend((v, d + 1) for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend((v, d + 1) for v in node if isinstance(v, (dict, list)))
+    return depth, patterns
+
+
+def check_schema_bounds(schema: Any, where: str) -> int:
+    """The schema's compact size in bytes, or ValueError naming the limit it passes (size, depth, regex length,
+    counted repetition): grammar compilation is then bounded before it starts. ``where`` names the field."""
+    depth, patterns = _schema_depth_and_patterns(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"{where} is nested more than {MAX_SCHEMA_DEPTH} levels deep; accepted: at most "
+                         f"{MAX_SCHEMA_DEPTH} levels of objects and arrays")
+    size = len(json.dumps(schema, separators=(",", ":")))
+    if size > MAX_SCHEMA_BYTES:
+        raise ValueError(f"{where} is {size} bytes as JSON; accepted: at most {MAX_SCHEMA_BYTES} bytes")
+    for pat in patterns:
+        if len(pat) > MAX_PATTERN_CHARS:
+            raise ValueError(f"a regex in {where} has {len(pat)} characters; accepted: at most {MAX_PATTERN_CHARS}")
+        for m in _REPEAT.finditer(pat):
+            bound = max(int(m.group(1)), int(m.group(2) or 0))
+            if bound > MAX_PATTERN_REPEAT:
+                raise ValueError(f"a regex in {where} repeats {m.group(0)!r}; accepted: counted repetitions up to "
+                                 f"{{{MAX_PATTERN_REPEAT}}}")
+    return size
+
+
+def check_grammar_bounds(req: Any) -> None:
+    """Every schema a request would compile into a grammar, bounded at the edge (a 400 naming the limit)."""
+    rf = req.response_format
+    if rf is not None and rf.type == "json_schema" and rf.json_schema.schema_ is not None:
+        check_schema_bounds(rf.json_schema.schema_, "response_format.json_schema.schema")
+    total = 0
+    for i, t in enumerate(req.tools or ()):
+        if t.function.parameters:
+            total += check_schema_bounds(t.function.parameters, f"tools[{i}].function.parameters")
+    if total > MAX_TOOLS_SCHEMA_BYTES:
+        raise ValueError(f"the tools' parameters are {total} bytes as JSON together; accepted: at most "
+                         f"{MAX_TOOLS_SCHEMA_BYTES} bytes")
+
+
 def check_chat(req: Any) -> None:
-    """Unsupported combinations: ValueError naming the parameter (the schema layer makes it a 400)."""
+    """Unsupported combinations and unbounded grammars: ValueError naming the parameter (the schema layer makes
+    it a 400)."""
+    check_grammar_bounds(req)
     tc = req.tool_choice
     if tc is not None and tc != "none" and not req.tools:
         raise ValueError("tool_choice needs tools; accepted: tools with tool_choice, or no tool_choice")
