@@ -297,7 +297,8 @@ async def test_multi_round_agents_over_keep_alive(stack, model_id):
                 history.append({"role": "user", "content": f"round {r}: the quick brown fox, tell me more {i}"})
                 resp = await c.post(stack.router.url + "/v1/chat/completions", headers={"X-Client-Id": f"agent-{i}"},
                                     json={"model": model_id, "messages": history, "max_tokens": 16, "ignore_eos": True,
-                                          "user": f"agent-{i}", "stream": r % 2 == 1})
+                                          "user": f"agent-{i}", "stream": r % 2 == 1,
+                                          **({"stream_options": {"include_usage": True}} if r % 2 == 1 else {})})
                 assert resp.status_code == 200, resp.text
                 if r % 2 == 1:
                     events = [json.loads(l[6:]) for l in resp.text.splitlines() if l.startswith("data: {")]

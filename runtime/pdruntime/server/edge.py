@@ -41,7 +41,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        headers = exc.headers
+        if exc.status in (429, 503) and not any(k.lower() == "retry-after" for k in headers or {}):
+            headers = {**(headers or {}), "Retry-After": "1"}  # every refusal says when to come back
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -141,7 +141,7 @@ class OpenAIShape:
         index = ev.choice
         total = choices.usage() if choices is not None else ev.usage()
         last = choices.done if choices is not None else reason is not None
-        use = total if reason or continuous_usage else None
+        use = total if continuous_usage else None  # OpenAI: usage once, in the final chunk (include_usage) only
         if first and self.echo is not None:
             ev = replace(ev, delta=self.echo + ev.delta)
         if state is None:
