@@ -143,7 +143,8 @@ class RuntimeEnv:
     # PD watchdogs, seconds
     bootstrap_timeout_s: float = 30.0  # prefill: decode peer never attached
     transfer_timeout_s: float = 60.0  # prefill: KV ready -> receipt confirmed (transfer phase only)
-    decode_transfer_timeout_s: float = 60.0  # decode: waiting on a KV pull
+    decode_transfer_timeout_s: float = 60.0  # decode: KV ready (prefill's HEADER) -> KV verified
+    prefill_stall_s: float = 60.0  # decode, before the KV is ready: prefill sent no progress for this long
     watchdog_tick_s: float = 0.5  # watchdog period; runs without traffic
 
     # KV-transfer authentication (per-deployment shared token)
@@ -188,6 +189,7 @@ class RuntimeEnv:
             transfer_timeout_s=_float(env, "TRANSFER_TIMEOUT_S", d.transfer_timeout_s, lo=0.01, hi=86400.0),
             decode_transfer_timeout_s=_float(env, "DECODE_TRANSFER_TIMEOUT_S", d.decode_transfer_timeout_s, lo=0.01,
                                              hi=86400.0),
+            prefill_stall_s=_float(env, "PREFILL_STALL_S", d.prefill_stall_s, lo=0.01, hi=86400.0),
             watchdog_tick_s=_float(env, "WATCHDOG_TICK_S", d.watchdog_tick_s, lo=0.001, hi=60.0),
             kv_auth_token=_opt_str(env, "KV_AUTH_TOKEN"),
             kv_auth_token_file=_opt_str(env, "KV_AUTH_TOKEN_FILE"),

@@ -25,6 +25,7 @@ TIMEOUTS = {  # seconds; short so failures show quickly, long enough for a loade
     "PDRT_BOOTSTRAP_TIMEOUT_S": "4",
     "PDRT_TRANSFER_TIMEOUT_S": "3",
     "PDRT_DECODE_TRANSFER_TIMEOUT_S": "6",
+    "PDRT_PREFILL_STALL_S": "6",
     "PDRT_WATCHDOG_TICK_S": "0.1",
 }
 WORKER_FLAGS = ["--num-blocks", "1024", "--block-size", "16", "--max-num-seqs", "64"]

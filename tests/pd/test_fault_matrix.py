@@ -377,9 +377,9 @@ def test_sigstop_prefill(fs):
     try:
         call.join()
         assert call.status in (502, 504) and call.error_message(), (call.status, call.body)
-        assert_pages_free(s, s.decode)  # decode's transfer watchdog freed its reservation
-        assert s.metric(s.decode, "pdrt_watchdog_fired_total", {"phase": "decode_transfer"}) == 1
-        assert log_has(s.decode, "decode request failed", row["id"], "timeout")
+        assert_pages_free(s, s.decode)  # decode's prefill-stall watchdog freed its reservation
+        assert s.metric(s.decode, "pdrt_watchdog_fired_total", {"phase": "prefill_stall"}) == 1
+        assert log_has(s.decode, "decode request failed", row["id"], "prefill stalled")
         wait_for(lambda: httpx.get(s.router.url + "/health", timeout=5).status_code == 503, STALE_AFTER_S + 10,
                  "the router to notice the frozen prefill")
         wait_for(lambda: log_has(s.router, "is stale", s.prefill.url), 10, "the router's log line")

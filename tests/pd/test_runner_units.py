@@ -106,7 +106,7 @@ def test_decode_admission_waits_for_freed_pages_then_reserves():
     asyncio.run(main())
 
 
-def test_decode_admission_gives_up_with_503_after_the_transfer_timeout():
+def test_decode_admission_answers_busy_429_with_retry_after_within_its_grace():
     from pdruntime.server.worker.decode_stream import DecodeFailed
 
     async def main():
@@ -122,7 +122,8 @@ def test_decode_admission_gives_up_with_503_after_the_transfer_timeout():
         w.runner = Full()
         with pytest.raises(DecodeFailed) as e:
             await w._reserve(SimpleNamespace(rid="r", prompt_ids=[1] * 20))
-        assert e.value.status == 503 and "full" in e.value.reason
+        assert e.value.status == 429 and "at capacity" in e.value.reason and "pool full" in e.value.reason
+        assert e.value.retry_after >= 1 and e.value.code == "decode_busy"
 
     asyncio.run(main())
 

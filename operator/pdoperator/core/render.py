@@ -187,6 +187,7 @@ def worker_env(spec: PDSpec, role: str) -> list[dict[str, str]]:
         {"name": "PDRT_BOOTSTRAP_TIMEOUT_S", "value": _num(spec.watchdog.bootstrap_timeout_s)},
         {"name": "PDRT_TRANSFER_TIMEOUT_S", "value": _num(spec.watchdog.transfer_timeout_s)},
         {"name": "PDRT_DECODE_TRANSFER_TIMEOUT_S", "value": _num(spec.watchdog.decode_transfer_timeout_s)},
+        {"name": "PDRT_PREFILL_STALL_S", "value": _num(spec.watchdog.prefill_stall_s)},
         {"name": "PDRT_WATCHDOG_TICK_S", "value": _num(spec.watchdog.tick_s)},
         {"name": "PDRT_KV_AUTH_TOKEN_FILE", "value": f"{KV_AUTH_DIR}/{KV_AUTH_KEY}"},
     ]

@@ -88,6 +88,7 @@ def effective_config(spec: PDSpec) -> dict[str, Any]:
             "bootstrapTimeoutSeconds": spec.watchdog.bootstrap_timeout_s,
             "transferTimeoutSeconds": spec.watchdog.transfer_timeout_s,
             "decodeTransferTimeoutSeconds": spec.watchdog.decode_transfer_timeout_s,
+            "prefillStallSeconds": spec.watchdog.prefill_stall_s,
             "tickSeconds": spec.watchdog.tick_s,
         },
         **({"probes": asdict(spec.probes)} if spec.probes != Probes() else {}),

@@ -260,6 +260,8 @@ class WatchdogSpec:
     transfer_timeout_s: float = knob("transferTimeoutSeconds", 60.0, lo=0.01, hi=86400, env="PDRT_TRANSFER_TIMEOUT_S")
     decode_transfer_timeout_s: float = knob("decodeTransferTimeoutSeconds", 60.0, lo=0.01, hi=86400,
                                             env="PDRT_DECODE_TRANSFER_TIMEOUT_S")
+    # decode, before the KV is ready: fails only a prefill that stops making progress, however long it takes
+    prefill_stall_s: float = knob("prefillStallSeconds", 60.0, lo=0.01, hi=86400, env="PDRT_PREFILL_STALL_S")
     tick_s: float = knob("tickSeconds", 0.5, lo=0.001, hi=60, env="PDRT_WATCHDOG_TICK_S")
 
 
@@ -670,6 +672,7 @@ def _watchdog(r: _Reader, d: Mapping[str, Any]) -> WatchdogSpec:
                                for a in WatchdogSpec.__dataclass_fields__})
     for key, value in (("transferTimeoutSeconds", watchdog.transfer_timeout_s),
                        ("decodeTransferTimeoutSeconds", watchdog.decode_transfer_timeout_s),
+                       ("prefillStallSeconds", watchdog.prefill_stall_s),
                        ("bootstrapTimeoutSeconds", watchdog.bootstrap_timeout_s)):
         if value <= watchdog.tick_s:
             r.problems.append(f"spec.watchdog.{key}={value} must exceed spec.watchdog.tickSeconds={watchdog.tick_s}; "

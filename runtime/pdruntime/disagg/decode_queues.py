@@ -40,6 +40,9 @@ class DecodeRequest:
     completion_tokens: int = 0  # all choices together
     last_token_at: float | None = None  # watchdog clock seconds of the last generated token (idle_s in /debug)
     failure: str | None = None
+    prefill_tokens: int = 0  # prompt tokens prefill reports computed (PROGRESS frames, before the KV is ready)
+    prefill_steps: int = -1  # prefill engine steps at its last report
+    prefill_progress_at: float | None = None  # watchdog clock seconds of the last report that advanced
     # n > 1: choices 1..n-1 are engine forks of this prompt, [(engine request id, SamplingParams)]; choice 0 is
     # the request itself (engine id ``rid``), whose first token prefill sampled
     forks: list = field(default_factory=list)

@@ -40,6 +40,7 @@ class PrefillRequest:
     prompt_logprobs: Any = None  # per prompt token after the first, when the request asked (echo + logprobs)
     bytes_sent: int = 0
     kv_stats: Any = None  # transfer.TransferStats of the bulk phase (live; /debug/requests)
+    progress_send: asyncio.Task | None = None  # the PROGRESS report being written to decode, if any
 
     @property
     def gone(self) -> bool:

@@ -50,9 +50,9 @@ MAX_TRANSFER_THREADS = 32  # concurrent bulk phases per process (waiting for a p
 
 _EXECUTOR = ThreadPoolExecutor(max_workers=MAX_TRANSFER_THREADS, thread_name_prefix="pdkv")
 
-__all__ = ["Attach", "BootstrapServer", "KVConn", "LogLimiter", "PendingHandshakes", "ShardSink", "ShardSource", "TransferStats",
-           "accept_attach", "check_header", "layout_of", "make_header", "open_attach", "recv_header", "recv_kv",
-           "send_error", "send_kv"]
+__all__ = ["Attach", "BootstrapServer", "KVConn", "LogLimiter", "PendingHandshakes", "ShardSink", "ShardSource",
+           "TransferStats", "accept_attach", "check_header", "layout_of", "make_header", "open_attach", "recv_header",
+           "recv_kv", "send_error", "send_kv", "send_progress"]
 
 
 # ---- per-transfer figures and rate-limited logging -----------------------------------------------
@@ -428,6 +428,8 @@ async def send_kv(conn: KVConn, header: KVHeader, sources: Sequence[ShardSource]
     if len(header.shards) != len(sources):
         raise ValueError(f"{len(sources)} shard sources for a header of {len(header.shards)} shards")
     stats = conn.stats
+    if conn._io is not None and not conn._io.done():  # a PROGRESS frame still being written: never interleave
+        await asyncio.wrap_future(conn._io)
     await conn.run(_send_body, conn.fs, header, sources, stats, corrupt_first_chunk)
     await conn.wait_readable()  # decode verifies; no thread held meanwhile
     ack = await conn.run(conn.fs.read_control, FrameType.ACK)
@@ -471,10 +473,23 @@ async def open_attach(host: str, port: int, token: str | None, att: Attach) -> K
     return conn
 
 
-async def recv_header(conn: KVConn, timeout_s: float | None = None) -> KVHeader:
-    """Wait (holding no thread) for prefill's HEADER, i.e. its KV is ready. A peer ERROR raises its reason."""
-    await conn.wait_readable(timeout_s)
-    return await conn.run(lambda: wire.header_from_json(conn.fs.read_control(FrameType.HEADER)))
+async def recv_header(conn: KVConn, timeout_s: float | None = None,
+                      on_progress: Callable[[dict], None] | None = None) -> KVHeader:
+    """Wait (holding no thread) for prefill's HEADER, i.e. its KV is ready; PROGRESS frames before it go to
+    ``on_progress``. A peer ERROR raises its reason."""
+    while True:
+        await conn.wait_readable(timeout_s)
+        ftype, payload = await conn.run(conn.fs.read_frame, wire.MAX_CONTROL_BYTES)
+        if ftype is FrameType.PROGRESS:
+            if on_progress is not None:
+                on_progress(wire.parse_json(payload))
+            continue
+        return wire.header_from_json(wire.expect_control(FrameType.HEADER, ftype, payload))
+
+
+async def send_progress(conn: KVConn, tokens: int, steps: int) -> None:
+    """Prefill: one PROGRESS frame (before the HEADER only; :func:`send_kv` waits for one in flight)."""
+    await conn.run(conn.fs.send_control, FrameType.PROGRESS, {"tokens": int(tokens), "steps": int(steps)})
 
 
 def check_header(h: KVHeader, att: Attach, expected: Sequence[KVLayout], model_sha256: str) -> None:

@@ -15,6 +15,8 @@ Grammar::
                         mac = HMAC-SHA256(token, nonce ":" room) (hex); the token never crosses the wire.
                         Prefill refuses (ERROR) a bad mac (auth), an unknown room (unknown_room), and a
                         tp_size or prompt that differs from its own (mismatch) - before any prefill work.
+    prefill -> decode   PROGRESS {tokens, steps}*                while prefill computes: prompt tokens whose KV is
+                        computed, prefill engine steps taken (each tick; decode's stall watchdog reads them)
     prefill -> decode   HEADER {version, room, rid, num_tokens, num_pages, first_token_id, prompt_crc,
                                 model_sha256, chunk_bytes, checksum, shards: [LAYOUT, ...]}  (KV is ready)
                         LAYOUT = {dtype, page_size, num_layers, num_kv_heads, head_dim, tp_rank, tp_size}
@@ -105,6 +107,7 @@ class FrameType(enum.IntEnum):
     ACK = 6
     ERROR = 7
     READY = 8
+    PROGRESS = 9
 
 
 class WireError(Exception):

@@ -699,6 +699,9 @@ class Engine:
             "num_reserved": by[Status.RESERVED], "blocks_free": self.pool.num_free,
             "blocks_used": self.pool.num_used, "blocks_total": self.pool.num_total,
             "num_preemptions": self.num_preemptions, "num_generated_tokens": self.num_generated_tokens,
+            # prompt tokens computed so far, per request still before its first token (PD progress reports)
+            "prefill_progress": {rid: s.num_cached for rid, s in self._seqs.items()
+                                 if s.status in (Status.WAITING, Status.PREFILLING)},
         }
 
     def page_owners(self) -> tuple[dict[str, int], int]:

@@ -71,15 +71,17 @@ class DecodeWorker(WorkerBase):
 
     def role_config(self) -> dict:
         return {"watchdog": {"decode_transfer_timeout_s": self.env.decode_transfer_timeout_s,
+                             "prefill_stall_s": self.env.prefill_stall_s,
                              "tick_s": self.env.watchdog_tick_s}}
 
     def progress(self, req: DecodeRequest) -> tuple[int, float]:
         at = super().progress(req)[1]
-        return req.completion_tokens, max(at, req.last_token_at or at)
+        # a long prefill that advances is progress too (its PROGRESS reports): the operator's stall sweep reads this
+        return req.completion_tokens, max(at, req.last_token_at or at, req.prefill_progress_at or at)
 
     def debug_extra(self, req: DecodeRequest) -> dict:
         forks = {"n": req.n, "choices_open": len(req.open_ids), "prompt_page_refs": req.page_refs} if req.forks else {}
-        return {"completion_tokens": req.completion_tokens, **forks,
+        return {"completion_tokens": req.completion_tokens, "prefill_tokens": req.prefill_tokens, **forks,
                 **(req.kv_stats.row() if req.kv_stats is not None else {})}
 
     def _on_engine_error(self, rid: str, message: str, status: int) -> None:
@@ -166,17 +168,21 @@ class DecodeWorker(WorkerBase):
             req.reserved = True
             self.queues.move(req.rid, "transfer")
             t0 = self.clock.now()
-            self.watchdog.arm(req.rid, "decode_transfer", self.env.decode_transfer_timeout_s,
-                              lambda d, r=req: self._fail(r, f"decode transfer timeout: no verified KV within "
-                                                          f"{self.env.decode_transfer_timeout_s}s", cause="watchdog", status=504),
-                              ids=f"rid={req.rid} room={req.room}")
+            self._arm_prefill_stall(req)  # until the KV is ready: fires only if prefill stops advancing
             expected = self.layouts  # one shard per TP rank this connection carries
             att = wire.Attach(req.room, req.rid, len(req.prompt_ids), wire.prompt_crc(req.prompt_ids),
                               tp_size=self.layout.tp_size, tp_ranks=tuple(lay.tp_rank for lay in expected))
             conn = req.writer = await transfer.open_attach(req.bootstrap_host, req.bootstrap_port, self.kv_token, att)
             req.kv_stats = conn.stats
             req.status.advance(TransferState.WAITING_FOR_INPUT, self.clock.now())
-            header = await transfer.recv_header(conn)
+            header = await transfer.recv_header(conn, on_progress=lambda msg, r=req: self._on_prefill_progress(r, msg))
+            # KV ready: from here the transfer phase alone is timed (prefill's compute never counts against it)
+            self.watchdog.disarm(req.rid, "prefill_stall")
+            self.watchdog.arm(req.rid, "decode_transfer", self.env.decode_transfer_timeout_s,
+                              lambda d, r=req: self._fail(r, f"decode transfer timeout: no verified KV within "
+                                                          f"{self.env.decode_transfer_timeout_s}s of KV ready",
+                                                          cause="watchdog", status=504),
+                              ids=f"rid={req.rid} room={req.room}")
             if self.hooks.take("stall_transfers"):
                 # test hook: read the HEADER, then stop reading (a stuck transfer; the peer never gets its ACK)
                 req.status.advance(TransferState.TRANSFERRING, self.clock.now())
@@ -238,6 +244,25 @@ class DecodeWorker(WorkerBase):
                        status=502)
         except Exception as exc:
             self._fail_unexpected(req, exc, "decode transfer")
+
+    def _arm_prefill_stall(self, req: DecodeRequest) -> None:
+        s = self.env.prefill_stall_s
+        self.watchdog.arm(req.rid, "prefill_stall", s,
+                          lambda d, r=req: self._fail(
+                              r, f"prefill stalled: no progress for {s:g}s while computing the prompt (stage prefill, "
+                                 f"{r.prefill_tokens} of {len(r.prompt_ids)} prompt tokens computed)",
+                              cause="watchdog", status=504),
+                          ids=f"rid={req.rid} room={req.room}")
+
+    def _on_prefill_progress(self, req: DecodeRequest, msg: dict) -> None:
+        """A PROGRESS report from prefill: re-arm the stall watchdog when tokens or engine steps advanced."""
+        tokens, steps = msg.get("tokens"), msg.get("steps")
+        if not isinstance(tokens, int) or not isinstance(steps, int):
+            return
+        if (tokens, steps) != (req.prefill_tokens, req.prefill_steps):
+            req.prefill_tokens, req.prefill_steps = tokens, steps
+            req.prefill_progress_at = self.clock.now()
+            self._arm_prefill_stall(req)
 
     def _early_first_token(self, req: DecodeRequest, first: int) -> "EarlyToken | None":
         """The token prefill sampled, to stream now instead of with the engine's next step (which reports it

@@ -32,10 +32,12 @@ from pdruntime.server.openai.schemas import ApiError, GenerateRequest, error_bod
 from pdruntime.server.worker.base import WorkerBase
 from pdruntime.server.worker.engine_commands import Abort, AddRequest, GatherPages, Pages, Release, RequestGone
 from pdruntime.server.worker.prompts import client_of, read_generate, request_id
+from pdruntime.util.periodic import PeriodicTask
 
 log = logging.getLogger("pdruntime.prefill")
 
 REJECT_LOG_INTERVAL_S = 10.0  # seconds between WARNING lines about rejected KV pulls (the rest are counted)
+PROGRESS_INTERVAL_S = 1.0  # seconds between PROGRESS reports to a waiting decode (its stall limit is far longer)
 # KV-wire ERROR reason "request_failed:<status>": prefill failed the request itself (a 4xx), not the pair
 REQUEST_FAILED = "request_failed"
 
@@ -66,12 +68,31 @@ class PrefillWorker(WorkerBase):
         self.layout = self.layouts[0]
         self._server = await transfer.BootstrapServer.start(self.bootstrap_host, self.bootstrap_port, self._on_connection)
         self.bootstrap_port = self._server.port
+        self._progress = PeriodicTask(self._report_progress, PROGRESS_INTERVAL_S, name="prefill-progress")
+        self._progress.start()
         if not self.kv_token:
             log.warning("KV-transfer auth is disabled (no PDRT_KV_AUTH_TOKEN / PDRT_KV_AUTH_TOKEN_FILE)")
 
     async def stop_role(self) -> None:
         if self._server is not None:
             self._server.close()
+        if getattr(self, "_progress", None) is not None:
+            await self._progress.stop()
+
+    def _report_progress(self) -> None:
+        """Every attached request still before its KV is ready tells its decode how far prefill got (prompt
+        tokens computed, engine steps): decode's stall watchdog fails a prefill that stops advancing, never
+        a long one that advances. A frozen process sends nothing, which is the point."""
+        progress = self.runner.last_stats.get("prefill_progress", {}) if self.runner is not None else {}
+        steps = self.runner.steps if self.runner is not None else 0
+        for stage, req in self.queues.items():
+            conn = req.writer
+            if stage != "waiting" or conn is None or conn.closed or req.kv_ready is None or req.kv_ready.done():
+                continue
+            if req.progress_send is not None and not req.progress_send.done():
+                continue  # the previous report is still being written
+            req.progress_send = asyncio.get_running_loop().create_task(
+                _quietly(transfer.send_progress(conn, progress.get(req.rid, 0), steps)))
 
     def role_config(self) -> dict:
         return {"bootstrap": {"host": self.bootstrap_host, "port": self.bootstrap_port},
@@ -278,3 +299,11 @@ class PrefillWorker(WorkerBase):
                 req.kv_ready.set_result(out.new_token_ids[0])
         elif out.finished:
             self._fail(req, f"engine finished the prefill with {out.finish_reason!r}")
+
+
+async def _quietly(aw) -> None:
+    """A best-effort send: a broken connection is the transfer's business, reported where it is awaited."""
+    try:
+        await aw
+    except (WireError, OSError):
+        pass
