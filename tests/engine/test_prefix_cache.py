@@ -30,11 +30,14 @@ def run(engine, reqs) -> dict[str, tuple[list[int], object]]:
     got: dict[str, tuple[list[int], object]] = {}
     for rid, prompt, params, kw in reqs:
         engine.add_request(rid, prompt, params, **kw)
-    while engine.has_work():
+    for _ in range(10_000):  # bounded: a scheduling livelock fails instead of hanging
+        if not engine.has_work():
+            break
         for o in engine.step():
             tokens, first = got.get(o.request_id, ([], o))
             got[o.request_id] = (tokens + o.new_token_ids, first)
         engine.check_accounting()
+    assert not engine.has_work(), "requests still running after 10000 steps"
     return got
 
 
