@@ -396,3 +396,20 @@ def test_pd_add_prefilled_refuses_a_prompt_that_differs_from_the_held_prefix(mak
         dec.reserve("s", 5, prompt_token_ids=[1, 2])
     with pytest.raises(OutOfBlocks):
         make_engine(num_blocks=3).reserve("t", 14, prompt_token_ids=a + [1, 2])
+
+
+def test_prefix_cache_flags_reach_the_engine_config_and_the_workers_pdrt_up_starts():
+    from pdruntime.cli import build_parser
+    from pdruntime.server.commands import _engine_config, _worker_args
+
+    parser = build_parser()
+    on = _engine_config(parser.parse_args(["serve", "--role", "decode", "--device", "cpu"]))
+    assert on.prefix_cache is True and on.prefix_cache_max_pages is None
+    off = _engine_config(parser.parse_args(["serve", "--role", "decode", "--device", "cpu", "--no-prefix-cache",
+                                            "--prefix-cache-max-pages", "7"]))
+    assert off.prefix_cache is False and off.prefix_cache_max_pages == 7
+    out = _worker_args(parser.parse_args(["up", "--no-prefix-cache", "--prefix-cache-max-pages", "7"]))
+    assert "--no-prefix-cache" in out and out[out.index("--prefix-cache-max-pages") + 1] == "7"
+    assert "--no-prefix-cache" not in _worker_args(parser.parse_args(["up"]))
+    with pytest.raises(ValueError, match="prefix_cache_max_pages"):
+        type(on)(prefix_cache_max_pages=0)
