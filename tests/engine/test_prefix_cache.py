@@ -413,3 +413,10 @@ def test_prefix_cache_flags_reach_the_engine_config_and_the_workers_pdrt_up_star
     assert "--no-prefix-cache" not in _worker_args(parser.parse_args(["up"]))
     with pytest.raises(ValueError, match="prefix_cache_max_pages"):
         type(on)(prefix_cache_max_pages=0)
+
+
+def test_token_range_equals_slicing_the_tokens():
+    s = Sequence("a", [1, 2, 3, 4, 5], GREEDY, output_ids=[6, 7, 8])
+    for a in range(9):
+        for b in range(a, 9):
+            assert s.token_range(a, b) == s.tokens[a:b]

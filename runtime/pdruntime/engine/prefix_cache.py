@@ -72,7 +72,7 @@ class PrefixCache:
         keys, bs = seq.page_keys, self.block_size
         while len(keys) <= i:
             j = len(keys)
-            keys.append(page_key(keys[-1] if keys else self.root, seq.tokens[j * bs: (j + 1) * bs]))
+            keys.append(page_key(keys[-1] if keys else self.root, seq.token_range(j * bs, (j + 1) * bs)))
         return keys[i]
 
     def match(self, seq: Sequence, max_tokens: int) -> list[int]:

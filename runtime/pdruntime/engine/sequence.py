@@ -52,6 +52,15 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_range(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] without building the whole prompt + output list (prefix-cache keys, per page)."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n: end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
