@@ -420,3 +420,24 @@ def test_token_range_equals_slicing_the_tokens():
     for a in range(9):
         for b in range(a, 9):
             assert s.token_range(a, b) == s.tokens[a:b]
+
+
+def test_tp2_multi_round_hits_the_cache_and_equals_a_cache_off_single_rank_engine(tiny_dir, make_engine):
+    """gloo TP on the CPU: the followers write the same page ids rank 0 schedules, so shared pages hold every
+    rank's heads; a conversation's rounds hit and give the tokens of a one-rank cache-off engine."""
+    from pdruntime.engine import Engine, EngineConfig, load_for
+
+    two = EngineConfig(num_blocks=64, block_size=BS, tensor_parallel_size=2)
+    tp = Engine(load_for(tiny_dir, two), two)
+    try:
+        off = make_engine(prefix_cache=False)
+        history = toks(80, 7)
+        for k in range(3):
+            prompt = history + toks(81 + k, 3)
+            got = run(tp, [(f"r{k}", prompt, GREEDY, {})])
+            same_tokens(got, run(off, [(f"r{k}", prompt, GREEDY, {})]))
+            assert (got[f"r{k}"][1].cached_tokens > 0) == (k > 0)
+            history = prompt + got[f"r{k}"][0]
+        idle_and_clean(tp)
+    finally:
+        tp.shutdown()
