@@ -291,6 +291,7 @@ class Engine:
             self._seqs[rid] = Sequence(request_id=rid, prompt_ids=[], params=SamplingParams(max_tokens=1),
                                        arrival=next(self._arrivals), status=Status.RESERVED, blocks=own)
         res = self._seqs[request_id]
+        # keys only of the held pages: add_prefilled checks its prompt against these tokens alone
         res.prompt_ids, res.page_keys = probe.prompt_ids, probe.page_keys[:len(hit)]
         res.num_cached, res.num_published, res.cached_tokens = held, len(hit), held
         return list(blocks[:n])
@@ -504,7 +505,7 @@ class Engine:
                     self.kv.k[layer][dst].copy_(self.kv.k[layer][src])
                     self.kv.v[layer][dst].copy_(self.kv.v[layer][src])
             c.num_cached = len(ids) - 1
-            c.page_keys, c.cached_tokens = list(parent.page_keys), parent.cached_tokens
+            c.page_keys, c.cached_tokens = parent.page_keys[:len(ids) // bs], parent.cached_tokens  # prompt pages
             c.status = Status.PREFILLING
             self._seqs[rid] = c
             children.append(c)
@@ -545,7 +546,7 @@ class Engine:
                         self.kv.v[layer][page].copy_(self.kv.v[layer][parent.blocks[full]])
                     c.blocks.append(page)
                 c.num_cached = len(c.prompt_ids)
-                c.page_keys, c.cached_tokens = list(parent.page_keys), parent.cached_tokens
+                c.page_keys, c.cached_tokens = parent.page_keys[:full], parent.cached_tokens  # prompt pages only
                 out.append((c, j))
         return out
 
