@@ -441,3 +441,26 @@ def test_tp2_multi_round_hits_the_cache_and_equals_a_cache_off_single_rank_engin
         idle_and_clean(tp)
     finally:
         tp.shutdown()
+
+
+def test_pd_reserve_with_forks_over_a_held_prefix_equals_cache_off_n3(make_engine, tiny):
+    pre, dec, mono = make_engine(), make_engine(), make_engine(prefix_cache=False)
+    head = toks(90, 9)
+    run(dec, [("warm", head, GREEDY, {})])  # decode holds head's pages (prompt + decoded)
+    prompt = head + toks(91, 6)
+    forks = [("r#1", GREEDY), ("r#2", GREEDY)]
+    pre.add_request("r", prompt, GREEDY, prefill_only=True)
+    (first,), _ = run(pre, [])["r"]
+    src, n = pre.pages("r")
+    dst = dec.reserve("r", n, ["r#1", "r#2"], prompt_token_ids=prompt)
+    held = dec.pages("r")[1]
+    assert held == 8
+    _copy_pages(tiny, pre, src, dec, dst, held, n)
+    pre.release("r")
+    dec.add_prefilled("r", prompt, first, GREEDY, forks=forks)
+    dec.check_accounting()
+    got = run(dec, [])
+    want = run(mono, [("r", prompt, GREEDY, {"forks": forks})])
+    assert {r: got[r][0] for r in ("r", "r#1", "r#2")} == {r: t for r, (t, _) in want.items()}
+    for e in (pre, dec):
+        idle_and_clean(e)
