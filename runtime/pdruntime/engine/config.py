@@ -42,6 +42,8 @@ class EngineConfig:
     kv_cache_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION  # CUDA: share of free memory after weights
     cuda_graphs: bool = False  # capture decode steps as CUDA graphs per batch bucket (CUDA only)
     tensor_parallel_size: int = 1  # ranks sharding heads and MLP (one process and device each)
+    prefix_cache: bool = True  # keep full KV pages keyed by their token prefix; reuse them across requests
+    prefix_cache_max_pages: int | None = None  # cached pages indexed at most; None = any free page may hold one
 
     def __post_init__(self) -> None:
         def positive(name: str, value, *, allow_none: bool = False) -> None:
@@ -58,6 +60,9 @@ class EngineConfig:
         positive("max_model_len", self.max_model_len, allow_none=True)
         positive("kv_cache_mib", self.kv_cache_mib, allow_none=True)
         positive("tensor_parallel_size", self.tensor_parallel_size)
+        positive("prefix_cache_max_pages", self.prefix_cache_max_pages, allow_none=True)
+        if not isinstance(self.prefix_cache, bool):
+            raise ValueError(f"EngineConfig.prefix_cache={self.prefix_cache!r} is invalid; accepted: True or False")
         dev = self.device
         if not (dev == "cpu" or (dev.startswith("cuda:") and dev[5:].isdigit())):
             raise ValueError(f"EngineConfig.device={dev!r} is invalid; accepted: cpu or cuda:N "
@@ -175,3 +180,5 @@ class StepOutput:
     logprobs: list | None = None
     # params.prompt_logprobs set, on the request's first output: one entry per prompt token after the first
     prompt_logprobs: list | None = None
+    # on a request's first output: prompt tokens whose KV came from the prefix cache (usage.cached_tokens), else None
+    cached_tokens: int | None = None

@@ -3,6 +3,9 @@
 Not thread-safe: one thread owns an Engine and calls ``step()`` in a loop while ``has_work()``.
 PD hooks: ``add_request(prefill_only=True)`` / ``pages`` / ``release`` on the prefill side,
 ``reserve`` / ``add_prefilled`` on the decode side, ``abort`` everywhere.
+Prefix cache (engine/prefix_cache.py, ``EngineConfig.prefix_cache``): admission shares the longest cached prefix,
+pages are indexed as they fill (prefill chunks, decode, transferred KV), so a finished request's prompt and
+output stay cached; ``reserve(..., prompt_token_ids=...)`` shares what the decode side already holds.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from .config import EngineConfig, InvalidRequest, OutOfBlocks, SamplingParams, S
 from .device import cuda_graph_buckets, kv_cache_blocks
 from .kv_cache import KVCache
 from .grammar import Grammars
+from .prefix_cache import PrefixCache
 from .sampler import sample_batch
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
@@ -99,7 +103,9 @@ class Engine:
         self.graphs_status = "off" if not self.config.cuda_graphs else "not captured"
         if graphs:
             self._capture_graphs(num_blocks)
-        self.scheduler = Scheduler(self.config, self.pool)
+        self.prefix_cache = PrefixCache(self.pool, bs, self._cache_namespace(), self.config.prefix_cache_max_pages) \
+            if self.config.prefix_cache else None
+        self.scheduler = Scheduler(self.config, self.pool, self.prefix_cache)
         self._seqs: dict[str, Sequence] = {}  # every live request (any status but FINISHED)
         self._arrivals = itertools.count()
         self._pending: list[StepOutput] = []  # outputs produced outside step() (abort, add_prefilled)
@@ -109,6 +115,7 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size)  # compiled lazily, on first use
         self.num_preemptions = 0
         self.num_generated_tokens = 0
+        self.num_prefill_tokens = 0  # prompt tokens computed by prefill forwards (cache hits excluded)
         log.info("engine: device=%s dtype=%s tp=%d attention=%s cuda_graphs=%s weights=%.1f MiB; KV cache %d pages x %d "
                  "tokens = %d tokens (%.1f MiB, %s): max context %d tokens x %d sequences%s",
                  self.config.device, self.config.dtype, self.tp_size, self.model.attention_backend, self.graphs_status,
@@ -137,6 +144,13 @@ class Engine:
             log.warning("CUDA graphs: capture failed, decoding eagerly: %s: %s", type(exc).__name__, exc)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+
+    def _cache_namespace(self) -> str:
+        """What makes the KV of the same tokens differ between engines: two engines whose namespaces agree can
+        exchange cached pages by key (the PD delta transfer compares them)."""
+        i = self.info
+        return (f"pdrt-kv/1 model={getattr(i, 'sha256', i.name)} weights={getattr(i, 'weights', '?')} "
+                f"dtype={self.model.dtype} block={self.config.block_size} tp={self.tp_size}")
 
     @property
     def max_full_context_seqs(self) -> int:
@@ -225,12 +239,19 @@ class Engine:
         seq.status = Status.FINISHED
         del self._seqs[request_id]
 
-    def reserve(self, request_id: str, num_tokens: int, fork_ids: tuple[str, ...] | list[str] = ()) -> list[int]:
+    def reserve(self, request_id: str, num_tokens: int, fork_ids: tuple[str, ...] | list[str] = (), *,
+                prompt_token_ids: list[int] | None = None) -> list[int]:
         """Decode side of PD: allocate pages for `num_tokens` tokens of incoming KV plus one decode slot.
 
         ``fork_ids`` (n > 1): ids of the forks add_prefilled will start off this prompt; each is reserved too,
         holding the one page it copies (the page with the last prompt position), so that the forks cannot run
-        out of pages after the KV arrived. All pages or none (OutOfBlocks). Returns the prompt's pages."""
+        out of pages after the KV arrived. All pages or none (OutOfBlocks). Returns the prompt's pages.
+
+        ``prompt_token_ids`` (the prompt's ``num_tokens`` ids, prefix cache on): the longest cached page-aligned
+        prefix of the prompt is shared instead of allocated; ``pages(request_id)`` then says how many leading
+        tokens the reservation already holds (``held``). The KV transfer must write only pages[held // block_size:]
+        (the first ones are shared, read-only), and add_prefilled must get a prompt that starts with the same
+        ``held`` tokens."""
         for rid in (request_id, *fork_ids):
             if not isinstance(rid, str) or not rid:
                 raise InvalidRequest(f"request_id={rid!r} is invalid; accepted: a non-empty string")
@@ -246,11 +267,33 @@ class Engine:
         if fork_ids and self.tp_size > 1:
             raise InvalidRequest("forks (n > 1) need a single-rank engine; accepted: n = 1 here")
         n = -(-(num_tokens + 1) // self.config.block_size)
-        blocks = self.pool.allocate(n + len(fork_ids))  # raises OutOfBlocks
+        probe = Sequence(request_id=request_id, prompt_ids=[], params=SamplingParams(max_tokens=1))
+        hit = []
+        if prompt_token_ids is not None:
+            try:
+                probe.prompt_ids = [int(t) for t in prompt_token_ids]
+            except (TypeError, ValueError):
+                raise InvalidRequest("prompt_token_ids must be a list of integer token ids") from None
+            if len(probe.prompt_ids) != num_tokens:
+                raise InvalidRequest(f"prompt_token_ids holds {len(probe.prompt_ids)} ids but num_tokens={num_tokens}; "
+                                     "accepted: the prompt's num_tokens ids")
+            if self.prefix_cache is not None:  # decode needs KV for every prompt position: the whole prompt may hit
+                hit = self.prefix_cache.match(probe, num_tokens)
+        if not self.pool.can_allocate(n - len(hit) + len(fork_ids), reusing=hit):
+            raise OutOfBlocks(f"need {n - len(hit) + len(fork_ids)} KV blocks, {self.pool.num_free} of "
+                              f"{self.pool.num_total} free")
+        blocks = self.pool.reuse(hit) + self.pool.allocate(n - len(hit) + len(fork_ids))
+        held = len(hit) * self.config.block_size
+        if self.prefix_cache is not None and prompt_token_ids is not None:
+            self.prefix_cache.count(held, num_tokens - held)
         for i, rid in enumerate((request_id, *fork_ids)):
             own = blocks[:n] if i == 0 else [blocks[n + i - 1]]
             self._seqs[rid] = Sequence(request_id=rid, prompt_ids=[], params=SamplingParams(max_tokens=1),
                                        arrival=next(self._arrivals), status=Status.RESERVED, blocks=own)
+        res = self._seqs[request_id]
+        # keys only of the held pages: add_prefilled checks its prompt against these tokens alone
+        res.prompt_ids, res.page_keys = probe.prompt_ids, probe.page_keys[:len(hit)]
+        res.num_cached, res.num_published, res.cached_tokens = held, len(hit), held
         return list(blocks[:n])
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
@@ -272,6 +315,10 @@ class Engine:
                 raise InvalidRequest(f"first_token_id={first_token_id} is outside the vocabulary")
             if -(-len(ids) // self.config.block_size) > len(seq.blocks):
                 raise InvalidRequest(f"prompt of {len(ids)} tokens does not fit the {len(seq.blocks)} reserved pages")
+            if ids[:seq.num_cached] != seq.prompt_ids[:seq.num_cached]:
+                raise InvalidRequest(f"the prompt differs from the one reserve() matched in its first {seq.num_cached} "
+                                     "tokens, whose KV the reservation shares from the prefix cache; accepted: the "
+                                     "same prompt")
             if forks:
                 self._check_forks(ids, forks)  # before anything changes: forks start all together or not at all
         except (InvalidRequest, OutOfBlocks):
@@ -279,6 +326,7 @@ class Engine:
             raise
         new = self._new_seq(request_id, ids, params, False)
         new.blocks, new.num_cached = seq.blocks, len(ids)
+        new.page_keys, new.num_published, new.cached_tokens = seq.page_keys, seq.num_published, seq.num_cached
         new.status = Status.RUNNING
         self._seqs[request_id] = new
         if new.matcher is not None:  # constrained decoding continues from prefill's first token
@@ -291,6 +339,7 @@ class Engine:
         if params.logprobs is not None:
             new.logprobs.append(first_logprobs)  # prefill's (None when the caller did not carry them)
         self._append_token(new, int(first_token_id))
+        self._publish(new)  # the transferred prompt's full pages
         children = self._fork_prefilled(new, ids, forks) if forks else []
         if new.finish_reason is not None:
             self._pending.append(self._finish(new))
@@ -456,6 +505,7 @@ class Engine:
                     self.kv.k[layer][dst].copy_(self.kv.k[layer][src])
                     self.kv.v[layer][dst].copy_(self.kv.v[layer][src])
             c.num_cached = len(ids) - 1
+            c.page_keys, c.cached_tokens = parent.page_keys[:len(ids) // bs], parent.cached_tokens  # prompt pages
             c.status = Status.PREFILLING
             self._seqs[rid] = c
             children.append(c)
@@ -496,6 +546,7 @@ class Engine:
                         self.kv.v[layer][page].copy_(self.kv.v[layer][parent.blocks[full]])
                     c.blocks.append(page)
                 c.num_cached = len(c.prompt_ids)
+                c.page_keys, c.cached_tokens = parent.page_keys[:full], parent.cached_tokens  # prompt pages only
                 out.append((c, j))
         return out
 
@@ -519,6 +570,8 @@ class Engine:
             if tok is None:
                 continue
             s.num_cached = s.num_tokens
+            if self.prefix_cache is not None and s.num_cached >= (s.num_published + 1) * self.config.block_size:
+                self.prefix_cache.publish(s)  # a page just filled: decode keeps what it made
             out.append(self._emit(s, tok))
         return out
 
@@ -546,10 +599,12 @@ class Engine:
                 child.status = Status.RUNNING
                 self.scheduler.active.append(child)
                 out.append(self._emit(child, tok))
-        for i, ((seq, _start, end), row) in enumerate(zip(chunks, logits)):
+        for i, ((seq, start, end), row) in enumerate(zip(chunks, logits)):
             if i in toks and toks[i] is None:
                 continue  # failed alone by _sample_each
             seq.num_cached = end
+            self.num_prefill_tokens += end - start
+            self._publish(seq)
             if end < seq.num_tokens:
                 continue  # more chunks to go
             tok = toks[i]
@@ -563,11 +618,15 @@ class Engine:
                 out.append(StepOutput(seq.request_id, [tok], text, True, "prefill_done",
                                       logprobs=seq.logprobs[:1] if seq.params.logprobs is not None else None,
                                       prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None
-                                      else None))
+                                      else None, cached_tokens=seq.cached_tokens or 0))
             else:
                 seq.status = Status.RUNNING
                 out.append(self._emit(seq, tok))
         return out
+
+    def _publish(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.publish(seq)
 
     # -- outputs ---------------------------------------------------------------------------------
     def take_pending(self) -> list[StepOutput]:
@@ -630,9 +689,10 @@ class Engine:
         lps = seq.logprobs[seq.num_emitted:] if seq.params.logprobs is not None else None
         plps = seq.prompt_logprobs if seq.params.prompt_logprobs is not None and seq.num_emitted == 0 \
             and seq.prompt_logprobs else None  # a PD decode sequence has none (prefill reports them)
+        cached = (seq.cached_tokens or 0) if seq.num_emitted == 0 else None
         seq.num_emitted = len(seq.output_ids)
         return StepOutput(seq.request_id, new_ids, delta, finished, seq.finish_reason if finished else None,
-                          logprobs=lps, prompt_logprobs=plps)
+                          logprobs=lps, prompt_logprobs=plps, cached_tokens=cached)
 
     def _finish(self, seq: Sequence) -> StepOutput:
         if seq in self.scheduler.active:
@@ -668,6 +728,10 @@ class Engine:
             self.model.shutdown()
 
     # -- introspection ---------------------------------------------------------------------------
+    def cached_tokens(self, request_id: str) -> int:
+        """Prompt tokens of a live request whose KV came from the prefix cache (0 before admission)."""
+        return self._get(request_id).cached_tokens or 0
+
     def page_refs(self, request_id: str) -> list[int]:
         """How many sequences hold each of a request's KV pages, in page order (a page shared by n forks: n)."""
         return [self.pool.refs(b) for b in self._get(request_id).blocks]
@@ -687,7 +751,9 @@ class Engine:
         wrong = {b: (n, self.pool.refs(b)) for b, n in holders.items() if self.pool.refs(b) != n}
         if wrong:
             raise AssertionError(f"KV pages whose holders differ from their reference counts: {wrong}")
-        self.pool.assert_no_leaks(held=len(holders))
+        if self.prefix_cache is not None:
+            self.prefix_cache.check()
+        self.pool.assert_no_leaks(held=len(holders), cached=len(self.prefix_cache or ()))
 
     def stats(self) -> dict[str, Any]:
         by = {st: 0 for st in Status}
@@ -699,6 +765,13 @@ class Engine:
             "num_reserved": by[Status.RESERVED], "blocks_free": self.pool.num_free,
             "blocks_used": self.pool.num_used, "blocks_total": self.pool.num_total,
             "num_preemptions": self.num_preemptions, "num_generated_tokens": self.num_generated_tokens,
+            "num_prefill_tokens": self.num_prefill_tokens,
+            # prefix cache: blocks_cached (held or evictable) and blocks_evictable (part of blocks_free) are pages;
+            # hit/miss are prompt tokens looked up at admission and reserve(prompt_token_ids=...)
+            "prefix_cache": self.prefix_cache is not None, "blocks_cached": self.pool.num_cached,
+            "blocks_evictable": self.pool.num_evictable, "cache_evictions": self.pool.num_evictions,
+            "cache_hit_tokens": self.prefix_cache.hit_tokens if self.prefix_cache is not None else 0,
+            "cache_miss_tokens": self.prefix_cache.miss_tokens if self.prefix_cache is not None else 0,
             # prompt tokens computed so far, per request still before its first token (PD progress reports)
             "prefill_progress": {rid: s.num_cached for rid, s in self._seqs.items()
                                  if s.status in (Status.WAITING, Status.PREFILLING)},

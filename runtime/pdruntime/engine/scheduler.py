@@ -6,6 +6,8 @@ Policy:
   empty the newest admitted sequence is preempted (pages freed, KV recomputed later), never the oldest.
 * Admission is FIFO: a WAITING sequence is admitted when a sequence slot is free and the pool holds
   pages for its whole prompt (allocated at once, so chunked prefills can never deadlock on pages).
+  With the prefix cache, the longest cached page-aligned prefix of its tokens (at most all but the last
+  token, whose logits must be computed) is shared instead of allocated, and prefill starts after it.
 * Prefill runs in chunks of at most ``max_prefill_tokens`` tokens per step, shared across sequences,
   so new requests join while the running batch keeps decoding. The budget is shared max-min fairly
   (:func:`fair_chunks`): a long prompt takes what the others leave, never the whole step while another
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
 from .config import EngineConfig
+from .prefix_cache import PrefixCache
 from .sequence import Sequence, Status
 
 
@@ -59,9 +62,10 @@ def fair_chunks(remaining: list[int], budget: int) -> list[int]:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
+    def __init__(self, config: EngineConfig, pool: BlockPool, cache: PrefixCache | None = None) -> None:
         self.config = config
         self.pool = pool
+        self.cache = cache
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []  # PREFILLING or RUNNING, in admission order
 
@@ -69,7 +73,27 @@ class Scheduler:
         if seq.blocks:
             self.pool.free(seq.blocks)
             seq.blocks = []
-        seq.num_cached = 0
+        seq.num_cached = seq.num_published = 0
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Give a WAITING sequence its prompt's pages (cached prefix shared, the rest allocated) and make it
+        PREFILLING; False (nothing changed) when the pool cannot hold them."""
+        hit = []
+        if self.cache is not None and seq.params.prompt_logprobs is None:  # prompt logprobs need every position
+            hit = self.cache.match(seq, seq.num_tokens - 1)
+        need = seq.blocks_needed(seq.num_tokens, self.config.block_size) - len(hit)
+        if not self.pool.can_allocate(need, reusing=hit):
+            return False
+        seq.blocks = self.pool.reuse(hit) + self.pool.allocate(need)
+        seq.num_cached = len(hit) * self.config.block_size
+        seq.num_published = len(hit)
+        if self.cache is not None:
+            self.cache.count(seq.num_cached, seq.num_tokens - seq.num_cached)
+        if seq.cached_tokens is None:
+            seq.cached_tokens = seq.num_cached
+        seq.status = Status.PREFILLING
+        self.active.append(seq)
+        return True
 
     def _preempt(self, victim: Sequence, plan: StepPlan) -> None:
         self.active.remove(victim)
@@ -104,22 +128,13 @@ class Scheduler:
         for seq in list(self.waiting) if only is not None else ():  # isolation step: admit only those named
             if len(self.active) >= self.config.max_num_seqs or seq.request_id not in only:
                 continue
-            need = seq.blocks_needed(seq.num_tokens, bs)
-            if not self.pool.can_allocate(need):
+            if not self._admit(seq):
                 break
             self.waiting.remove(seq)
-            seq.blocks.extend(self.pool.allocate(need))
-            seq.status = Status.PREFILLING
-            self.active.append(seq)
         while only is None and self.waiting and len(self.active) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            need = seq.blocks_needed(seq.num_tokens, bs)
-            if not self.pool.can_allocate(need):
+            if not self._admit(self.waiting[0]):
                 break
             self.waiting.popleft()
-            seq.blocks.extend(self.pool.allocate(need))
-            seq.status = Status.PREFILLING
-            self.active.append(seq)
         # 3. prefill chunks within the token budget, shared fairly (admission order breaks ties)
         filling = [s for s in self.active
                    if s.status is Status.PREFILLING and (only is None or s.request_id in only)]

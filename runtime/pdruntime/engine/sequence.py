@@ -31,6 +31,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose KV is stored in `blocks`
+    num_published: int = 0  # leading pages of `blocks` offered to the prefix cache (full and computed)
+    page_keys: list = field(default_factory=list)  # prefix-cache keys of the first full pages of `tokens` (bytes)
+    cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache (first admission/reserve)
     num_emitted: int = 0  # output tokens already reported in a StepOutput
     text: str = ""  # detokenised output (EOS excluded, cut at a stop string)
     text_emitted: int = 0  # chars of `text` already reported
@@ -48,6 +51,15 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def token_range(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] without building the whole prompt + output list (prefix-cache keys, per page)."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n: end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     @property
     def num_tokens(self) -> int:

@@ -31,6 +31,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="capture decode steps as CUDA graphs per batch bucket (default: on with CUDA, off on cpu)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks sharding attention heads and MLP (one process and one GPU each; gloo on cpu)")
+    g.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached KV pages of earlier prompts and outputs (size: --prefix-cache-max-pages)")
+    g.add_argument("--prefix-cache-max-pages", type=int, default=None, help="cached KV pages at most (default: all)")
     g.add_argument("--engine-max-step-failures", type=int, default=None,
                    help="consecutive failing engine steps (not tied to one request) before the worker reports 503 "
                         "and exits 70 (default: PDRT_ENGINE_MAX_STEP_FAILURES, else 5)")
@@ -117,7 +120,9 @@ def _engine_config(args: argparse.Namespace):
 
     kw: dict[str, Any] = {"block_size": args.block_size, "num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
                           "max_prefill_tokens": args.max_prefill_tokens, "max_model_len": args.max_model_len,
-                          "kv_cache_mib": args.kv_cache_mib, "tensor_parallel_size": args.tensor_parallel_size}
+                          "kv_cache_mib": args.kv_cache_mib, "tensor_parallel_size": args.tensor_parallel_size,
+                          "prefix_cache": getattr(args, "prefix_cache", True),
+                          "prefix_cache_max_pages": getattr(args, "prefix_cache_max_pages", None)}
     if args.kv_cache_memory_fraction is not None:
         kw["kv_cache_memory_fraction"] = args.kv_cache_memory_fraction
     graphs = args.cuda_graphs
@@ -133,7 +138,8 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
                     ("--max-model-len", args.max_model_len), ("--threads", args.threads),
                     ("--served-model-name", args.served_model_name),
                     ("--kv-cache-memory-fraction", args.kv_cache_memory_fraction),
-                    ("--engine-max-step-failures", args.engine_max_step_failures)):
+                    ("--engine-max-step-failures", args.engine_max_step_failures),
+                    ("--prefix-cache-max-pages", getattr(args, "prefix_cache_max_pages", None))):
         if v is not None:
             out += [flag, str(v)]
     out += ["--device", args.device, "--dtype", args.dtype, "--tensor-parallel-size", str(args.tensor_parallel_size),
@@ -141,6 +147,8 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
             "--tool-call-parser", getattr(args, "tool_call_parser", "auto")]
     if args.cuda_graphs is not None:
         out.append("--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs")
+    if not getattr(args, "prefix_cache", True):
+        out.append("--no-prefix-cache")
     return out
 
 
