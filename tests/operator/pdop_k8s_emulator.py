@@ -45,17 +45,24 @@ import re
 import secrets
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Iterable
 
 import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
+import yaml
 import yarl
 from kmock._internal import dicts as kmock_dicts
 from kmock._internal.k8s import KubernetesError
 
+import emu_apiext as apiext
+import emu_catalog as cat
+import emu_rbac
 import emu_semantics as sem
+import emu_smp
+import emu_table
 from kmock._internal import parsing as _kmock_parsing
 
 _kmock_parse_path = _kmock_parsing.parse_path
@@ -72,28 +79,11 @@ _kmock_parsing.parse_path = _parse_path
 
 GPU = "nvidia.com/gpu"
 VERBS = ["list", "watch", "get", "create", "patch", "update", "delete", "deletecollection"]
-
-# plural -> the CRD's scale subresource paths (spec, status, label selector), as in crds/pddeployment.yaml
-SCALABLE = {"pddeployments": ("pairs", "replicas", "selector")}
-
-# (group, version, plural, kind, namespaced, has status subresource)
-RESOURCES = [
-    ("", "v1", "namespaces", "Namespace", False, True),
-    ("", "v1", "nodes", "Node", False, True),
-    ("", "v1", "pods", "Pod", True, True),
-    ("", "v1", "services", "Service", True, True),
-    ("", "v1", "configmaps", "ConfigMap", True, False),
-    ("", "v1", "secrets", "Secret", True, False),
-    ("", "v1", "events", "Event", True, False),
-    ("apps", "v1", "deployments", "Deployment", True, True),
-    ("apps", "v1", "controllerrevisions", "ControllerRevision", True, False),
-    ("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True, False),
-    ("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", True, True),
-    ("pdstack.io", "v1alpha1", "pddeployments", "PDDeployment", True, True),
-    ("kopf.dev", "v1", "clusterkopfpeerings", "ClusterKopfPeering", False, False),
-    ("kopf.dev", "v1", "kopfpeerings", "KopfPeering", True, False),
-    ("coordination.k8s.io", "v1", "leases", "Lease", True, False),
-]
+ROOT = Path(__file__).resolve().parents[2]
+# the CRDs a cluster starts with: stored objects like any other (``crds=()`` for a bare cluster helm fills)
+DEFAULT_CRDS = (ROOT / "crds" / "pddeployment.yaml", ROOT / "charts" / "pdstack" / "crds" / "kopf-peering.yaml")
+CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+RBAC_PLURALS = ("roles", "rolebindings", "clusterroles", "clusterrolebindings")
 NORMALIZED_KINDS = {"Pod", "Service", "Deployment", "NetworkPolicy", "ConfigMap", "Secret", "PodDisruptionBudget",
                     "ControllerRevision"}
 
@@ -163,8 +153,14 @@ def _sans_managed(obj: dict[str, Any]) -> dict[str, Any]:
     return {**obj, "metadata": meta}
 
 
-def _error(status: int, reason: str, message: str) -> KubernetesError:
-    return KubernetesError(status=status, reason=reason, message=message, details={})
+def _error(status: int, reason: str, message: str, *, causes: Iterable[Any] = (), kind: str = "",
+           group: str = "", name: str = "") -> KubernetesError:
+    details: dict[str, Any] = {}
+    if name:
+        details.update(name=name, group=group, kind=kind)
+    if causes:
+        details["causes"] = [{"reason": c.reason, "message": c.message, "field": c.field} for c in causes]
+    return KubernetesError(status=status, reason=reason, message=message, details=details)
 
 
 @attrs.define(kw_only=True)
@@ -193,15 +189,102 @@ class PDEmulator(kmock.KubernetesEmulator):
     watch_selectors: list[tuple[str, str | None, str | None]] = attrs.field(factory=list, init=False)
     _exit_at: dict[tuple[str, str], float] = attrs.field(factory=dict, init=False)  # pod -> container exit time
     on_pod_delete: Any = None  # test hook: called (namespace, name) before an HTTP DELETE of a pod is served
+    crds: Iterable[Any] = DEFAULT_CRDS  # CRDs stored at start: YAML paths or dicts
+    stored_rbac: bool = False  # authorize every request from the stored Roles, ClusterRoles and bindings
+    groups: dict[str, tuple[str, ...]] = attrs.field(factory=dict)  # user -> groups (e.g. system:masters)
+    catalog: cat.Catalog = attrs.field(factory=cat.Catalog, init=False)
+    _cat: dict[Any, cat.Resource] = attrs.field(factory=dict, init=False)
+    _schemas: dict[Any, tuple[dict[str, Any], dict[str, Any]]] = attrs.field(factory=dict, init=False)
+    _dry: bool = attrs.field(default=False, init=False)  # the request being served has dryRun=All
+    warnings: list[str] = attrs.field(factory=list, init=False)  # Warning headers of the request being served
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        for group, version, plural, kind, namespaced, status in RESOURCES:
-            res = R(group, version, plural)
-            self.resources[res] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=set(VERBS),
-                                                     subresources={"status"} if status else set())
-            self._info[res] = (kind, namespaced, status)
+        for r in self.catalog.resources:
+            self._register(r)
         self.seed(R("", "v1", "namespaces"), None, {"metadata": {"name": "default"}})
+        for crd in self.crds:
+            for doc in ([crd] if isinstance(crd, dict) else yaml.safe_load_all(Path(crd).read_text())):
+                if doc:
+                    self._create(CRDS, None, doc, manager="helm")
+
+    # ------------------------------------------------------------ served resources (built-in and CRDs)
+    def _register(self, r: cat.Resource) -> None:
+        res = R(r.group, r.version, r.plural)
+        self.resources[res] = kmock.ResourceInfo(kind=r.kind, namespaced=r.namespaced, verbs=set(r.verbs),
+                                                 subresources=set(r.subresources), singular=r.singular,
+                                                 shortnames=set(r.short_names), categories=set(r.categories))
+        self._info[res] = (r.kind, r.namespaced, r.status)
+        self._cat[res] = r
+        self._schemas.pop(res, None)
+
+    def _unregister(self, r: cat.Resource) -> None:
+        res = R(r.group, r.version, r.plural)
+        for key in [k for k, o in self.objects.items() if k[0] == res and not o.deleted]:
+            self._remove(*key)  # deleting a CRD deletes its objects
+        self._info.pop(res, None)
+        self._cat.pop(res, None)
+        self._schemas.pop(res, None)
+        try:
+            del self.resources[res]
+        except (KeyError, TypeError):
+            pass
+
+    def schema(self, res: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(root schema, definitions) of a served resource, OpenAPI v3 form."""
+        if res not in self._schemas:
+            self._schemas[res] = cat.schema_of(self._cat[res])
+        return self._schemas[res]
+
+    def _admit_crd(self, crd: dict[str, Any]) -> None:
+        """Validate a CRD (its CEL rules compile) and set the status the apiextensions controllers set."""
+        name = crd.get("metadata", {}).get("name", "")
+        spec = crd.get("spec") or {}
+        names = spec.get("names") or {}
+        causes = []
+        if name != f"{names.get('plural')}.{spec.get('group')}":
+            causes.append(apiext.Cause("metadata.name", f'Invalid value: "{name}": must be spec.names.plural+"."'
+                                                        "+spec.group"))
+        for i, v in enumerate(spec.get("versions") or []):
+            causes += apiext.compile_errors((v.get("schema") or {}).get("openAPIV3Schema") or {},
+                                            f"spec.versions[{i}].schema.openAPIV3Schema")
+        if causes:
+            raise _error(422, "Invalid", apiext.invalid_message("CustomResourceDefinition", "apiextensions.k8s.io",
+                                                                name, causes), causes=causes)
+        now = _now()
+        storage = [v["name"] for v in spec.get("versions") or [] if v.get("storage")]
+        crd["status"] = {
+            "acceptedNames": {k: v for k, v in names.items()},
+            "conditions": [{"type": t, "status": "True", "reason": reason, "message": msg,
+                            "lastTransitionTime": now}
+                           for t, reason, msg in (("NamesAccepted", "NoConflicts", "no conflicts found"),
+                                                  ("Established", "InitialNamesAccepted",
+                                                   "the initial names have been accepted"))],
+            "storedVersions": storage}
+
+    def _serve_crd(self, crd: dict[str, Any]) -> None:
+        old = {R(r.group, r.version, r.plural) for r in self.catalog.remove_crd(crd["metadata"]["name"])}
+        new = self.catalog.add_crd(crd)
+        for r in new:
+            self._register(r)
+        for res in old - {R(r.group, r.version, r.plural) for r in new}:
+            self._info.pop(res, None)
+
+    def _admit_custom(self, res: Any, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
+        """A custom resource as apiextensions stores it: unknown fields pruned, defaults set, schema + CEL."""
+        r = self._cat[res]
+        schema = r.schema
+        if schema is None:
+            return
+        apiext.prune(obj, schema, {})
+        apiext.apply_defaults(obj, schema, {})
+        body = {k: v for k, v in obj.items() if k != "metadata"}
+        old_body = None if old is None else {k: v for k, v in old.items() if k != "metadata"}
+        causes = apiext.validate(body, schema, {}, old=old_body, has_old=old is not None)
+        if causes:
+            name = obj.get("metadata", {}).get("name", "")
+            raise _error(422, "Invalid", apiext.invalid_message(r.kind, r.group, name, causes), causes=causes,
+                         kind=r.kind, group=r.group, name=name)
 
     # ------------------------------------------------------------ direct (in-process) API
     def read(self, res: Any, namespace: str | None, name: str) -> dict[str, Any] | None:
@@ -288,10 +371,17 @@ class PDEmulator(kmock.KubernetesEmulator):
             obj.pop("status", None)
         if kind == "Pod":
             self._admit_pod(namespace, obj)
+        if self._cat[res].crd is not None:
+            self._admit_custom(res, obj, None)
+        if kind == "CustomResourceDefinition":
+            self._admit_crd(obj)
         if manager:
             meta["managedFields"] = [self._mf(res, manager, operation, sem.object_paths(obj))]
         obj.setdefault("apiVersion", f"{res.group}/{res.version}" if res.group else res.version)
         obj.setdefault("kind", kind)
+        if self._dry:  # dryRun=All: admitted and returned, never stored
+            meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
+            return copy.deepcopy(obj)
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), resourceVersion=self._next_rv(), generation=1)
         meta.pop("deletionTimestamp", None)
         if key in self.objects:
@@ -299,6 +389,8 @@ class PDEmulator(kmock.KubernetesEmulator):
         else:
             self.objects[key] = obj
         self._emit(res, "ADDED", obj)
+        if kind == "CustomResourceDefinition":
+            self._serve_crd(obj)
         return copy.deepcopy(obj)
 
     def _store(self, res: Any, namespace: str | None, name: str, new: dict[str, Any],
@@ -340,6 +432,10 @@ class PDEmulator(kmock.KubernetesEmulator):
                 except ValueError as e:
                     raise _error(422, "Invalid", f'{kind} "{name}" is invalid: {e}') from None
                 meta = new["metadata"]
+            if self._cat[res].crd is not None:
+                self._admit_custom(res, new, old)
+            if kind == "CustomResourceDefinition":
+                self._admit_crd(new)
             if managed is not None:
                 meta["managedFields"] = managed
             else:
@@ -349,12 +445,16 @@ class PDEmulator(kmock.KubernetesEmulator):
             meta["generation"] = old_meta.get("generation", 1) + (1 if body_old != body_new else 0)
         if _sans_managed(new) == _sans_managed(old):
             return copy.deepcopy(old)  # no-op writes do not bump resourceVersion (as the API server)
+        if self._dry:
+            return copy.deepcopy(new)
         new["metadata"]["resourceVersion"] = self._next_rv()
         self.objects[key].create(new)
         if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
             self._remove(res, namespace, name)
         else:
             self._emit(res, "MODIFIED", new)
+            if kind == "CustomResourceDefinition":
+                self._serve_crd(new)
         return copy.deepcopy(new)
 
     def _delete(self, res: Any, namespace: str | None, name: str, *, grace: int | None = None) -> dict[str, Any]:
@@ -365,6 +465,8 @@ class PDEmulator(kmock.KubernetesEmulator):
         if key not in self.objects or self.objects[key].deleted:
             raise _error(404, "NotFound", f'{res.plural} "{name}" not found')
         obj = self.objects[key].raw
+        if self._dry:
+            return copy.deepcopy(obj)
         bound = res == PODS and obj.get("spec", {}).get("nodeName")
         if bound and grace is None:
             grace = int(obj["spec"].get("terminationGracePeriodSeconds", 30))
@@ -392,6 +494,9 @@ class PDEmulator(kmock.KubernetesEmulator):
         obj["metadata"]["resourceVersion"] = self._next_rv()
         self.objects[key].delete()
         self._emit(res, "DELETED", obj)
+        if res == CRDS:
+            for r in self.catalog.remove_crd(name):
+                self._unregister(r)
         self._collect_garbage(obj["metadata"]["uid"])
         return obj
 
@@ -497,29 +602,57 @@ class PDEmulator(kmock.KubernetesEmulator):
 
     # ------------------------------------------------------------ eviction (policy/v1)
     def _scale(self, res: Any, ns: str | None, name: str, method: str, ctype: str, body: Any) -> dict[str, Any]:
-        """The CRD scale subresource (``kubectl scale``, HPA, KEDA): an ``autoscaling/v1 Scale`` view of
-        ``specReplicasPath`` / ``statusReplicasPath`` / ``labelSelectorPath``; a write sets the spec path only."""
-        spec_path, status_path, selector_path = SCALABLE[res.plural]
+        """The scale subresource (``kubectl scale``, HPA, KEDA): an ``autoscaling/v1 Scale`` view of the CRD's
+        ``specReplicasPath`` / ``statusReplicasPath`` / ``labelSelectorPath`` (Deployments: ``spec.replicas``);
+        a write sets the spec path only."""
+        r = self._cat[res]
+        spec_path, status_path, selector_path = r.scale or (".spec.replicas", ".status.replicas", "")
         current = self.read(res, ns, name)
         if current is None:
-            raise _error(404, "NotFound", f'{res.plural} "{name}" not found')
+            raise _error(404, "NotFound", f'{res.plural}.{res.group} "{name}" not found' if res.group
+                         else f'{res.plural} "{name}" not found')
+
+        def at(obj: Any, path: str) -> Any:
+            found = emu_table.jsonpath(obj, path)
+            return found[0] if found else None
+
+        def scale_of(obj: dict[str, Any]) -> dict[str, Any]:
+            if r.crd is None:
+                sel = ((obj.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+                selector = ",".join(f"{k}={v}" for k, v in sorted(sel.items()))
+            else:
+                selector = at(obj, selector_path) if selector_path else None
+            status = {"replicas": at(obj, status_path) or 0}
+            if selector:
+                status["selector"] = selector
+            return {"apiVersion": "autoscaling/v1", "kind": "Scale",
+                    "metadata": {"name": name, "namespace": ns, "resourceVersion": obj["metadata"]["resourceVersion"],
+                                 "uid": obj["metadata"]["uid"],
+                                 "creationTimestamp": obj["metadata"].get("creationTimestamp")},
+                    "spec": {"replicas": at(obj, spec_path) or 0}, "status": status}
+
         if method in ("PATCH", "PUT"):
-            if ctype not in ("application/merge-patch+json", "application/strategic-merge-patch+json") \
-                    and method == "PATCH":
-                raise _error(415, "UnsupportedMediaType", f"the body of the request was in an unknown format: {ctype}")
-            replicas = ((body or {}).get("spec") or {}).get("replicas")
+            if method == "PATCH" and ctype == "application/json-patch+json":
+                patched = jsonpatch.apply_patch(scale_of(current), body)
+            elif method == "PATCH":
+                if ctype not in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
+                    raise _error(415, "UnsupportedMediaType",
+                                 f"the body of the request was in an unknown format: {ctype}")
+                patched = kmock_dicts.merge_patch_dict(scale_of(current), body or {})
+            else:
+                patched = body or {}
+            replicas = ((patched or {}).get("spec") or {}).get("replicas")
             if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
                 raise _error(422, "Invalid", f"Scale.autoscaling \"{name}\" is invalid: spec.replicas: Invalid value: "
                                              f"{replicas!r}: must be greater than or equal to 0")
             new = copy.deepcopy(current)
-            new["spec"][spec_path] = replicas
+            node = new
+            keys = spec_path.strip(".").split(".")
+            for k in keys[:-1]:
+                node = node.setdefault(k, {})
+            node[keys[-1]] = replicas
             current = self._store(res, ns, name, new, manager="kubectl")
-        st = current.get("status") or {}
-        return {"apiVersion": "autoscaling/v1", "kind": "Scale",
-                "metadata": {"name": name, "namespace": ns, "resourceVersion": current["metadata"]["resourceVersion"],
-                             "uid": current["metadata"]["uid"]},
-                "spec": {"replicas": current["spec"].get(spec_path, 0)},
-                "status": {"replicas": st.get(status_path, 0), "selector": st.get(selector_path, "")}}
+        return scale_of(current)
 
     def _evict(self, namespace: str, name: str) -> dict[str, Any]:
         pod = self.read(PODS, namespace, name)
@@ -574,24 +707,34 @@ class PDEmulator(kmock.KubernetesEmulator):
                     rule["resources"] = [resource]
                 rule["verbs"] = [v for v in rule["verbs"] if v != verb]
 
+    def _rbac_store(self) -> dict[str, list[dict[str, Any]]]:
+        return {p: self.select(R("rbac.authorization.k8s.io", "v1", p)) for p in RBAC_PLURALS}
+
+    def user(self, name: str) -> emu_rbac.User:
+        return emu_rbac.User.of(name, self.groups.get(name, ()))
+
+    def can(self, user: str, verb: str, group: str, resource: str, namespace: str | None,
+            name: str | None = None) -> bool:
+        """The authorizer's decision (stored RBAC, the ``rbac``/``cluster_rbac`` rules, or allow-all)."""
+        if self.stored_rbac:
+            return emu_rbac.allowed(self.user(user), verb, group, resource, namespace, name, self._rbac_store())
+        if self.rbac is None:
+            return True
+        from pdoperator.rbac import allows
+        base = R(group, "v1", resource.split("/")[0])
+        namespaced = next((v[1] for k, v in self._info.items() if k.group == group and k.plural == base.plural), True)
+        rules = (self.rbac if namespaced and namespace else []) + (self.cluster_rbac or [])
+        return allows(rules, verb, group, resource)
+
     def _authorize(self, verb: str, res: Any, subresource: str | None, namespace: str | None,
-                   user: str = "anonymous") -> None:
+                   user: str = "anonymous", name: str | None = None) -> None:
         resource = res.plural + (f"/{subresource}" if subresource else "")
         self.requests.append((verb, res.group, resource, namespace))
         self.request_log.append((user, verb, res.group, resource, namespace, time.time()))
-        if self.rbac is None:
-            return
-        from pdoperator.rbac import allows
-        namespaced = self._info[res][1]
-        rules = (self.rbac if namespaced and namespace else []) + (self.cluster_rbac or [])
-        if not allows(rules, verb, res.group, resource):
-            where = f' in the namespace "{namespace}"' if namespace else " at the cluster scope"
-            group = f' in API group "{res.group}"' if res.group else ' in API group ""'
-            raise _error(403, "Forbidden", f'{resource.split("/")[0]}{"" if not subresource else ""} is forbidden: '
-                                           f'User "system:serviceaccount:pdstack:pdstack-operator" cannot {verb} '
-                                           f'resource "{res.plural}"'
-                                           + (f' subresource "{subresource}"' if subresource else "")
-                                           + f"{group}{where}")
+        if not self.can(user, verb, res.group, resource, namespace, name):
+            shown = user if self.stored_rbac else "system:serviceaccount:pdstack:pdstack-operator"
+            raise _error(403, "Forbidden", emu_rbac.forbidden_message(emu_rbac.User(shown), verb, res.group,
+                                                                      resource, namespace))
 
     def _authenticate(self, request: Any) -> str:
         """The user of a request (bearer token or verified client certificate); 401 when unknown."""
@@ -610,29 +753,172 @@ class PDEmulator(kmock.KubernetesEmulator):
 
     # ------------------------------------------------------------ HTTP
     async def _handle(self, request: Any) -> aiohttp.web.StreamResponse:
+        served = self._non_resource(request)
+        if served is not None:
+            return served
         res = request.resource
         if res == PODS and (request.subresource or "").split("/")[0] == "proxy" and request.name:
             return await self._proxy(request)
         if res is None or res not in self._info or request.subresource not in (None, "status", "eviction", "scale") \
-                or (request.subresource == "scale" and res.plural not in SCALABLE):
+                or (request.subresource == "scale" and "scale" not in self._cat[res].subresources):
             self._authenticate(request)
-            return await super()._handle(request)  # discovery, unknown endpoints
+            if res is not None and res.group is not None and res not in self._info:
+                raise _error(404, "NotFound", "the server could not find the requested resource")
+            return await super()._handle(request)  # unknown endpoints
+        self.warnings = []
+        self._dry = request.params.get("dryRun") == "All"
+        try:
+            response = await self._serve(request)
+        finally:
+            self._dry = False
+        for w in self.warnings:
+            response.headers.add("Warning", f'299 - "{w}"')
+        return response
+
+    def _non_resource(self, request: Any) -> aiohttp.web.StreamResponse | None:
+        """Discovery, OpenAPI, /version and health: the documents of :mod:`emu_catalog`."""
+        raw = request._raw_request
+        path = raw.path.rstrip("/") or "/"
+        parts = path.strip("/").split("/")
+        rs = self.catalog.resources
+        doc: Any = None
+        if path in ("/healthz", "/readyz", "/livez"):
+            return aiohttp.web.Response(text="ok")
+        if path == "/version":
+            doc = cat.SERVER_VERSION
+        elif path == "/api":
+            doc = cat.api_versions(raw.host)
+        elif path == "/apis":
+            doc = cat.group_list(rs)
+        elif path == "/api/v1":
+            doc = cat.resource_list(rs, "v1")
+        elif parts[0] == "apis" and len(parts) == 2:
+            doc = cat.group(rs, parts[1]) or KeyError
+        elif parts[0] == "apis" and len(parts) == 3:
+            doc = cat.resource_list(rs, f"{parts[1]}/{parts[2]}") or KeyError
+        elif path == "/openapi/v3":
+            doc = cat.openapi_v3_index(rs)
+        elif path.startswith("/openapi/v3/"):
+            gv = cat.openapi_v3_path_gv(path)
+            doc = (gv and cat.openapi_v3(rs, gv)) or KeyError
+        elif path == "/openapi/v2":
+            accept = request.headers.get("Accept", "")
+            if "json" not in accept and "*/*" not in accept and accept:
+                self._authenticate(request)
+                return aiohttp.web.json_response(
+                    {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "code": 406,
+                     "reason": "NotAcceptable", "message": f"only application/json is served, not {accept}"},
+                    status=406)
+            doc = cat.openapi_v2(rs)
+        elif path == "/":
+            gvs = sorted({r.group_version for r in rs})
+            doc = {"paths": sorted(["/api", "/api/v1", "/apis", "/version", "/openapi/v2", "/openapi/v3",
+                                    "/healthz", "/livez", "/readyz"]
+                                   + [f"/apis/{gv}" for gv in gvs if "/" in gv]
+                                   + sorted({f"/apis/{gv.split('/')[0]}" for gv in gvs if "/" in gv}))}
+        if doc is None:
+            return None
+        self._authenticate(request)
+        if doc is KeyError:
+            raise _error(404, "NotFound", "the server could not find the requested resource")
+        return aiohttp.web.json_response(doc)
+
+    def _decode_body(self, request: Any, ctype: str) -> Any:
+        body = request.data
+        if ctype == "application/vnd.kubernetes.protobuf" and request.body:
+            import emu_protobuf
+            try:
+                return emu_protobuf.decode(request.body)
+            except ValueError as e:
+                raise _error(415, "UnsupportedMediaType", f"the protobuf body could not be decoded: {e}") from None
+        if body is None and request.body:
+            try:
+                body = json.loads(request.body)
+            except ValueError:
+                try:
+                    body = yaml.safe_load(request.body)  # apply-patch+yaml
+                except yaml.YAMLError:
+                    raise _error(400, "BadRequest", "the body is neither JSON nor YAML") from None
+        return body
+
+    def _field_validation(self, r: cat.Resource, res: Any, body: Any, directive: str, ctype: str) -> None:
+        """Unknown fields in a write: 400 with Strict, a Warning header with Warn (the default), dropped
+        from built-in kinds (Go decoding) and pruned from custom resources (apiextensions)."""
+        if not isinstance(body, dict) or ctype == "application/json-patch+json" or r.kind in cat.REVIEW_KINDS:
+            return
+        if r.crd is not None:
+            schema, defs = r.schema or {}, {}
+            if not r.schema:
+                return
+        else:
+            schema, defs = self.schema(res)
+        unknown = apiext.prune(body, schema, defs, drop=r.crd is None and directive != "Strict")
+        if not unknown:
+            return
+        if directive == "Strict":
+            fields = ", ".join(f'unknown field "{u}"' for u in unknown)
+            raise _error(400, "BadRequest", f'{r.kind} in version "{r.version}" cannot be handled as a {r.kind}: '
+                                            f"strict decoding error: {fields}")
+        if directive != "Ignore":
+            self.warnings += [f'unknown field \\"{u}\\"' for u in unknown]
+
+    def _review(self, r: cat.Resource, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """SelfSubjectAccessReview, SubjectAccessReview, SelfSubjectRulesReview, SelfSubjectReview."""
+        out = {**copy.deepcopy(body), "apiVersion": r.group_version, "kind": r.kind}
+        out.setdefault("metadata", {})["creationTimestamp"] = None
+        spec = body.get("spec") or {}
+        if r.kind == "SelfSubjectReview":
+            u = self.user(user)
+            out["status"] = {"userInfo": {"username": u.name, "groups": list(u.groups)}}
+            return out
+        if r.kind == "SelfSubjectRulesReview":
+            u = self.user(user)
+            ns = spec.get("namespace")
+            if "system:masters" in u.groups or (not self.stored_rbac and self.rbac is None):
+                rules = [{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"]}]
+            elif self.stored_rbac:
+                rules = emu_rbac.rules_for(u, ns, self._rbac_store())
+            else:
+                rules = (self.rbac or []) + (self.cluster_rbac or [])
+            out["status"] = {"resourceRules": rules, "nonResourceRules": [
+                {"verbs": ["get"], "nonResourceURLs": ["/api", "/api/*", "/apis", "/apis/*", "/version"]}],
+                "incomplete": False}
+            return out
+        subject = spec.get("user", user) if r.kind == "SubjectAccessReview" else user
+        if r.kind == "SubjectAccessReview":
+            self.groups.setdefault(subject, tuple(spec.get("groups") or ()))
+        attrs_ = spec.get("resourceAttributes")
+        if attrs_ is None:
+            out["status"] = {"allowed": True, "reason": "non-resource URLs are readable by every user"}
+            return out
+        resource = attrs_.get("resource", "") + (f"/{attrs_['subresource']}" if attrs_.get("subresource") else "")
+        ok = self.can(subject, attrs_.get("verb", ""), attrs_.get("group", ""), resource,
+                      attrs_.get("namespace") or None, attrs_.get("name") or None)
+        out["status"] = {"allowed": ok}
+        if ok and self.stored_rbac:
+            out["status"]["reason"] = "RBAC: allowed by the stored roles and bindings"
+        return out
+
+    async def _serve(self, request: Any) -> aiohttp.web.StreamResponse:
+        res = request.resource
+        r = self._cat[res]
         user = self._authenticate(request)
         method = request.method.upper()
         ns, name, params = request.namespace, request.name, request.params
         sub = request.subresource
         ctype = request.headers.get("Content-Type", "application/json").split(";")[0].strip()
-        body = request.data
-        if body is None and request.body:
-            try:
-                body = json.loads(request.body)  # apply-patch+yaml: JSON is YAML
-            except ValueError:
-                raise _error(400, "BadRequest", "the body is not JSON (YAML apply bodies are not supported here)")
+        body = self._decode_body(request, ctype)
+        if method == "POST" and r.kind in cat.REVIEW_KINDS:
+            if r.kind == "SubjectAccessReview":
+                self._authorize("create", res, None, None, user)
+            return self._json(self._review(r, user, body or {}), status=201)
+        if method in ("POST", "PUT", "PATCH") and sub in (None, "status"):
+            self._field_validation(r, res, body, params.get("fieldValidation") or "Warn", ctype)
         watch = method == "GET" and params.get("watch") in ("true", "1")
         verb = ("watch" if watch else "list" if name is None else "get") if method == "GET" else {
             "POST": "create", "PUT": "update", "PATCH": "patch",
             "DELETE": "delete" if name else "deletecollection"}.get(method, method.lower())
-        self._authorize(verb, res, sub, ns, user)
+        self._authorize(verb, res, sub, ns, user, name)
         if method == "PATCH" and ctype == "application/apply-patch+yaml" and self.read(res, ns, name) is None:
             self._authorize("create", res, sub, ns, user)  # an apply that creates needs create too
         if method in ("POST", "PUT", "PATCH") and isinstance(body, dict) and sub != "eviction":
@@ -661,12 +947,20 @@ class PDEmulator(kmock.KubernetesEmulator):
             return await self._serve_watch_stream(request)
         if sub == "scale":
             return self._json(self._scale(res, ns, name, method, ctype, body))
+        accept = request.headers.get("Accept", "")
         if method == "GET" and name is None:
-            return self._json(self._list_body(res, ns, params))
+            listed = self._list_body(res, ns, params)
+            if emu_table.wants_table(accept):
+                return self._json(emu_table.table(r, listed["items"], listed["metadata"],
+                                                  params.get("includeObject", "PartialObjectMetadata")))
+            return self._json(listed)
         if method == "GET":
             obj = self.read(res, ns, name)
             if obj is None:
-                raise _error(404, "NotFound", f'{res.plural} "{name}" not found')
+                raise self._not_found(res, name)
+            if emu_table.wants_table(accept):
+                return self._json(emu_table.table(r, [obj], {"resourceVersion": obj["metadata"]["resourceVersion"]},
+                                                  params.get("includeObject", "PartialObjectMetadata")))
             return self._json(obj)
         if method == "POST" and sub == "eviction":
             return self._json(self._evict(ns, name), status=201)
@@ -695,17 +989,32 @@ class PDEmulator(kmock.KubernetesEmulator):
                                               params.get("force") in ("true", "1")))
             current = self.read(res, ns, name)
             if current is None:
-                raise _error(404, "NotFound", f'{res.plural} "{name}" not found')
+                raise self._not_found(res, name)
             if method == "PUT":
                 new, expect = body, (body or {}).get("metadata", {}).get("resourceVersion")
-                if not expect:
-                    raise _error(422, "Invalid", "metadata.resourceVersion: Invalid value: 0x0: must be specified "
+                # rest.RESTUpdateStrategy.AllowUnconditionalUpdate: true for built-in kinds, false for custom
+                # resources and CRDs (their strategies require the resourceVersion)
+                if not expect and (r.crd is not None or r.kind == "CustomResourceDefinition"):
+                    raise _error(422, "Invalid", f'{r.kind}{"." + r.group if r.group else ""} "{name}" is invalid: '
+                                                 "metadata.resourceVersion: Invalid value: 0x0: must be specified "
                                                  "for an update")
             elif ctype == "application/json-patch+json":
-                new = jsonpatch.apply_patch(current, body)
+                try:
+                    new = jsonpatch.apply_patch(current, body)
+                except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as e:
+                    raise _error(422, "Invalid", f"the JSON patch could not be applied: {e}") from None
                 expect = None
-            elif ctype in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
+            elif ctype == "application/merge-patch+json":
                 new = kmock_dicts.merge_patch_dict(current, body or {})
+                expect = (body or {}).get("metadata", {}).get("resourceVersion")
+            elif ctype == "application/strategic-merge-patch+json":
+                if r.crd is not None:
+                    raise _error(415, "UnsupportedMediaType",
+                                 "the body of the request was in an unknown format - accepted media types include: "
+                                 "application/json-patch+json, application/merge-patch+json, "
+                                 "application/apply-patch+yaml")
+                schema, defs = self.schema(res)
+                new = emu_smp.apply_patch(current, body or {}, schema, defs)
                 expect = (body or {}).get("metadata", {}).get("resourceVersion")
             else:
                 raise _error(415, "UnsupportedMediaType", f"the body of the request was in an unknown format: {ctype}")
@@ -754,6 +1063,11 @@ class PDEmulator(kmock.KubernetesEmulator):
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise _error(503, "ServiceUnavailable", f"error trying to reach service: {e}") from None
 
+    def _not_found(self, res: Any, name: str | None) -> KubernetesError:
+        what = f"{res.plural}.{res.group}" if res.group else res.plural
+        return _error(404, "NotFound", f'{what} "{name}" not found', kind=res.plural, group=res.group,
+                      name=name or "")
+
     def _json(self, data: Any, status: int = 200) -> aiohttp.web.Response:
         return aiohttp.web.json_response(data, status=status)
 
@@ -769,13 +1083,19 @@ class PDEmulator(kmock.KubernetesEmulator):
 
     @staticmethod
     def _field_ok(obj: dict[str, Any], selector: str | None) -> bool:
+        """Field selectors (``=``, ``==``, ``!=``) on any field path: ``metadata.name``,
+        ``involvedObject.uid`` (what ``kubectl describe`` sends for Events), ``spec.nodeName``, ``status.phase``."""
         for req in (selector or "").split(","):
-            if "=" in req:
-                k, v = req.split("=", 1)
-                k, neg = (k[:-1], True) if k.endswith("!") else (k.rstrip("="), False)
-                actual = obj.get("metadata", {}).get(k.split(".", 1)[1]) if k.startswith("metadata.") else None
-                if (actual == v) == neg:
-                    return False
+            if "=" not in req:
+                continue
+            k, v = req.split("=", 1)
+            k, neg = (k[:-1], True) if k.endswith("!") else (k.rstrip("="), False)
+            cur: Any = obj
+            for part in k.strip().split("."):
+                cur = cur.get(part) if isinstance(cur, dict) else None
+            actual = "" if cur is None else str(cur).lower() if isinstance(cur, bool) else str(cur)
+            if (actual == v.strip()) == neg:
+                return False
         return True
 
     async def _serve_watch_stream(self, request: Any) -> aiohttp.web.StreamResponse:
