@@ -49,8 +49,14 @@ def _preserves(s: dict[str, Any]) -> bool:
 
 # ---------------------------------------------------------------- pruning / unknown fields
 def prune(obj: Any, schema: dict[str, Any] | None, defs: dict[str, Any], path: str = "", *,
-          drop: bool = True, root: bool = True) -> list[str]:
-    """Unknown fields of ``obj`` (dotted paths); removed from ``obj`` when ``drop``."""
+          drop: bool = True, root: bool = True, structural: bool | None = None) -> list[str]:
+    """Unknown fields of ``obj`` (dotted paths); removed from ``obj`` when ``drop``.
+
+    ``structural`` (a CRD schema, the default without ``defs``): an object node that declares neither
+    properties nor additionalProperties keeps no field, as apiextensions prunes. Built-in definitions
+    without properties are free-form (``JSONSchemaPropsOrArray``, ``RawExtension``)."""
+    if structural is None:
+        structural = not defs
     s = _node(schema, defs)
     unknown: list[str] = []
     if isinstance(obj, dict):
@@ -63,18 +69,16 @@ def prune(obj: Any, schema: dict[str, Any] | None, defs: dict[str, Any], path: s
             if sub is None and isinstance(extra, dict):
                 sub = extra
             if sub is None:
-                if props is None and (extra is True or _preserves(s) or not s):
-                    continue  # free-form map
-                if _preserves(s) or extra is True:
-                    continue
+                if _preserves(s) or extra is True or (props is None and not structural):
+                    continue  # a free-form object (no declared properties) keeps every field
                 unknown.append(_join(path, key))
                 if drop:
                     del obj[key]
                 continue
-            unknown += prune(obj[key], sub, defs, _join(path, key), drop=drop, root=False)
+            unknown += prune(obj[key], sub, defs, _join(path, key), drop=drop, root=False, structural=structural)
     elif isinstance(obj, list) and isinstance(s.get("items"), dict):
         for i, item in enumerate(obj):
-            unknown += prune(item, s["items"], defs, f"{path}[{i}]", drop=drop, root=False)
+            unknown += prune(item, s["items"], defs, f"{path}[{i}]", drop=drop, root=False, structural=structural)
     return unknown
 
 

@@ -15,6 +15,8 @@ import datetime
 from typing import Any
 
 MAGIC = b"k8s\x00"
+# the response type kube-openapi serves (clients Accept ...spec.v2@v1.0+protobuf; Go's mime parser refuses "@")
+OPENAPI_V2_PROTOBUF = "application/com.github.proto-openapi.spec.v2.v1.0+protobuf"
 
 # message -> {field number: (json name, type, repeated)}; types: str, bytes, int, bool, map, map_bytes,
 # time, or the name of another message
@@ -134,3 +136,87 @@ def decode(body: bytes) -> dict[str, Any]:
         obj["apiVersion"] = tm["apiVersion"]
     obj["kind"] = kind
     return obj
+
+
+# ---------------------------------------------------------------- OpenAPI v2 as gnostic protobuf
+# (github.com/google/gnostic openapiv2/OpenAPIv2.proto: what client-go's OpenAPISchema() unmarshals)
+def _key(num: int, wire: int) -> bytes:
+    return _uvarint(num << 3 | wire)
+
+
+def _uvarint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _ld(num: int, payload: bytes) -> bytes:
+    return _key(num, 2) + _uvarint(len(payload)) + payload
+
+
+def _s(num: int, value: str) -> bytes:
+    return _ld(num, value.encode())
+
+
+def _any_yaml(value: Any) -> bytes:
+    import yaml
+    return _s(2, yaml.safe_dump(value, default_flow_style=True).strip())
+
+
+def encode_schema(s: dict[str, Any]) -> bytes:
+    """One OpenAPI v2 schema object as a gnostic ``Schema`` message."""
+    import struct
+    out = bytearray()
+    if "$ref" in s:
+        out += _s(1, s["$ref"])
+    if s.get("format"):
+        out += _s(2, s["format"])
+    if s.get("description"):
+        out += _s(4, s["description"])
+    if "default" in s:
+        out += _ld(5, _any_yaml(s["default"]))
+    for key, num in (("maximum", 7), ("minimum", 9)):
+        if isinstance(s.get(key), (int, float)) and not isinstance(s.get(key), bool):
+            out += _key(num, 1) + struct.pack("<d", float(s[key]))
+    for key, num in (("maxLength", 11), ("minLength", 12), ("maxItems", 14), ("minItems", 15)):
+        if isinstance(s.get(key), int):
+            out += _key(num, 0) + _uvarint(s[key])
+    if s.get("pattern"):
+        out += _s(13, s["pattern"])
+    for r in s.get("required") or []:
+        out += _s(19, r)
+    for e in s.get("enum") or []:
+        out += _ld(20, _any_yaml(e))
+    ap = s.get("additionalProperties")
+    if isinstance(ap, dict):
+        out += _ld(21, _ld(1, encode_schema(ap)))
+    elif isinstance(ap, bool):
+        out += _ld(21, _key(2, 0) + _uvarint(int(ap)))
+    t = s.get("type")
+    if t:
+        out += _ld(22, b"".join(_s(1, v) for v in ([t] if isinstance(t, str) else t)))
+    if isinstance(s.get("items"), dict):
+        out += _ld(23, _ld(1, encode_schema(s["items"])))
+    for sub in s.get("allOf") or []:
+        out += _ld(24, encode_schema(sub))
+    if s.get("properties"):
+        out += _ld(25, b"".join(_ld(1, _s(1, k) + _ld(2, encode_schema(v))) for k, v in s["properties"].items()))
+    for k, v in s.items():
+        if k.startswith("x-"):
+            out += _ld(31, _s(1, k) + _ld(2, _any_yaml(v)))
+    return bytes(out)
+
+
+def encode_openapi_v2(doc: dict[str, Any]) -> bytes:
+    """An OpenAPI v2 document (its info and definitions) as a gnostic ``Document``."""
+    info = doc.get("info") or {}
+    out = _s(1, doc.get("swagger", "2.0")) + _ld(2, _s(1, info.get("title", "")) + _s(2, info.get("version", "")))
+    defs = b"".join(_ld(1, _s(1, name) + _ld(2, encode_schema(schema)))
+                    for name, schema in (doc.get("definitions") or {}).items())
+    return out + _ld(9, defs)

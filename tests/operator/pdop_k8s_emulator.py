@@ -64,18 +64,49 @@ import emu_semantics as sem
 import emu_smp
 import emu_table
 from kmock._internal import parsing as _kmock_parsing
+from kmock._internal import rendering as _kmock_rendering
 
 _kmock_parse_path = _kmock_parsing.parse_path
 
 
 def _parse_path(path: str) -> Any:
     """kmock 0.8 cannot parse ``GET /api/v1/namespaces`` (the namespaces list): route it as a resource."""
-    if path.split("?")[0].rstrip("/") == "/api/v1/namespaces":
+    parts = path.split("?")[0].strip("/").split("/")
+    if parts == ["api", "v1", "namespaces"]:
         return _kmock_parsing.ParsedPath("", "v1", "namespaces", None, None, None)
+    if parts[:3] == ["api", "v1", "namespaces"] and (len(parts) == 4 or (len(parts) == 5 and parts[4] in
+                                                                         ("status", "finalize"))):
+        return _kmock_parsing.ParsedPath("", "v1", "namespaces", None, parts[3], parts[4] if len(parts) == 5
+                                         else None)
     return _kmock_parse_path(path)
 
 
 _kmock_parsing.parse_path = _parse_path
+
+async def _parse_request(cls: Any, raw_request: aiohttp.web.BaseRequest, *, id: int = 0) -> Any:
+    """kmock 0.8's ``Request._parse``, except that a binary body (protobuf) does not fail as text."""
+    from kmock._internal import enums, references
+    body = await raw_request.read()
+    try:
+        text = body.decode(raw_request.charset or "utf-8")
+    except UnicodeDecodeError:
+        text = ""
+    try:
+        data = json.loads(text) if text else None
+    except ValueError:
+        data = None
+    k8s = _kmock_parsing.parse_path(raw_request.path)
+    resource = None if k8s is None or k8s.group is None else references.resource(
+        group=k8s.group, version=k8s.version, plural=k8s.plural)
+    method = enums.method(raw_request.method)
+    action = _kmock_parsing.guess_k8s(k8s, method, dict(raw_request.query))
+    return cls(id=id, raw_request=raw_request, url=raw_request.url, method=raw_request.method,
+               params=dict(raw_request.query), headers=dict(raw_request.headers), cookies=dict(raw_request.cookies),
+               data=data, body=body, text=text, action=action, resource=resource, namespace=k8s.namespace,
+               name=k8s.name, subresource=k8s.subresource)
+
+
+_kmock_rendering.Request._parse = classmethod(_parse_request)
 
 GPU = "nvidia.com/gpu"
 VERBS = ["list", "watch", "get", "create", "patch", "update", "delete", "deletecollection"]
@@ -86,6 +117,11 @@ CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 RBAC_PLURALS = ("roles", "rolebindings", "clusterroles", "clusterrolebindings")
 NORMALIZED_KINDS = {"Pod", "Service", "Deployment", "NetworkPolicy", "ConfigMap", "Secret", "PodDisruptionBudget",
                     "ControllerRevision"}
+
+
+def _truthy(value: str | None) -> bool:
+    """A boolean query parameter as Go's strconv.ParseBool reads it (``true``, ``True``, ``1``, ``t`` ...)."""
+    return (value or "").strip() in ("1", "t", "T", "true", "TRUE", "True")
 
 
 def _now() -> str:
@@ -153,6 +189,13 @@ def _sans_managed(obj: dict[str, Any]) -> dict[str, Any]:
     return {**obj, "metadata": meta}
 
 
+def _ownership(obj: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """managedFields without their timestamps: an apply that only moves ownership is a write."""
+    return sorted((e.get("manager"), e.get("operation"), e.get("subresource", ""), json.dumps(e.get("fieldsV1"),
+                                                                                              sort_keys=True))
+                  for e in obj.get("metadata", {}).get("managedFields") or [])
+
+
 def _error(status: int, reason: str, message: str, *, causes: Iterable[Any] = (), kind: str = "",
            group: str = "", name: str = "") -> KubernetesError:
     details: dict[str, Any] = {}
@@ -197,6 +240,7 @@ class PDEmulator(kmock.KubernetesEmulator):
     _schemas: dict[Any, tuple[dict[str, Any], dict[str, Any]]] = attrs.field(factory=dict, init=False)
     _dry: bool = attrs.field(default=False, init=False)  # the request being served has dryRun=All
     warnings: list[str] = attrs.field(factory=list, init=False)  # Warning headers of the request being served
+    _v2_cache: tuple[Any, Any] = attrs.field(default=(None, None), init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -443,7 +487,7 @@ class PDEmulator(kmock.KubernetesEmulator):
             body_old = {k: v for k, v in old.items() if k not in ("metadata", "status")}
             body_new = {k: v for k, v in new.items() if k not in ("metadata", "status")}
             meta["generation"] = old_meta.get("generation", 1) + (1 if body_old != body_new else 0)
-        if _sans_managed(new) == _sans_managed(old):
+        if _sans_managed(new) == _sans_managed(old) and _ownership(new) == _ownership(old):
             return copy.deepcopy(old)  # no-op writes do not bump resourceVersion (as the API server)
         if self._dry:
             return copy.deepcopy(new)
@@ -551,7 +595,8 @@ class PDEmulator(kmock.KubernetesEmulator):
         applied.setdefault("metadata", {})
         applied["metadata"].pop("managedFields", None)
         try:
-            applied = sem.drop_empty(sem.canonicalize_resources(applied))
+            if kind in NORMALIZED_KINDS:
+                applied = sem.drop_empty(sem.canonicalize_resources(applied))
         except ValueError as e:
             raise _error(422, "Invalid", f'{kind} "{name}" is invalid: {e}') from None
         paths = sem.object_paths(applied)
@@ -803,13 +848,12 @@ class PDEmulator(kmock.KubernetesEmulator):
             doc = (gv and cat.openapi_v3(rs, gv)) or KeyError
         elif path == "/openapi/v2":
             accept = request.headers.get("Accept", "")
-            if "json" not in accept and "*/*" not in accept and accept:
+            if "protobuf" in accept and "json" not in accept:
+                import emu_protobuf
                 self._authenticate(request)
-                return aiohttp.web.json_response(
-                    {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "code": 406,
-                     "reason": "NotAcceptable", "message": f"only application/json is served, not {accept}"},
-                    status=406)
-            doc = cat.openapi_v2(rs)
+                return aiohttp.web.Response(body=emu_protobuf.encode_openapi_v2(self._openapi_v2()),
+                                            content_type=emu_protobuf.OPENAPI_V2_PROTOBUF)
+            doc = self._openapi_v2()
         elif path == "/":
             gvs = sorted({r.group_version for r in rs})
             doc = {"paths": sorted(["/api", "/api/v1", "/apis", "/version", "/openapi/v2", "/openapi/v3",
@@ -822,6 +866,12 @@ class PDEmulator(kmock.KubernetesEmulator):
         if doc is KeyError:
             raise _error(404, "NotFound", "the server could not find the requested resource")
         return aiohttp.web.json_response(doc)
+
+    def _openapi_v2(self) -> dict[str, Any]:
+        key = tuple(id(r) for r in self.catalog.resources)
+        if self._v2_cache[0] != key:
+            self._v2_cache = (key, cat.openapi_v2(self.catalog.resources))
+        return self._v2_cache[1]
 
     def _decode_body(self, request: Any, ctype: str) -> Any:
         body = request.data
@@ -914,7 +964,7 @@ class PDEmulator(kmock.KubernetesEmulator):
             return self._json(self._review(r, user, body or {}), status=201)
         if method in ("POST", "PUT", "PATCH") and sub in (None, "status"):
             self._field_validation(r, res, body, params.get("fieldValidation") or "Warn", ctype)
-        watch = method == "GET" and params.get("watch") in ("true", "1")
+        watch = method == "GET" and _truthy(params.get("watch"))
         verb = ("watch" if watch else "list" if name is None else "get") if method == "GET" else {
             "POST": "create", "PUT": "update", "PATCH": "patch",
             "DELETE": "delete" if name else "deletecollection"}.get(method, method.lower())
@@ -986,7 +1036,7 @@ class PDEmulator(kmock.KubernetesEmulator):
         if method in ("PATCH", "PUT"):
             if ctype == "application/apply-patch+yaml":
                 return self._json(self._apply(res, ns, name, body or {}, manager or "",
-                                              params.get("force") in ("true", "1")))
+                                              _truthy(params.get("force"))))
             current = self.read(res, ns, name)
             if current is None:
                 raise self._not_found(res, name)
@@ -1107,6 +1157,8 @@ class PDEmulator(kmock.KubernetesEmulator):
         timeout = float(params.get("timeoutSeconds") or 0) or None
 
         def wanted(event: dict[str, Any]) -> bool:
+            if event["type"] == "BOOKMARK":
+                return True
             meta = event["object"].get("metadata", {})
             return ((ns is None or meta.get("namespace") == ns) and selector_matches(reqs, meta.get("labels"))
                     and self._field_ok(event["object"], params.get("fieldSelector")))
@@ -1119,6 +1171,14 @@ class PDEmulator(kmock.KubernetesEmulator):
                                                 "message": f"too old resource version: {since} ({self._compacted})"}}
             backlog = [gone]
             self.gone_served += 1
+        elif _truthy(params.get("sendInitialEvents")):
+            # WatchList (client-go's informers, helm's waits): the current state, then a BOOKMARK that ends it
+            backlog = [{"type": "ADDED", "object": o} for o in self.select(res, ns)]
+            kind = self._info[res][0]
+            backlog.append({"type": "BOOKMARK", "object": {
+                "kind": kind, "apiVersion": f"{res.group}/{res.version}" if res.group else res.version,
+                "metadata": {"resourceVersion": str(self._last_rv),
+                             "annotations": {"k8s.io/initial-events-end": "true"}}}})
         elif since and since != "0":
             backlog = [e for rv, e in self._log.get(res, []) if rv > int(since)]
         else:
