@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup tools run test test-slow test-all test-shipping images e2e bench bench-gpu gpu-check lint clean
+.PHONY: setup tools run test test-cluster test-slow test-all test-shipping images e2e bench bench-gpu gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,11 @@ run: setup
 
 test: setup tools
 	$(PY) -m pytest -m "not slow and not gpu and not kind" -q
+
+# A test cluster that real kubectl and helm drive, no Docker: prints its kubeconfig and runs until Ctrl-C
+# (tests/cluster/testcluster.py; docs/install.md "Try it on the test cluster").
+test-cluster: setup tools
+	PYTHONPATH=runtime:operator PATH=$(CURDIR)/$(TOOLS)/bin:$$PATH $(PY) tests/cluster/testcluster.py
 
 # exit 5 = no tests collected (no slow tests in this checkout): not a failure
 test-slow: setup

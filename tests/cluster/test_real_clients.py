@@ -182,6 +182,11 @@ def test_auth_can_i_and_whoami(tc):
     assert kubectl(tc, "auth", "can-i", "delete", "pods", kubeconfig=sa, ok=False).stdout.strip() == "no"
     assert kubectl(tc, "auth", "can-i", "create", "pods", "-n", "kube-system", kubeconfig=sa,
                    ok=False).stdout.strip() == "no"
+    # kubectl --as: impersonation, allowed to system:masters
+    assert kubectl(tc, "auth", "can-i", "create", "pods", "--as=system:serviceaccount:default:viewer").stdout \
+        .strip() == "yes"
+    assert kubectl(tc, "auth", "can-i", "list", "secrets", "--as=system:serviceaccount:default:viewer",
+                   ok=False).stdout.strip() == "no"
     denied = kubectl(tc, "get", "secrets", kubeconfig=sa, ok=False)
     assert 'User "system:serviceaccount:default:viewer" cannot list resource "secrets"' in denied.stderr
 

@@ -12,9 +12,9 @@ The shapes follow the real server (k8s.io/apiserver ``endpoints/discovery``, kub
   leave validation to the server (``QueryParamVerifierV3``). Schemas are the Kubernetes 1.33 definitions
   (``kubernetes-validate``'s copy of the upstream OpenAPI) and, for custom resources, the stored CRD's
   ``openAPIV3Schema`` with ``metadata`` as ``ObjectMeta``.
-* ``/openapi/v2`` is served as JSON only. kubectl and helm ask for it as protobuf
-  (``application/com.github.proto-openapi.spec.v2@v1.0+protobuf``) and get 406, after which they use
-  v3 (validation, ``explain``, strategic-merge metadata), as they do against any server with v3.
+* ``/openapi/v2`` is served as JSON, and as gnostic protobuf (``emu_protobuf.encode_openapi_v2``) to
+  clients that ask for it: kubectl validates client-side against v2 whatever the v3 verifier does not
+  cover (a ``kind: List``, resources without the ``fieldValidation`` parameter).
 """
 
 from __future__ import annotations

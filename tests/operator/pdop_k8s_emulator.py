@@ -12,7 +12,18 @@ itself, with the API semantics the operator relies on:
   change only ``status``;
 * finalizers and ``deletionTimestamp``; ownerReference cascade deletion (background GC);
 * watch streams that resume from a ``resourceVersion`` and honour ``timeoutSeconds``;
-* merge-patch, JSON-patch and (approximated as merge) strategic-merge-patch;
+* merge-patch, JSON-patch and strategic-merge-patch (:mod:`emu_smp`; custom resources answer 415, as real);
+* what real clients read (:mod:`emu_catalog`, :mod:`emu_table`): discovery (``/api``, ``/apis``, short
+  names, categories), OpenAPI v2 (JSON and protobuf) and v3, server-side ``Table`` with the CRD's printer
+  columns; ``dryRun=All`` (admitted, never stored), ``fieldValidation`` (Strict: 400; Warn, the default: a
+  ``Warning`` header), field selectors on any field, WatchList (``sendInitialEvents``, the BOOKMARK),
+  protobuf request bodies of typed clients (:mod:`emu_protobuf`), PUT without resourceVersion
+  (unconditional for built-in kinds, 422 for custom resources), impersonation (``kubectl --as``);
+* apiextensions (:mod:`emu_apiext`): CRDs are stored objects that become Established and serve their
+  resources; custom resources are pruned, defaulted and validated (schema, then ``x-kubernetes-validations``
+  in CEL); the scale subresource follows the CRD's paths; deleting a CRD deletes its objects;
+* authorization: ``stored_rbac`` decides from the stored Roles, ClusterRoles and bindings (:mod:`emu_rbac`),
+  SelfSubjectAccessReview / SelfSubjectRulesReview / SubjectAccessReview / SelfSubjectReview answer;
 * what a real server does to stored objects (:mod:`emu_semantics`): defaulting, empty fields
   dropped, canonical quantities, server-side apply with ``managedFields`` and conflicts, Pod
   Security Admission ``restricted`` on namespaces labelled ``pod-security.kubernetes.io/enforce``;
@@ -241,6 +252,7 @@ class PDEmulator(kmock.KubernetesEmulator):
     _dry: bool = attrs.field(default=False, init=False)  # the request being served has dryRun=All
     warnings: list[str] = attrs.field(factory=list, init=False)  # Warning headers of the request being served
     _v2_cache: tuple[Any, Any] = attrs.field(default=(None, None), init=False)
+    denied: list[tuple[str, str, str, str, str | None]] = attrs.field(factory=list, init=False)  # 403s served
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -777,12 +789,29 @@ class PDEmulator(kmock.KubernetesEmulator):
         self.requests.append((verb, res.group, resource, namespace))
         self.request_log.append((user, verb, res.group, resource, namespace, time.time()))
         if not self.can(user, verb, res.group, resource, namespace, name):
+            self.denied.append((user, verb, res.group, resource, namespace))
             shown = user if self.stored_rbac else "system:serviceaccount:pdstack:pdstack-operator"
             raise _error(403, "Forbidden", emu_rbac.forbidden_message(emu_rbac.User(shown), verb, res.group,
                                                                       resource, namespace))
 
     def _authenticate(self, request: Any) -> str:
-        """The user of a request (bearer token or verified client certificate); 401 when unknown."""
+        """The user of a request (bearer token or verified client certificate; 401 when unknown), or the
+        user it impersonates (``Impersonate-User``, ``kubectl --as``) when it may ``impersonate`` users."""
+        user = self._authenticate_caller(request)
+        target = request.headers.get("Impersonate-User")
+        if not target:
+            return user
+        kind, resource = ("serviceaccounts", "serviceaccounts") if target.startswith("system:serviceaccount:") \
+            else ("users", "users")
+        if not self.can(user, "impersonate", "", resource, None, target):
+            raise _error(403, "Forbidden", f'{kind} "{target}" is forbidden: User "{user}" cannot impersonate '
+                                           f'resource "{resource}" in API group "" at the cluster scope')
+        groups = [g.strip() for g in request._raw_request.headers.getall("Impersonate-Group", []) if g.strip()]
+        if groups:
+            self.groups[target] = tuple(dict.fromkeys([*self.groups.get(target, ()), *groups]))
+        return target
+
+    def _authenticate_caller(self, request: Any) -> str:
         if self.tokens is None:
             return "anonymous"
         auth = request.headers.get("Authorization", "")
