@@ -4,7 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup tools run test test-cluster test-slow test-all test-shipping images e2e bench bench-gpu gpu-check lint clean
+.PHONY: setup tools run test test-cluster test-slow test-all test-shipping images e2e bench bench-gpu gpu-check \
+	lint clean
 
 setup: $(STAMP)
 

@@ -196,7 +196,8 @@ def test_strategic_merge_patch_merges_containers_by_name_and_retains_keys(tc):
            "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "web"}},
                     "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1}},
                     "template": {"metadata": {"labels": {"app": "web"}},
-                                 "spec": {"containers": [{"name": "a", "image": "a:1"}, {"name": "b", "image": "b:1"}]}}}}
+                                 "spec": {"containers": [{"name": "a", "image": "a:1"},
+                                                         {"name": "b", "image": "b:1"}]}}}}
     kubectl(tc, "apply", "-f", "-", stdin=json.dumps(dep))
     kubectl(tc, "patch", "deploy", "web", "-p",
             '{"spec":{"template":{"spec":{"containers":[{"name":"b","image":"b:2"}]}}}}')
@@ -208,6 +209,20 @@ def test_strategic_merge_patch_merges_containers_by_name_and_retains_keys(tc):
     kubectl(tc, "apply", "-f", "-", stdin=json.dumps(dep))
     got = json.loads(kubectl(tc, "get", "deploy", "web", "-o", "json").stdout)
     assert got["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_typed_clients_send_protobuf_bodies_and_the_server_reads_them(tc):
+    """``kubectl create`` uses client-go's typed clientset: its bodies are protobuf, not JSON."""
+    kubectl(tc, "create", "deployment", "pb", "--image=nginx:1.27", "--replicas=2")
+    got = json.loads(kubectl(tc, "get", "deploy", "pb", "-o", "json").stdout)
+    assert got["spec"]["replicas"] == 2 and got["spec"]["template"]["spec"]["containers"][0]["image"] == "nginx:1.27"
+    assert got["spec"]["strategy"] == {"type": "RollingUpdate",
+                                       "rollingUpdate": {"maxUnavailable": "25%", "maxSurge": "25%"}}
+    kubectl(tc, "create", "secret", "generic", "pb", "--from-literal=k=v")
+    secret = json.loads(kubectl(tc, "get", "secret", "pb", "-o", "json").stdout)
+    assert secret["data"] == {"k": "dg=="} and secret["type"] == "Opaque"
+    kubectl(tc, "delete", "deploy", "pb")
+    assert any(c == "application/vnd.kubernetes.protobuf" for c in tc.api.content_types)
 
 
 def test_delete_collects_the_owned_children(tc):

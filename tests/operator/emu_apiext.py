@@ -151,7 +151,8 @@ def validate(obj: Any, schema: dict[str, Any] | None, defs: dict[str, Any], path
                             f'"{_type_name(obj)}"')]
     if "enum" in s and obj not in s["enum"]:
         allowed = ", ".join(json.dumps(v) for v in s["enum"])
-        out.append(Cause(path, f"Unsupported value: {_show(obj)}: supported values: {allowed}", "FieldValueNotSupported"))
+        out.append(Cause(path, f"Unsupported value: {_show(obj)}: supported values: {allowed}",
+                         "FieldValueNotSupported"))
     if isinstance(obj, (int, float)) and not isinstance(obj, bool):
         if "minimum" in s and (obj < s["minimum"] or (s.get("exclusiveMinimum") and obj == s["minimum"])):
             word = "greater than" if s.get("exclusiveMinimum") else "greater than or equal to"

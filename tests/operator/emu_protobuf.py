@@ -1,58 +1,40 @@
-"""Protobuf request bodies (``application/vnd.kubernetes.protobuf``) of the built-in kinds clients send so.
+"""Protobuf request bodies (``application/vnd.kubernetes.protobuf``) of the built-in kinds, and OpenAPI v2
+as protobuf.
 
-client-go's typed clientsets send protobuf: ``kubectl auth can-i`` (SelfSubjectAccessReview),
-``kubectl auth whoami`` (SelfSubjectReview), helm's release storage (Secrets), deletes (DeleteOptions).
-The wire format (k8s.io/apimachinery/pkg/runtime/serializer/protobuf): the magic ``k8s\\0``, then a
-``runtime.Unknown`` (1: TypeMeta{1: apiVersion, 2: kind}, 2: raw, 3: contentEncoding, 4: contentType)
-whose ``raw`` is the object's message. Field numbers are those of the kinds' ``generated.proto``; a kind
-without a table here is refused with 415, so a client that needs one fails loudly, never silently.
+client-go's typed clientsets send protobuf: ``kubectl create deployment``, ``kubectl auth can-i``
+(SelfSubjectAccessReview), ``kubectl auth whoami`` (SelfSubjectReview), helm's release storage (Secrets),
+deletes (DeleteOptions). The wire format (k8s.io/apimachinery/pkg/runtime/serializer/protobuf): the magic
+``k8s\\0``, then a ``runtime.Unknown`` (1: TypeMeta{1: apiVersion, 2: kind}, 2: raw, 3: contentEncoding,
+4: contentType) whose ``raw`` is the object's message. Field numbers come from the kinds'
+``generated.proto`` (``emu_proto_fields.json``, made by :mod:`emu_proto_gen`); ``Time``, ``Quantity``,
+``IntOrString``, ``RawExtension`` and ``FieldsV1`` decode to their JSON forms. A kind without a table is
+refused with 415, so a client that needs one fails loudly, never silently.
 """
 
 from __future__ import annotations
 
 import base64
 import datetime
+import functools
+import json
+from pathlib import Path
 from typing import Any
 
 MAGIC = b"k8s\x00"
 # the response type kube-openapi serves (clients Accept ...spec.v2@v1.0+protobuf; Go's mime parser refuses "@")
 OPENAPI_V2_PROTOBUF = "application/com.github.proto-openapi.spec.v2.v1.0+protobuf"
+_META = "k8s.io.apimachinery.pkg.apis.meta.v1."
+# API group -> protobuf package of its v1 types
+PACKAGES = {"": "k8s.io.api.core.v1", "apps": "k8s.io.api.apps.v1", "networking.k8s.io": "k8s.io.api.networking.v1",
+            "policy": "k8s.io.api.policy.v1", "coordination.k8s.io": "k8s.io.api.coordination.v1",
+            "rbac.authorization.k8s.io": "k8s.io.api.rbac.v1", "authorization.k8s.io": "k8s.io.api.authorization.v1",
+            "authentication.k8s.io": "k8s.io.api.authentication.v1", "autoscaling": "k8s.io.api.autoscaling.v1",
+            "meta.k8s.io": "k8s.io.apimachinery.pkg.apis.meta.v1"}
 
-# message -> {field number: (json name, type, repeated)}; types: str, bytes, int, bool, map, map_bytes,
-# time, or the name of another message
-_T = tuple[str, str, bool]
-MESSAGES: dict[str, dict[int, _T]] = {
-    "ObjectMeta": {1: ("name", "str", False), 2: ("generateName", "str", False), 3: ("namespace", "str", False),
-                   5: ("uid", "str", False), 6: ("resourceVersion", "str", False), 7: ("generation", "int", False),
-                   8: ("creationTimestamp", "time", False), 11: ("labels", "map", False),
-                   12: ("annotations", "map", False), 13: ("ownerReferences", "OwnerReference", True),
-                   14: ("finalizers", "str", True)},
-    "OwnerReference": {1: ("kind", "str", False), 3: ("name", "str", False), 4: ("uid", "str", False),
-                       5: ("apiVersion", "str", False), 6: ("controller", "bool", False),
-                       7: ("blockOwnerDeletion", "bool", False)},
-    "ResourceAttributes": {1: ("namespace", "str", False), 2: ("verb", "str", False), 3: ("group", "str", False),
-                           4: ("version", "str", False), 5: ("resource", "str", False),
-                           6: ("subresource", "str", False), 7: ("name", "str", False)},
-    "NonResourceAttributes": {1: ("path", "str", False), 2: ("verb", "str", False)},
-    "SelfSubjectAccessReviewSpec": {1: ("resourceAttributes", "ResourceAttributes", False),
-                                    2: ("nonResourceAttributes", "NonResourceAttributes", False)},
-    "SelfSubjectAccessReview": {1: ("metadata", "ObjectMeta", False), 2: ("spec", "SelfSubjectAccessReviewSpec", False)},
-    "SelfSubjectRulesReviewSpec": {1: ("namespace", "str", False)},
-    "SelfSubjectRulesReview": {1: ("metadata", "ObjectMeta", False), 2: ("spec", "SelfSubjectRulesReviewSpec", False)},
-    "SelfSubjectReview": {1: ("metadata", "ObjectMeta", False)},
-    "Secret": {1: ("metadata", "ObjectMeta", False), 2: ("data", "map_bytes", False), 3: ("type", "str", False),
-               4: ("stringData", "map", False), 5: ("immutable", "bool", False)},
-    "ConfigMap": {1: ("metadata", "ObjectMeta", False), 2: ("data", "map", False),
-                  3: ("binaryData", "map_bytes", False), 4: ("immutable", "bool", False)},
-    "Preconditions": {1: ("uid", "str", False), 2: ("resourceVersion", "str", False)},
-    "DeleteOptions": {1: ("gracePeriodSeconds", "int", False), 2: ("preconditions", "Preconditions", False),
-                      3: ("orphanDependents", "bool", False), 4: ("propagationPolicy", "str", False),
-                      5: ("dryRun", "str", True)},
-    "TypeMeta": {1: ("apiVersion", "str", False), 2: ("kind", "str", False)},
-    "Unknown": {1: ("typeMeta", "TypeMeta", False), 2: ("raw", "bytes", False),
-                3: ("contentEncoding", "str", False), 4: ("contentType", "str", False)},
-    "Time": {1: ("seconds", "int", False), 2: ("nanos", "int", False)},
-}
+
+@functools.lru_cache(maxsize=1)
+def fields() -> dict[str, dict[str, list[str]]]:
+    return json.loads((Path(__file__).with_name("emu_proto_fields.json")).read_text())
 
 
 def _varint(buf: bytes, i: int) -> tuple[int, int]:
@@ -88,52 +70,112 @@ def _fields(buf: bytes) -> list[tuple[int, int, Any]]:
     return out
 
 
-def _message(buf: bytes, name: str) -> dict[str, Any]:
-    table = MESSAGES[name]
+def _signed(value: int, bits: int = 64) -> int:
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _scalar(typ: str, wire: int, value: Any) -> Any:
+    if typ == "string":
+        return value.decode()
+    if typ == "bytes":
+        return base64.b64encode(value).decode()
+    if typ == "bool":
+        return bool(value)
+    if typ == "double":
+        import struct
+        return struct.unpack("<d", value.to_bytes(8, "little"))[0]
+    return _signed(value)
+
+
+def _special(typ: str, buf: bytes) -> tuple[bool, Any]:
+    """The messages whose JSON form is not an object of their fields."""
+    name = typ.rsplit(".", 1)[-1]
+    if typ in (_META + "Time", _META + "MicroTime"):
+        f = {n: v for n, _, v in _fields(buf)}
+        t = datetime.datetime.fromtimestamp(_signed(f.get(1, 0)), tz=datetime.timezone.utc)
+        if typ.endswith("MicroTime"):
+            return True, t.strftime("%Y-%m-%dT%H:%M:%S") + f".{f.get(2, 0) // 1000:06d}Z"
+        return True, t.strftime("%Y-%m-%dT%H:%M:%SZ")
+    if typ == _META + "Duration":
+        ns = _signed({n: v for n, _, v in _fields(buf)}.get(1, 0))
+        return True, f"{ns / 1e9:g}s"
+    if name == "Quantity":
+        return True, {n: v for n, _, v in _fields(buf)}.get(1, b"").decode()
+    if name == "IntOrString":
+        f = {n: v for n, _, v in _fields(buf)}
+        return True, _signed(f.get(2, 0)) if f.get(1, 0) == 0 else f.get(3, b"").decode()
+    if name in ("RawExtension", "FieldsV1"):
+        raw = {n: v for n, _, v in _fields(buf)}.get(1, b"")
+        return True, json.loads(raw) if raw else {}
+    return False, None
+
+
+def _message(buf: bytes, typ: str) -> Any:
+    special, value = _special(typ, buf)
+    if special:
+        return value
+    table = fields().get(typ)
+    if table is None:
+        raise ValueError(f"no protobuf table for message {typ}")
     out: dict[str, Any] = {}
-    for num, _, value in _fields(buf):
-        if num not in table:
+    for num, wire, value in _fields(buf):
+        spec = table.get(str(num))
+        if spec is None:
             continue
-        key, typ, repeated = table[num]
-        if typ == "str":
-            v: Any = value.decode()
-        elif typ == "bytes":
-            v = value
-        elif typ == "int":
-            v = value - (1 << 64) if value >= 1 << 63 else value
-        elif typ == "bool":
-            v = bool(value)
-        elif typ in ("map", "map_bytes"):
-            entry = {n: val for n, _, val in _fields(value)}
-            k = entry.get(1, b"").decode()
-            raw = entry.get(2, b"")
-            out.setdefault(key, {})[k] = base64.b64encode(raw).decode() if typ == "map_bytes" else raw.decode()
+        key, ftyp, label = spec
+        if ftyp.startswith("map:"):
+            _, ktyp, vtyp = ftyp.split(":", 2)
+            entry = {n: (w, v) for n, w, v in _fields(value)}
+            k = _scalar(ktyp, *entry[1]) if 1 in entry else ""
+            if 2 not in entry:
+                v: Any = "" if vtyp in ("string", "bytes") else {}
+            elif vtyp in ("string", "bytes", "int32", "int64", "bool", "double"):
+                v = _scalar(vtyp, *entry[2])
+            else:
+                v = _message(entry[2][1], vtyp)
+            out.setdefault(key, {})[k] = v
             continue
-        elif typ == "time":
-            t = _message(value, "Time")
-            v = datetime.datetime.fromtimestamp(t.get("seconds", 0), tz=datetime.timezone.utc).strftime(
-                "%Y-%m-%dT%H:%M:%SZ")
+        if ftyp in ("string", "bytes", "int32", "int64", "bool", "double", "float", "uint32", "uint64"):
+            if label == "r" and wire == 2 and ftyp not in ("string", "bytes"):  # packed scalars
+                i, items = 0, []
+                while i < len(value):
+                    n, i = _varint(value, i)
+                    items.append(_signed(n))
+                out.setdefault(key, []).extend(items)
+                continue
+            v = _scalar(ftyp, wire, value)
         else:
-            v = _message(value, typ)
-        if repeated:
+            v = _message(value, ftyp)
+        if label == "r":
             out.setdefault(key, []).append(v)
         else:
             out[key] = v
-    return out
+    return _omit_empty(out)
+
+
+def _omit_empty(obj: dict[str, Any]) -> dict[str, Any]:
+    """gogo encodes every non-pointer string, empty or not; JSON (omitempty) leaves the empty ones out. An
+    empty message stays: on the wire it means a set pointer (``emptyDir: {}``)."""
+    return {k: v for k, v in obj.items() if v != ""}
 
 
 def decode(body: bytes) -> dict[str, Any]:
     """A protobuf request body as the JSON object it encodes; ValueError for what cannot be read."""
     if not body.startswith(MAGIC):
         raise ValueError("no k8s protobuf magic")
-    unknown = _message(body[len(MAGIC):], "Unknown")
-    tm = unknown.get("typeMeta") or {}
-    kind = tm.get("kind", "")
-    if kind not in MESSAGES:
-        raise ValueError(f"no protobuf table for kind {kind!r}")
-    obj = _message(unknown.get("raw", b""), kind)
-    if tm.get("apiVersion"):
-        obj["apiVersion"] = tm["apiVersion"]
+    envelope = {n: v for n, _, v in _fields(body[len(MAGIC):])}
+    tm = {n: v.decode() for n, _, v in _fields(envelope.get(1, b""))}
+    api_version, kind = tm.get(1, ""), tm.get(2, "")
+    group = api_version.rsplit("/", 1)[0] if "/" in api_version else ""
+    package = PACKAGES.get(group)
+    if kind in ("DeleteOptions", "Status", "List"):
+        package = _META.rstrip(".")
+    if package is None or f"{package}.{kind}" not in fields():
+        raise ValueError(f"no protobuf table for {api_version} {kind}")
+    obj = _message(envelope.get(2, b""), f"{package}.{kind}")
+    if api_version:
+        obj["apiVersion"] = api_version
     obj["kind"] = kind
     return obj
 

@@ -51,7 +51,8 @@ def jsonpath(obj: Any, path: str) -> list[Any]:
             else:
                 m = re.match(r"\?\(@\.([A-Za-z0-9_]+)\s*==\s*['\"]([^'\"]*)['\"]\)", idx)
                 key, want = m.group(1), m.group(2)
-                nxt += [i for i in (c if isinstance(c, list) else []) if isinstance(i, dict) and str(i.get(key)) == want]
+                nxt += [i for i in (c if isinstance(c, list) else [])
+                        if isinstance(i, dict) and str(i.get(key)) == want]
         cur = nxt
     return cur
 

@@ -253,6 +253,8 @@ class PDEmulator(kmock.KubernetesEmulator):
     warnings: list[str] = attrs.field(factory=list, init=False)  # Warning headers of the request being served
     _v2_cache: tuple[Any, Any] = attrs.field(default=(None, None), init=False)
     denied: list[tuple[str, str, str, str, str | None]] = attrs.field(factory=list, init=False)  # 403s served
+    _next_cluster_ip: int = attrs.field(default=0, init=False)
+    content_types: set[str] = attrs.field(factory=set, init=False)  # request body types served
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -291,6 +293,21 @@ class PDEmulator(kmock.KubernetesEmulator):
         if res not in self._schemas:
             self._schemas[res] = cat.schema_of(self._cat[res])
         return self._schemas[res]
+
+    def _allocate_cluster_ip(self, svc: dict[str, Any], old: dict[str, Any] | None) -> None:
+        """The service IP allocator (10.96.0.0/12): a ClusterIP Service gets one; an update keeps it."""
+        spec = svc.get("spec")
+        if not isinstance(spec, dict) or spec.get("type", "ClusterIP") == "ExternalName":
+            return
+        kept = ((old or {}).get("spec") or {}).get("clusterIP")
+        if not spec.get("clusterIP"):
+            if kept:
+                spec["clusterIP"] = kept
+            else:
+                self._next_cluster_ip += 1
+                n = self._next_cluster_ip
+                spec["clusterIP"] = f"10.96.{n // 250}.{n % 250 + 1}"
+        spec.setdefault("clusterIPs", [spec["clusterIP"]])
 
     def _admit_crd(self, crd: dict[str, Any]) -> None:
         """Validate a CRD (its CEL rules compile) and set the status the apiextensions controllers set."""
@@ -427,6 +444,8 @@ class PDEmulator(kmock.KubernetesEmulator):
             obj.pop("status", None)
         if kind == "Pod":
             self._admit_pod(namespace, obj)
+        if kind == "Service":
+            self._allocate_cluster_ip(obj, None)
         if self._cat[res].crd is not None:
             self._admit_custom(res, obj, None)
         if kind == "CustomResourceDefinition":
@@ -488,6 +507,8 @@ class PDEmulator(kmock.KubernetesEmulator):
                 except ValueError as e:
                     raise _error(422, "Invalid", f'{kind} "{name}" is invalid: {e}') from None
                 meta = new["metadata"]
+            if kind == "Service":
+                self._allocate_cluster_ip(new, old)
             if self._cat[res].crd is not None:
                 self._admit_custom(res, new, old)
             if kind == "CustomResourceDefinition":
@@ -987,6 +1008,8 @@ class PDEmulator(kmock.KubernetesEmulator):
         sub = request.subresource
         ctype = request.headers.get("Content-Type", "application/json").split(";")[0].strip()
         body = self._decode_body(request, ctype)
+        if request.body:
+            self.content_types.add(ctype)
         if method == "POST" and r.kind in cat.REVIEW_KINDS:
             if r.kind == "SubjectAccessReview":
                 self._authorize("create", res, None, None, user)

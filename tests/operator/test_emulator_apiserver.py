@@ -243,7 +243,8 @@ def _defs_for(kind_def):
 ])
 def test_strategic_merge_patch_merges_lists_by_their_patch_merge_key(patch, expect):
     schema, defs = _defs_for("io.k8s.api.apps.v1.Deployment")
-    live = {"spec": {"template": {"spec": {"containers": [{"name": "a", "image": "a:1"}, {"name": "b", "image": "b:1"}]}}}}
+    containers = [{"name": "a", "image": "a:1"}, {"name": "b", "image": "b:1"}]
+    live = {"spec": {"template": {"spec": {"containers": containers}}}}
     out = emu_smp.apply_patch(live, patch, schema, defs)
     assert [(c["name"], c["image"]) for c in out["spec"]["template"]["spec"]["containers"]] == expect
 
