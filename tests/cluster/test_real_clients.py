@@ -137,8 +137,21 @@ def test_diff_shows_the_change_and_persists_nothing(tc):
     assert after["spec"]["pairs"] == before["spec"]["pairs"]
 
 
-def test_scale_goes_through_the_crd_scale_subresource(tc):
-    kubectl(tc, "scale", "pdd", "demo", "--replicas=3")
+def test_scale_goes_through_the_crd_scale_subresource_and_get_watch_sees_it(tc):
+    out = tc.dir / "watch.out"
+    env = {**os.environ, "KUBECONFIG": str(tc.kubeconfig), "HOME": str(tc.dir)}
+    with out.open("w") as f:
+        watcher = subprocess.Popen([KUBECTL, "get", "pdd", "-w"], env=env, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: "demo" in out.read_text(), what="the watch's first row")
+            kubectl(tc, "scale", "pdd", "demo", "--replicas=3")
+            # the watch streams Tables (printer columns), the columns in the first event only
+            wait_for(lambda: any(line.split()[:2] == ["demo", "3"] for line in out.read_text().splitlines()),
+                     what="the scaled row")
+        finally:
+            watcher.terminate()
+            watcher.wait(10)
+    assert out.read_text().count("PAIRS") == 1
     obj = json.loads(kubectl(tc, "get", "pdd", "demo", "-o", "json").stdout)
     assert obj["spec"]["pairs"] == 3
     scale = json.loads(kubectl(tc, "get", "--raw",

@@ -1239,13 +1239,29 @@ class PDEmulator(kmock.KubernetesEmulator):
         await response.prepare(request._raw_request)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout if timeout else None
+        as_table = emu_table.wants_table(request.headers.get("Accept", ""))
+        sent = 0
+
+        def encode(event: dict[str, Any]) -> bytes:
+            """``kubectl get -w``: each event's object is a Table of one row, the columns in the first only."""
+            nonlocal sent
+            if as_table and event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                obj = event["object"]
+                t = emu_table.table(self._cat[res], [obj], {"resourceVersion": obj["metadata"]["resourceVersion"]},
+                                    params.get("includeObject", "PartialObjectMetadata"))
+                if sent:
+                    t["columnDefinitions"] = []
+                event = {"type": event["type"], "object": t}
+            sent += 1
+            return json.dumps(event).encode() + b"\n"
+
         try:
             for event in backlog:
                 if event["type"] == "ERROR":
                     await response.write(json.dumps(event).encode() + b"\n")
                     raise asyncio.CancelledError  # the server ends the stream after an ERROR
                 if wanted(event):
-                    await response.write(json.dumps(event).encode() + b"\n")
+                    await response.write(encode(event))
             while True:
                 wait = None if deadline is None else max(0.0, deadline - loop.time())
                 if wait == 0.0:
@@ -1257,7 +1273,7 @@ class PDEmulator(kmock.KubernetesEmulator):
                 if event is None:  # close_watches()
                     break
                 if wanted(event):
-                    await response.write(json.dumps(event).encode() + b"\n")
+                    await response.write(encode(event))
         except (ConnectionResetError, asyncio.CancelledError):
             pass
         finally:
