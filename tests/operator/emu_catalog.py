@@ -389,6 +389,17 @@ def openapi_v3(resources: list[Resource], gv: str) -> dict[str, Any] | None:
     served = [r for r in resources if r.group_version == gv]
     if not served:
         return None
+    if all(r.crd is None for r in served):
+        return _builtin_v3(gv)
+    return _openapi_v3(served)
+
+
+@functools.lru_cache(maxsize=32)
+def _builtin_v3(gv: str) -> dict[str, Any]:
+    return _openapi_v3([r for r in BUILTINS if r.group_version == gv])
+
+
+def _openapi_v3(served: list[Resource]) -> dict[str, Any]:
     prefix = "#/components/schemas/"
     return {"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": SERVER_VERSION["gitVersion"]},
             "paths": _paths(served, prefix, v3=True),
@@ -413,9 +424,19 @@ def openapi_v2(resources: list[Resource]) -> dict[str, Any]:
 
 def schema_of(r: Resource) -> tuple[dict[str, Any], dict[str, Any]]:
     """(root schema, definitions) in OpenAPI v3 form for validation and strategic merge (``$ref`` resolved
-    through the definitions)."""
+    through the definitions). Built-in kinds' are computed once per process (read-only)."""
+    if r.crd is None:
+        return _builtin_schema(r.group, r.version, r.plural)
     prefix = "#/components/schemas/"
     defs = _schemas([r], prefix, v3=True)
+    return defs[_definition_name(r)], defs
+
+
+@functools.lru_cache(maxsize=64)
+def _builtin_schema(group: str, version: str, plural: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    r = find(BUILTINS, group, version, plural)
+    assert r is not None
+    defs = _schemas([r], "#/components/schemas/", v3=True)
     return defs[_definition_name(r)], defs
 
 

@@ -252,6 +252,7 @@ class PDEmulator(kmock.KubernetesEmulator):
     _dry: bool = attrs.field(default=False, init=False)  # the request being served has dryRun=All
     warnings: list[str] = attrs.field(factory=list, init=False)  # Warning headers of the request being served
     _v2_cache: tuple[Any, Any] = attrs.field(default=(None, None), init=False)
+    _v3_index: tuple[Any, Any] = attrs.field(default=(None, None), init=False)
     denied: list[tuple[str, str, str, str, str | None]] = attrs.field(factory=list, init=False)  # 403s served
     _next_cluster_ip: int = attrs.field(default=0, init=False)
     content_types: set[str] = attrs.field(factory=set, init=False)  # request body types served
@@ -892,7 +893,10 @@ class PDEmulator(kmock.KubernetesEmulator):
         elif parts[0] == "apis" and len(parts) == 3:
             doc = cat.resource_list(rs, f"{parts[1]}/{parts[2]}") or KeyError
         elif path == "/openapi/v3":
-            doc = cat.openapi_v3_index(rs)
+            key = tuple(id(r) for r in rs)
+            if self._v3_index[0] != key:
+                self._v3_index = (key, cat.openapi_v3_index(rs))
+            doc = self._v3_index[1]
         elif path.startswith("/openapi/v3/"):
             gv = cat.openapi_v3_path_gv(path)
             doc = (gv and cat.openapi_v3(rs, gv)) or KeyError
