@@ -238,15 +238,35 @@ def test_typed_clients_send_protobuf_bodies_and_the_server_reads_them(tc):
     assert any(c == "application/vnd.kubernetes.protobuf" for c in tc.api.content_types)
 
 
+def dep_of(name: str) -> dict:
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": "default"},
+            "spec": {"selector": {"matchLabels": {"app": name}},
+                     "template": {"metadata": {"labels": {"app": name}},
+                                  "spec": {"containers": [{"name": "c", "image": "c:1"}]}}}}
+
+
 def test_delete_collects_the_owned_children(tc):
-    owner = json.loads(kubectl(tc, "get", "deploy", "web", "-o", "json").stdout)
+    kubectl(tc, "apply", "-f", "-", stdin=json.dumps(dep_of("gc")))
+    owner = json.loads(kubectl(tc, "get", "deploy", "gc", "-o", "json").stdout)
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
-        "name": "web-child", "namespace": "default",
-        "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": "web",
+        "name": "gc-child", "namespace": "default",
+        "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": "gc",
                              "uid": owner["metadata"]["uid"]}]}, "data": {"k": "v"}}
     kubectl(tc, "apply", "-f", "-", stdin=json.dumps(cm))
-    kubectl(tc, "delete", "deploy", "web")
-    wait_for(lambda: kubectl(tc, "get", "cm", "web-child", ok=False).returncode != 0, what="garbage collection")
+    kubectl(tc, "delete", "deploy", "gc")
+    wait_for(lambda: kubectl(tc, "get", "cm", "gc-child", ok=False).returncode != 0, what="garbage collection")
+    # --cascade=orphan keeps the child (its ownerReference removed); foreground deletes it before the owner
+    for cascade, child_survives in (("orphan", True), ("foreground", False)):
+        kubectl(tc, "apply", "-f", "-", stdin=json.dumps(dep_of("gc2")))
+        owner = json.loads(kubectl(tc, "get", "deploy", "gc2", "-o", "json").stdout)
+        cm["metadata"]["ownerReferences"][0].update(name="gc2", uid=owner["metadata"]["uid"])
+        kubectl(tc, "apply", "-f", "-", stdin=json.dumps(cm))
+        kubectl(tc, "delete", "deploy", "gc2", f"--cascade={cascade}", "--wait=true")
+        child = kubectl(tc, "get", "cm", "gc-child", "-o", "json", ok=False)
+        assert (child.returncode == 0) is child_survives, cascade
+        if child_survives:
+            assert "ownerReferences" not in json.loads(child.stdout)["metadata"]
+            kubectl(tc, "delete", "cm", "gc-child")
 
 
 def test_helm_install_upgrade_test_uninstall(tc):

@@ -576,7 +576,50 @@ class PDEmulator(kmock.KubernetesEmulator):
             for r in self.catalog.remove_crd(name):
                 self._unregister(r)
         self._collect_garbage(obj["metadata"]["uid"])
+        if obj["metadata"].get("ownerReferences"):
+            self._release_foreground(obj)
         return obj
+
+    def _dependents(self, owner_uid: str) -> list[tuple[Any, str | None, str]]:
+        return [(r, ns, n) for (r, ns, n), o in list(self.objects.items()) if not o.deleted
+                and any(ref.get("uid") == owner_uid for ref in o.raw["metadata"].get("ownerReferences", []) or [])]
+
+    def _propagate(self, res: Any, owner: dict[str, Any], policy: str) -> dict[str, Any] | None:
+        """DeleteOptions.propagationPolicy: Orphan strips the owner from its dependents' ownerReferences;
+        Foreground deletes the dependents first, the owner held by the ``foregroundDeletion`` finalizer
+        until the last one is gone (the garbage collector's two other modes; Background is the default)."""
+        uid = owner["metadata"]["uid"]
+        name = owner["metadata"]["name"]
+        ns = owner["metadata"].get("namespace")
+        if policy == "Orphan":
+            for r, dns, dn in self._dependents(uid):
+                dep = self.read(r, dns, dn)
+                dep["metadata"]["ownerReferences"] = [x for x in dep["metadata"]["ownerReferences"]
+                                                      if x.get("uid") != uid]
+                self._store(r, dns, dn, dep, manager="garbage-collector")
+            return None
+        deps = self._dependents(uid)
+        if not deps:
+            return None
+        held = copy.deepcopy(owner)
+        held["metadata"]["finalizers"] = [*(held["metadata"].get("finalizers") or []), "foregroundDeletion"]
+        self._store(res, ns, name, held, manager="garbage-collector")
+        out = self._delete(res, ns, name)  # deletionTimestamp set, held by the finalizer
+        for r, dns, dn in deps:
+            if (r, dns, dn) in self.objects and not self.objects[(r, dns, dn)].deleted:
+                self._delete(r, dns, dn)
+        return out
+
+    def _release_foreground(self, dependent: dict[str, Any]) -> None:
+        """A dependent is gone: an owner deleting in the foreground with no dependent left is released."""
+        for ref in dependent["metadata"].get("ownerReferences") or []:
+            for (r, ns, n), o in list(self.objects.items()):
+                meta = o.raw["metadata"] if not o.deleted else {}
+                if meta.get("uid") == ref.get("uid") and "foregroundDeletion" in (meta.get("finalizers") or []) \
+                        and meta.get("deletionTimestamp") and not self._dependents(meta["uid"]):
+                    owner = copy.deepcopy(o.raw)
+                    owner["metadata"]["finalizers"] = [f for f in meta["finalizers"] if f != "foregroundDeletion"]
+                    self._store(r, ns, n, owner, manager="garbage-collector")
 
     def _collect_garbage(self, owner_uid: str) -> None:
         """Background cascade: delete every object that names ``owner_uid`` in its ownerReferences."""
@@ -1088,6 +1131,11 @@ class PDEmulator(kmock.KubernetesEmulator):
             if live is not None and uid and live["metadata"]["uid"] != uid:
                 raise _error(409, "Conflict", f'Precondition failed: UID in precondition: {uid}, '
                                               f'UID in object meta: {live["metadata"]["uid"]}')
+            policy = opts.get("propagationPolicy") or params.get("propagationPolicy")
+            if live is not None and policy in ("Orphan", "Foreground") and not self._dry:
+                held = self._propagate(res, live, policy)
+                if held is not None:
+                    return self._json(held)
             return self._json(self._delete(res, ns, name, grace=None if grace is None else int(grace)))
         if method in ("PATCH", "PUT"):
             if ctype == "application/apply-patch+yaml":
