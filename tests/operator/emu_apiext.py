@@ -82,6 +82,25 @@ def prune(obj: Any, schema: dict[str, Any] | None, defs: dict[str, Any], path: s
     return unknown
 
 
+def value_at(obj: Any, path: str) -> Any:
+    """The value at a cause's field path (``spec.prefill.env[0].name``); a sentinel when absent."""
+    import re
+    cur = obj
+    for name, idx in re.findall(r"([^.\[\]]+)|\[(\d+)\]", path):
+        if name:
+            if not isinstance(cur, dict) or name not in cur:
+                return _ABSENT
+            cur = cur[name]
+        else:
+            if not isinstance(cur, list) or int(idx) >= len(cur):
+                return _ABSENT
+            cur = cur[int(idx)]
+    return cur
+
+
+_ABSENT = object()
+
+
 # ---------------------------------------------------------------- defaulting
 def apply_defaults(obj: Any, schema: dict[str, Any] | None, defs: dict[str, Any]) -> None:
     s = _node(schema, defs)

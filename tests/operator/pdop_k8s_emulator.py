@@ -355,6 +355,8 @@ class PDEmulator(kmock.KubernetesEmulator):
         body = {k: v for k, v in obj.items() if k != "metadata"}
         old_body = None if old is None else {k: v for k, v in old.items() if k != "metadata"}
         causes = apiext.validate(body, schema, {}, old=old_body, has_old=old is not None)
+        if old_body is not None:  # CRDValidationRatcheting (default on since 1.30): unchanged values pass
+            causes = [c for c in causes if apiext.value_at(body, c.field) != apiext.value_at(old_body, c.field)]
         if causes:
             name = obj.get("metadata", {}).get("name", "")
             raise _error(422, "Invalid", apiext.invalid_message(r.kind, r.group, name, causes), causes=causes,
@@ -490,6 +492,8 @@ class PDEmulator(kmock.KubernetesEmulator):
             merged = copy.deepcopy(old)
             merged["status"] = new.get("status", {})
             new = merged
+            if self._cat[res].crd is not None:  # the status too is pruned, defaulted and validated
+                self._admit_custom(res, new, old)
         else:
             if has_status:
                 if "status" in old:

@@ -320,3 +320,23 @@ def test_stored_rbac_decisions():
     assert emu_rbac.allowed(op, "list", "", "nodes", None, None, store)  # through its group
     assert not emu_rbac.allowed(emu_rbac.User.of("someone"), "list", "", "nodes", None, None, store)
     assert emu_rbac.allowed(emu_rbac.User.of("root", ["system:masters"]), "delete", "x", "y", None, None, store)
+
+
+async def test_status_writes_are_validated_and_unchanged_invalid_values_ratchet(http):
+    await call(http, "POST", PDD_PATH, pdd())
+    bad = {"status": {"conditions": [{"type": "Ready", "status": "Maybe"}]}}
+    status, obj, _ = await call(http, "PATCH", f"{PDD_PATH}/x/status", bad, ctype="application/merge-patch+json")
+    assert status == 422 and "status.conditions[0].status: Unsupported value" in obj["message"]
+    dup = {"status": {"conditions": [{"type": "Ready", "status": "True"}, {"type": "Ready", "status": "False"}]}}
+    status, obj, _ = await call(http, "PATCH", f"{PDD_PATH}/x/status", dup, ctype="application/merge-patch+json")
+    assert status == 422 and "Duplicate value" in obj["message"]  # x-kubernetes-list-type: map, keyed by type
+    # the CRD tightens pairs to at most 0: the stored pairs 1 is now invalid, and ratchets while unchanged
+    emu = http.emu
+    crd = emu.read(R("apiextensions.k8s.io", "v1", "customresourcedefinitions"), None, "pddeployments.pdstack.io")
+    crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["pairs"]["maximum"] = 0
+    emu._store(R("apiextensions.k8s.io", "v1", "customresourcedefinitions"), None, "pddeployments.pdstack.io", crd)
+    ok = {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    assert (await call(http, "PATCH", f"{PDD_PATH}/x/status", ok, ctype="application/merge-patch+json"))[0] == 200
+    status, obj, _ = await call(http, "PATCH", f"{PDD_PATH}/x", {"spec": {"pairs": 2}},
+                                ctype="application/merge-patch+json")
+    assert status == 422 and "less than or equal to 0" in obj["message"]
