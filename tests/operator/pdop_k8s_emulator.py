@@ -126,6 +126,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CRDS = (ROOT / "crds" / "pddeployment.yaml", ROOT / "charts" / "pdstack" / "crds" / "kopf-peering.yaml")
 CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 RBAC_PLURALS = ("roles", "rolebindings", "clusterroles", "clusterrolebindings")
+SERVICEACCOUNTS = kmock.resource("", "v1", "serviceaccounts")
 NORMALIZED_KINDS = {"Pod", "Service", "Deployment", "NetworkPolicy", "ConfigMap", "Secret", "PodDisruptionBudget",
                     "ControllerRevision"}
 
@@ -256,6 +257,7 @@ class PDEmulator(kmock.KubernetesEmulator):
     denied: list[tuple[str, str, str, str, str | None]] = attrs.field(factory=list, init=False)  # 403s served
     _next_cluster_ip: int = attrs.field(default=0, init=False)
     content_types: set[str] = attrs.field(factory=set, init=False)  # request body types served
+    pod_log: Any = None  # (namespace, name) -> the text ``kubectl logs`` shows; None: empty logs
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -469,6 +471,10 @@ class PDEmulator(kmock.KubernetesEmulator):
         self._emit(res, "ADDED", obj)
         if kind == "CustomResourceDefinition":
             self._serve_crd(obj)
+        if kind == "Namespace":  # the serviceaccounts controller: every namespace has its "default"
+            sa_key = (SERVICEACCOUNTS, meta["name"], "default")
+            if sa_key not in self.objects or self.objects[sa_key].deleted:
+                self._create(SERVICEACCOUNTS, meta["name"], {"metadata": {"name": "default"}})
         return copy.deepcopy(obj)
 
     def _store(self, res: Any, namespace: str | None, name: str, new: dict[str, Any],
@@ -718,6 +724,10 @@ class PDEmulator(kmock.KubernetesEmulator):
     # ------------------------------------------------------------ admission
     def _admit_pod(self, namespace: str | None, pod: dict[str, Any]) -> None:
         ns = self.read(R("", "v1", "namespaces"), None, namespace or "") or {}
+        sa = (pod.get("spec") or {}).get("serviceAccountName") or "default"
+        if ns and self.read(SERVICEACCOUNTS, namespace, sa) is None:  # the ServiceAccount admission plugin
+            raise _error(403, "Forbidden", f'pods "{pod["metadata"].get("name")}" is forbidden: error looking up '
+                                           f'service account {namespace}/{sa}: serviceaccount "{sa}" not found')
         level = (ns.get("metadata", {}).get("labels") or {}).get("pod-security.kubernetes.io/enforce")
         if level != "restricted":
             return
@@ -902,6 +912,14 @@ class PDEmulator(kmock.KubernetesEmulator):
         res = request.resource
         if res == PODS and (request.subresource or "").split("/")[0] == "proxy" and request.name:
             return await self._proxy(request)
+        if res == PODS and request.subresource == "log" and request.name and request.method.upper() == "GET":
+            user = self._authenticate(request)
+            self._authorize("get", PODS, "log", request.namespace, user, request.name)
+            if self.read(PODS, request.namespace, request.name) is None:
+                raise self._not_found(PODS, request.name)
+            # the simulated kubelet runs no container process: its log is empty unless ``pod_log`` says
+            text = self.pod_log(request.namespace, request.name) if self.pod_log else ""
+            return aiohttp.web.Response(text=text, content_type="text/plain")
         if res is None or res not in self._info or request.subresource not in (None, "status", "eviction", "scale") \
                 or (request.subresource == "scale" and "scale" not in self._cat[res].subresources):
             self._authenticate(request)

@@ -340,3 +340,19 @@ async def test_status_writes_are_validated_and_unchanged_invalid_values_ratchet(
     status, obj, _ = await call(http, "PATCH", f"{PDD_PATH}/x", {"spec": {"pairs": 2}},
                                 ctype="application/merge-patch+json")
     assert status == 422 and "less than or equal to 0" in obj["message"]
+
+
+async def test_namespaces_get_a_default_service_account_and_pods_need_theirs(http):
+    assert (await call(http, "POST", "/api/v1/namespaces", {"metadata": {"name": "team"}}))[0] == 201
+    status, sa, _ = await call(http, "GET", "/api/v1/namespaces/team/serviceaccounts/default")
+    assert status == 200
+    pod = {"metadata": {"name": "p"}, "spec": {"serviceAccountName": "missing",
+                                               "containers": [{"name": "c", "image": "i:1"}]}}
+    status, obj, _ = await call(http, "POST", "/api/v1/namespaces/team/pods", pod)
+    assert status == 403 and obj["message"] == ('pods "p" is forbidden: error looking up service account '
+                                                'team/missing: serviceaccount "missing" not found')
+    del pod["spec"]["serviceAccountName"]
+    status, obj, _ = await call(http, "POST", "/api/v1/namespaces/team/pods", pod)
+    assert status == 201 and obj["spec"]["serviceAccountName"] == "default"
+    status, log, _ = await call(http, "GET", "/api/v1/namespaces/team/pods/p/log")
+    assert status == 200 and log == b""
