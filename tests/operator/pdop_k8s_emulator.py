@@ -127,6 +127,7 @@ DEFAULT_CRDS = (ROOT / "crds" / "pddeployment.yaml", ROOT / "charts" / "pdstack"
 CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 RBAC_PLURALS = ("roles", "rolebindings", "clusterroles", "clusterrolebindings")
 SERVICEACCOUNTS = kmock.resource("", "v1", "serviceaccounts")
+NAMESPACES = kmock.resource("", "v1", "namespaces")
 NORMALIZED_KINDS = {"Pod", "Service", "Deployment", "NetworkPolicy", "ConfigMap", "Secret", "PodDisruptionBudget",
                     "ControllerRevision"}
 
@@ -447,6 +448,10 @@ class PDEmulator(kmock.KubernetesEmulator):
                 raise _error(422, "Invalid", "metadata.ownerReferences.uid: Required value")
         if has_status and not keep_status:
             obj.pop("status", None)
+        if namespaced and ((self.read(NAMESPACES, None, namespace) or {}).get("metadata") or {}).get(
+                "deletionTimestamp"):  # the NamespaceLifecycle admission plugin
+            raise _error(403, "Forbidden", f'{res.plural} "{meta["name"]}" is forbidden: unable to create new '
+                                           f"content in namespace {namespace} because it is being terminated")
         if kind == "Pod":
             self._admit_pod(namespace, obj)
         if kind == "Service":
@@ -555,6 +560,8 @@ class PDEmulator(kmock.KubernetesEmulator):
         obj = self.objects[key].raw
         if self._dry:
             return copy.deepcopy(obj)
+        if res == NAMESPACES:
+            return self._delete_namespace(name)
         bound = res == PODS and obj.get("spec", {}).get("nodeName")
         if bound and grace is None:
             grace = int(obj["spec"].get("terminationGracePeriodSeconds", 30))
@@ -576,6 +583,37 @@ class PDEmulator(kmock.KubernetesEmulator):
             return copy.deepcopy(obj)
         return self._remove(res, namespace, name)
 
+    def _delete_namespace(self, name: str) -> dict[str, Any]:
+        """The namespace controller: Terminating (``deletionTimestamp``, ``status.phase``), every object in it
+        deleted (finalizers and grace periods honoured), then the namespace itself once it is empty."""
+        ns = self.read(NAMESPACES, None, name)
+        assert ns is not None
+        if not ns["metadata"].get("deletionTimestamp"):
+            ns["metadata"]["deletionTimestamp"] = _now()[:19] + "Z"
+            ns.setdefault("spec", {})["finalizers"] = ["kubernetes"]
+            ns["status"] = {**(ns.get("status") or {}), "phase": "Terminating"}
+            ns["metadata"]["resourceVersion"] = self._next_rv()
+            self.objects[(NAMESPACES, None, name)].create(ns)
+            self._emit(NAMESPACES, "MODIFIED", ns)
+            for (r, ons, n), o in list(self.objects.items()):
+                if ons == name and not o.deleted and not o.raw["metadata"].get("deletionTimestamp"):
+                    self._delete(r, ons, n)
+        gone = self._finish_namespace(name)
+        key = (NAMESPACES, None, name)
+        if gone is not None or self.objects[key].deleted:
+            return gone or ns
+        return copy.deepcopy(self.objects[key].raw)
+
+    def _finish_namespace(self, name: str) -> dict[str, Any] | None:
+        key = (NAMESPACES, None, name)
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        if not self.objects[key].raw["metadata"].get("deletionTimestamp"):
+            return None
+        if any(ons == name and not o.deleted for (_, ons, _), o in self.objects.items()):
+            return None
+        return self._remove(NAMESPACES, None, name)
+
     def _remove(self, res: Any, namespace: str | None, name: str) -> dict[str, Any]:
         key = (res, namespace, name)
         obj = copy.deepcopy(self.objects[key].raw)
@@ -588,6 +626,8 @@ class PDEmulator(kmock.KubernetesEmulator):
         self._collect_garbage(obj["metadata"]["uid"])
         if obj["metadata"].get("ownerReferences"):
             self._release_foreground(obj)
+        if namespace is not None:
+            self._finish_namespace(namespace)
         return obj
 
     def _dependents(self, owner_uid: str) -> list[tuple[Any, str | None, str]]:

@@ -356,3 +356,18 @@ async def test_namespaces_get_a_default_service_account_and_pods_need_theirs(htt
     assert status == 201 and obj["spec"]["serviceAccountName"] == "default"
     status, log, _ = await call(http, "GET", "/api/v1/namespaces/team/pods/p/log")
     assert status == 200 and log == b""
+
+
+async def test_deleting_a_namespace_deletes_its_objects_first(http):
+    await call(http, "POST", "/api/v1/namespaces", {"metadata": {"name": "gone"}})
+    await call(http, "POST", "/api/v1/namespaces/gone/configmaps", {"metadata": {"name": "a"}})
+    await call(http, "POST", "/api/v1/namespaces/gone/configmaps", {"metadata": {"name": "held",
+                                                                               "finalizers": ["x/y"]}})
+    status, ns, _ = await call(http, "DELETE", "/api/v1/namespaces/gone")
+    assert status == 200 and ns["status"]["phase"] == "Terminating"  # held by the finalizer of "held"
+    assert (await call(http, "GET", "/api/v1/namespaces/gone/configmaps/a"))[0] == 404
+    status, obj, _ = await call(http, "POST", "/api/v1/namespaces/gone/configmaps", {"metadata": {"name": "b"}})
+    assert status == 403 and "because it is being terminated" in obj["message"]
+    await call(http, "PATCH", "/api/v1/namespaces/gone/configmaps/held", {"metadata": {"finalizers": None}},
+               ctype="application/merge-patch+json")
+    assert (await call(http, "GET", "/api/v1/namespaces/gone"))[0] == 404
