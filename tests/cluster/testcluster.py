@@ -80,7 +80,7 @@ class TestCluster:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port
         self.admin_token = secrets.token_hex(16)
-        self.api = PDEmulator(crds=crds, tokens={self.admin_token: ADMIN}, stored_rbac=True,
+        self.api = PDEmulator(crds=crds, tokens={self.admin_token: ADMIN}, stored_rbac=True, validate_status=True,
                               groups={ADMIN: ("system:masters",)})
         self.kubelet = Kubelet(self.api)
         self.url = ""

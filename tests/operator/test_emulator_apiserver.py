@@ -323,6 +323,7 @@ def test_stored_rbac_decisions():
 
 
 async def test_status_writes_are_validated_and_unchanged_invalid_values_ratchet(http):
+    http.emu.validate_status = True
     await call(http, "POST", PDD_PATH, pdd())
     bad = {"status": {"conditions": [{"type": "Ready", "status": "Maybe"}]}}
     status, obj, _ = await call(http, "PATCH", f"{PDD_PATH}/x/status", bad, ctype="application/merge-patch+json")
