@@ -4,7 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup tools run test test-slow test-all test-shipping images e2e bench bench-gpu gpu-check lint clean
+.PHONY: setup tools run test test-cluster test-slow test-all test-shipping images e2e bench bench-gpu gpu-check \
+	lint clean
 
 setup: $(STAMP)
 
@@ -27,6 +28,11 @@ run: setup
 # lint first: a defect ruff can name (an unused import, an undefined name) fails in seconds, not minutes
 test: setup tools lint
 	$(PY) -m pytest -m "not slow and not gpu and not kind" -q
+
+# A test cluster that real kubectl and helm drive, no Docker: prints its kubeconfig and runs until Ctrl-C
+# (tests/cluster/testcluster.py; docs/install.md "Try it on the test cluster").
+test-cluster: setup tools
+	PYTHONPATH=runtime:operator PATH=$(CURDIR)/$(TOOLS)/bin:$$PATH $(PY) tests/cluster/testcluster.py
 
 # exit 5 = no tests collected (no slow tests in this checkout): not a failure
 test-slow: setup

@@ -162,8 +162,12 @@ def default_object(kind: str, obj: dict[str, Any]) -> dict[str, Any]:
         spec.setdefault("replicas", 1)
         spec.setdefault("revisionHistoryLimit", 10)
         spec.setdefault("progressDeadlineSeconds", 600)
-        spec.setdefault("strategy", {"type": "RollingUpdate",
-                                     "rollingUpdate": {"maxUnavailable": "25%", "maxSurge": "25%"}})
+        strategy = spec.setdefault("strategy", {})  # SetDefaults_Deployment: an empty strategy is defaulted too
+        strategy.setdefault("type", "RollingUpdate")
+        if strategy["type"] == "RollingUpdate":
+            ru = strategy.setdefault("rollingUpdate", {})
+            ru.setdefault("maxUnavailable", "25%")
+            ru.setdefault("maxSurge", "25%")
         tmpl = spec.get("template", {}).get("spec")
         if isinstance(tmpl, dict):
             default_pod_spec(tmpl, admission=False)

@@ -154,7 +154,10 @@ async def test_discovery_declares_verbs_and_status_subresources(api):
     assert {"namespaces", "pods", "pods/status", "events", "nodes"} <= set(by_name)
     assert {"list", "watch", "patch", "create", "delete"} <= set(by_name["pods"]["verbs"])
     _, group = await call(api, "GET", "/apis/pdstack.io/v1alpha1")
-    assert {r["name"] for r in group["resources"]} == {"pddeployments", "pddeployments/status"}
+    # the CRD's subresources, as the real server lists them (status and scale)
+    assert {r["name"] for r in group["resources"]} == {"pddeployments", "pddeployments/status",
+                                                       "pddeployments/scale"}
+    assert core["groupVersion"] == "v1" and by_name["pods"]["shortNames"] == ["po"]
 
 
 async def test_kubelet_schedules_gpus_starts_restarts_and_evicts(api):

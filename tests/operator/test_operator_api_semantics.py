@@ -12,6 +12,7 @@ import json
 
 import aiohttp
 import pytest
+from kmock._internal.k8s import KubernetesError
 from prometheus_client import REGISTRY
 
 from pdop_harness import NS, PODS, eventually, manifest
@@ -35,8 +36,12 @@ def reconciles(name):
 async def test_steady_state_has_no_false_drift_and_a_kubectl_edit_names_the_field(strict_operator):
     c = strict_operator
     quantities = {"requests": {"cpu": "0.5", "memory": "1024Mi"}, "limits": {"cpu": 1, "memory": "2Gi"}}
+    # a fractional number is no int-or-string: the CRD's quantity fields refuse it at admission, as a real
+    # apiextensions server does (a YAML `cpu: 0.5` must be quoted in a PDDeployment)
+    with pytest.raises(KubernetesError, match='requests.cpu in body must be of type integer,string: "number"'):
+        c.apply(manifest("steady", pairs=1, router={"resources": {"requests": {"cpu": 0.5}}}))
     c.apply(manifest("steady", pairs=1, prefill={"resources": {"gpus": 1, **quantities}},
-                     router={"resources": {"requests": {"cpu": 0.5, "memory": "1024Mi"}}}))
+                     router={"resources": {"requests": {"cpu": "0.5", "memory": "1024Mi"}}}))
     # sglang's router renders `env: []`, which a real server omits from what it returns
     c.apply(manifest("sgl", pairs=1, engine="sglang", model={"source": "/models/m"}))
     for name in ("steady", "sgl"):
