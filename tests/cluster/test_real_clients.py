@@ -271,13 +271,18 @@ def test_delete_collects_the_owned_children(tc):
 
 def test_helm_install_upgrade_test_uninstall(tc):
     chart = str(ROOT / "charts" / "pdstack")
-    helm(tc, "install", "pdstack", chart, "-n", "pdstack", "--create-namespace", "--set", "test.enabled=true")
+    # hooks.upgradeCRD=false: the chart's CRD-upgrade hook is a batch/v1 Job, and the test cluster serves no Jobs
+    # (no Job controller); helm stores the CRD from crds/ itself on install
+    helm(tc, "install", "pdstack", chart, "-n", "pdstack", "--create-namespace", "--set", "test.enabled=true",
+         "--set", "test.router=demo-router",
+         "--set", "hooks.upgradeCRD=false")
     status = json.loads(helm(tc, "status", "pdstack", "-n", "pdstack", "-o", "json").stdout)
     assert status["info"]["status"] == "deployed" and status["version"] == 1
     assert kubectl(tc, "get", "deploy", "pdstack", "-n", "pdstack").returncode == 0
     assert json.loads(kubectl(tc, "get", "role", "pdstack", "-n", "pdstack", "-o", "json").stdout)["rules"]
     helm(tc, "upgrade", "pdstack", chart, "-n", "pdstack", "--set", "test.enabled=true",
-         "--set", "operator.logLevel=debug")
+         "--set", "test.router=demo-router",
+         "--set", "hooks.upgradeCRD=false", "--set", "operator.logLevel=debug")
     status = json.loads(helm(tc, "status", "pdstack", "-n", "pdstack", "-o", "json").stdout)
     assert status["version"] == 2
     dep = json.loads(kubectl(tc, "get", "deploy", "pdstack", "-n", "pdstack", "-o", "json").stdout)
