@@ -22,11 +22,13 @@ from pdruntime.server.openai.format import OpenAIShape
 from pdruntime.server.openai.schemas import (MAX_BODY_BYTES, ApiError, WorkerChatRequest, WorkerCompletionRequest,
                                              generate_from_openai, parse_body, validate)
 from pdruntime.server.worker.engine_commands import PageOwners
+from pdruntime.util.aio import within
 from pdruntime.server.worker.engine_runner import EngineRunner, FailurePolicy
 from pdruntime.server.worker.faults import TestHooks
 from pdruntime.server.worker.prompts import PromptBuilder, client_of, request_id
 
 log = logging.getLogger("pdruntime.worker")
+PAGE_OWNERS_WAIT_S = 0.5  # seconds a scrape or /debug/requests waits for the engine thread's page snapshot
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class WorkerBase:
         self.host, self.port = opts.host, opts.port
         self.clock = opts.clock or (OffsetClock() if env.test_hooks else Clock())
         self.metrics = Metrics(self.role)
+        self.orphaned_pages = 0  # the last page-ownership snapshot's count (pdrt_kv_pages_orphaned)
         self.watchdog = Watchdog(self.role, self.clock, env.watchdog_tick_s,
                                  on_fired=lambda role, phase: self.metrics.watchdog_fired.labels(role, phase).inc())
         self.hooks = TestHooks()
@@ -158,9 +161,12 @@ class WorkerBase:
         """({live request id: pages its sequences hold}, pages held by no live request). A sequence whose worker
         request is gone counts as orphaned, as do pages no sequence holds; the engine's own failure-isolation
         canaries are owned by the engine."""
-        if self.runner is None:
+        if self.runner is None or not self.runner.alive():
             return {}, 0
-        owners, unheld = await self.runner.call(PageOwners())
+        try:  # a view must never wait on a busy or wedged engine thread: the last snapshot stands then
+            owners, unheld = await within(self.runner.call(PageOwners()), PAGE_OWNERS_WAIT_S)
+        except Exception:  # noqa: BLE001 - timeout, or the engine gave up (EngineUnhealthy): no new snapshot
+            return {}, self.orphaned_pages
         held: dict[str, int] = {}
         orphaned = unheld
         for eid, n in owners.items():
@@ -169,6 +175,7 @@ class WorkerBase:
                 held[rid] = held.get(rid, 0) + n
             else:
                 orphaned += n
+        self.orphaned_pages = orphaned
         self.metrics.pages_orphaned.labels(self.role).set(orphaned)
         return held, orphaned
 
