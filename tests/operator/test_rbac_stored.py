@@ -18,7 +18,7 @@ import kmock
 import pytest
 import yaml
 
-from pdop_harness import KUBECONFIG, NS, PDDS, Cluster, eventually, manifest, running_operator
+from pdop_harness import IMAGE, KUBECONFIG, NS, PDDS, Cluster, eventually, manifest, running_operator
 from pdop_k8s_emulator import Kubelet, PDEmulator, R
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +63,7 @@ async def test_the_operator_runs_under_the_charts_stored_rbac(clusterwide):
         for o in objects:
             api._create(PLURALS[o["kind"]], o["metadata"].get("namespace"), o, manager="helm")
         _write_kubeconfig(str(server.url).rstrip("/"), "op")
-        kubelet = Kubelet(api)
+        kubelet = Kubelet(api, images=[IMAGE])  # what `kind load` put on the node
         kubelet.add_node("gpu-a", 8, {"pdstack.io/gpu": "h100"})
         async with kubelet:
             c = Cluster(api, kubelet, str(server.url))

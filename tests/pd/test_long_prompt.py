@@ -30,8 +30,9 @@ def slow_stack(tiny_model, tmp_path_factory):
     s.stop()
 
 
-def _long_prompt(tokenizer_len: int = 2048) -> str:
-    return "pd " * int(tokenizer_len * 0.95 * 0.5)  # tiny model's byte-level tokens: ~2 per word
+def _long_prompt(first: str = "pd", tokenizer_len: int = 2048) -> str:
+    """~95% of the context; ``first`` makes it unique (the prefix cache must not serve a timed request)."""
+    return f"{first} " + "pd " * (int(tokenizer_len * 0.95 * 0.5) - 1)  # tiny model's byte-level: ~2 per word
 
 
 def _count_tokens(stack, model: str, text: str) -> int:
@@ -51,7 +52,7 @@ def test_a_prompt_of_95_percent_of_the_context_succeeds_while_prefill_keeps_adva
     try:
         t0 = time.monotonic()
         r = httpx.post(stack.router.url + "/v1/completions", timeout=120, json={
-            "model": model, "prompt": text, "max_tokens": 4, "ignore_eos": True})
+            "model": model, "prompt": _long_prompt("qq"), "max_tokens": 4, "ignore_eos": True})
         took = time.monotonic() - t0
     finally:
         stack.hooks(stack.prefill, step_delay_s=0)
@@ -71,7 +72,7 @@ def test_a_frozen_prefill_fails_after_the_stall_limit_naming_the_stage(slow_stac
         out: dict = {}
         t = threading.Thread(target=lambda: out.update(r=httpx.post(
             stack.router.url + "/v1/completions", timeout=120,
-            json={"model": model, "prompt": _long_prompt(), "max_tokens": 4})), daemon=True)
+            json={"model": model, "prompt": _long_prompt("zz"), "max_tokens": 4})), daemon=True)
         t.start()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # wait until decode holds the request, waiting for prefill's KV

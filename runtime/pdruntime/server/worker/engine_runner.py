@@ -121,7 +121,6 @@ class EngineRunner:
         self.last_error: str | None = None
         self.fatal_reason: str | None = None
         self.last_stats: dict = {}
-        self.steps = 0  # engine steps dispatched (a liveness count: PD progress reports carry it)
         self._error_status: dict[str, int] = {}  # rid -> HTTP status of an engine "error" output
         self._counted: set[str] = set()  # rids failed by an isolation round (already counted in the metric)
         # prefill: pages of each request whose KV just became ready, read on the engine thread in the same
@@ -173,7 +172,6 @@ class EngineRunner:
 
     def _dispatch(self, outputs: list, stats: dict, batch: int) -> None:
         self.last_stats = stats
-        self.steps += 1
         if self._on_step is not None:
             self._on_step(stats, batch)
         for out in outputs:
