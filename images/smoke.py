@@ -147,8 +147,10 @@ def helm_test_hook(container: str, url: str) -> None:
     if helm is None:
         print("smoke: runtime: helm not installed (`make tools`): the chart's test hook was not run")
         return
-    out = subprocess.run([helm, "template", "pd", str(ROOT / "charts" / "pdstack"), "--show-only",
-                          "templates/tests/test-chat-completion.yaml"], capture_output=True, text=True, check=True)
+    # the test pod renders only with a router to test (example.enabled or test.router); ROUTER_URL is set below
+    out = subprocess.run([helm, "template", "pd", str(ROOT / "charts" / "pdstack"), "--set", "test.router=pd-router",
+                          "--show-only", "templates/tests/test-chat-completion.yaml"], capture_output=True, text=True,
+                         check=True)
     (c,) = yaml.safe_load(out.stdout)["spec"]["containers"]
     env = {e["name"]: e["value"] for e in c["env"]}
     env["ROUTER_URL"] = url
