@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
+from pdruntime.util.backoff import capped_backoff
+
 GROUP = "pdstack.io"
 VERSION = "v1alpha1"
 PLURAL = "pddeployments"
@@ -273,9 +275,7 @@ class CoRestartSpec:
 
     def backoff(self, streak: int) -> float:
         """Seconds to wait before recreating a pair after its ``streak``-th consecutive co-restart."""
-        if streak <= 0:
-            return 0.0
-        return min(self.backoff_initial_s * (2.0 ** (streak - 1)), self.backoff_max_s)
+        return capped_backoff(streak, self.backoff_initial_s, self.backoff_max_s)
 
 
 @dataclass(frozen=True)

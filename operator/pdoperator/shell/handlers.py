@@ -19,6 +19,8 @@ from typing import Any
 
 import kopf
 
+from pdruntime.util.backoff import capped_backoff
+
 from ..core.config import OperatorConfig
 from ..core.peering import outranked
 from ..core.render import LABEL_DEPLOYMENT
@@ -169,7 +171,7 @@ async def pair_reconciler(namespace: str, name: str, body: Any, memo: kopf.Memo,
             except Exception as e:  # noqa: BLE001 - any failure is retried with backoff, counted, posted
                 failures += 1
                 metrics.RECONCILE_ERRORS.labels(namespace, name, type(e).__name__).inc()
-                delay = min(ERROR_BACKOFF_S[0] * 2 ** (failures - 1), ERROR_BACKOFF_S[1])
+                delay = capped_backoff(failures, *ERROR_BACKOFF_S)
                 log.exception("%s/%s reconcile failed (retry in %.1fs)", namespace, name, delay)
                 if failures == 1 or failures % 10 == 0:  # an Event per streak start, then every 10th
                     kopf.exception(body, reason="ReconcileError",

@@ -66,6 +66,8 @@ def load_for(source: str | None, config: EngineConfig, *, weights: str = "fp32",
     return load_model(source, dtype=config.torch_dtype, device=config.device, weights=weights, env=env)
 
 
+CANARY_PREFIX = "__canary-"  # engine ids of failure-isolation canaries (owned by the engine, never a client)
+
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
@@ -418,7 +420,7 @@ class Engine:
 
     def add_canary(self) -> str:
         """Queue a one-token greedy request (failure isolation: can the engine step without the suspect?)."""
-        rid = f"__canary-{next(self._arrivals)}"
+        rid = f"{CANARY_PREFIX}{next(self._arrivals)}"
         self.add_request(rid, [0], SamplingParams(max_tokens=1, temperature=0))
         return rid
 

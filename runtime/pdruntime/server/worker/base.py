@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 
 from pdruntime.disagg.watchdog import Clock, OffsetClock, Watchdog
 from pdruntime.engine import InvalidRequest
+from pdruntime.engine.engine import CANARY_PREFIX
 from pdruntime.env import RuntimeEnv
 from pdruntime.server.edge import BodyGuard, instance_id, lifespan_app, log_unexpected, metrics_response
 from pdruntime.server.metrics import Metrics
@@ -171,7 +172,7 @@ class WorkerBase:
         orphaned = unheld
         for eid, n in owners.items():
             rid = self.owner_of(eid)
-            if rid in self.queues or eid.startswith("__canary-"):
+            if rid in self.queues or eid.startswith(CANARY_PREFIX):
                 held[rid] = held.get(rid, 0) + n
             else:
                 orphaned += n
