@@ -2,7 +2,7 @@
 
 The first revision soaks (``rollout.soakSeconds: 2``) and becomes lastKnownGood. A spec change adds the
 runtime's test-only fault knob ``PDRT_FAULT_DECODE_STALL_AFTER=1`` to decode (no canary): it rolls out,
-then a plain multi-round client (two requests in a row) hangs on its second request. The operator's
+then a plain multi-round client (requests in a row on one connection) hangs on its second served request. The operator's
 stall detection sets ``Stalled``; with ``rollout.autoRollback`` and the stall inside
 ``rollbackWindowSeconds`` of the revision change, the spec is patched back to lastKnownGood, a Warning
 Event ``AutoRollback`` names the knob it reverted, and the pairs return to the known-good revision.
@@ -39,11 +39,18 @@ async def test_a_stall_after_a_revision_change_rolls_back_to_last_known_good(tmp
                                and st["currentRevision"] == st["updateRevision"] and pods_ready(c, name, 2)
                                and st["currentRevision"], timeout=150, interval=0.2, what="the knob rolled out")
 
+        answers: list[int] = []  # each round's status: the failure message shows what the agent met
+
         async def multi_round_client() -> None:  # an agent: round after round on one keep-alive connection
+            # Rounds go on until one hangs (cancelled below): under load the router may still be learning the
+            # new pair when the pods are Ready, and a round it refuses (503) must not use up the agent.
             async with httpx.AsyncClient(timeout=300) as http:
-                for n in range(5):
-                    await http.post(url + "/v1/completions",
-                                    json={"model": "tiny", "prompt": f"round {n}", "max_tokens": 4})
+                for n in range(1000):
+                    r = await http.post(url + "/v1/completions",
+                                        json={"model": "tiny", "prompt": f"round {n}", "max_tokens": 4})
+                    answers.append(r.status_code)
+                    if r.status_code != 200:
+                        await asyncio.sleep(0.2)
         agent = asyncio.create_task(multi_round_client())
         try:
             stalled = await eventually(lambda: (x := c.condition(name, "Stalled")).get("status") == "True" and x,
@@ -53,6 +60,7 @@ async def test_a_stall_after_a_revision_change_rolls_back_to_last_known_good(tmp
         except AssertionError:
             for e in c.events(name):
                 print("EVENT", e["reason"], e["message"][:300])
+            print("AGENT rounds answered:", answers, "done:", agent.done())
             raise
         finally:
             agent.cancel()
