@@ -85,14 +85,23 @@ class PrefillWorker(WorkerBase):
         a long one that advances. A frozen process sends nothing, which is the point."""
         progress = self.runner.last_stats.get("prefill_progress", {}) if self.runner is not None else {}
         steps = self.runner.steps if self.runner is not None else 0
+        now = self.clock.now()
         for stage, req in self.queues.items():
+            done = progress.get(req.rid, 0)
+            if done > req.computed_tokens:  # this worker's own rows show it too (the operator's stall sweep)
+                req.computed_tokens, req.computed_at = done, now
             conn = req.writer
             if stage != "waiting" or conn is None or conn.closed or req.kv_ready is None or req.kv_ready.done():
                 continue
             if req.progress_send is not None and not req.progress_send.done():
                 continue  # the previous report is still being written
             req.progress_send = asyncio.get_running_loop().create_task(
-                _quietly(transfer.send_progress(conn, progress.get(req.rid, 0), steps)))
+                _quietly(transfer.send_progress(conn, done, steps)))
+
+    def progress(self, req: PrefillRequest) -> tuple[int, float]:
+        """A long prompt whose chunks advance is progressing: its last advance counts as much as a stage change."""
+        at = super().progress(req)[1]
+        return 0, max(at, req.computed_at or at)
 
     def role_config(self) -> dict:
         return {"bootstrap": {"host": self.bootstrap_host, "port": self.bootstrap_port},
