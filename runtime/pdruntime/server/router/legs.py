@@ -17,6 +17,7 @@ import httpx
 from pdruntime.server.openai.events import TokenEvent
 from pdruntime.server.router.topology import Pair
 from pdruntime.util.aio import within
+from pdruntime.util.headers import DEADLINE_HEADER
 from pdruntime.util.sse import DONE, aiter_sse
 
 ABORT_TIMEOUT_S = 2.0  # seconds for the best-effort /abort_request calls
@@ -112,8 +113,9 @@ class Legs:
     # ---- prefill leg ---------------------------------------------------------------------------
     async def _prefill(self) -> None:
         try:
+            headers = {**self.headers, DEADLINE_HEADER: f"{self.remaining():.3f}"}  # prefill's admission reads it
             resp = await self.client.post(self.pair.prefill_url + "/generate", json=self.prefill_body,
-                                          headers=self.headers, timeout=httpx.Timeout(self.remaining() + 1.0, connect=3.0))
+                                          headers=headers, timeout=httpx.Timeout(self.remaining() + 1.0, connect=3.0))
         except httpx.HTTPError as exc:
             raise LegError(502, f"prefill worker {self.pair.prefill_url} unreachable: {type(exc).__name__} {exc}",
                            leg="prefill", retryable=True) from None

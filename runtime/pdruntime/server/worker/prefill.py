@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 
 from pdruntime.disagg import transfer, wire
 from pdruntime.disagg.prefill_queues import PrefillQueues, PrefillRequest
+from pdruntime.disagg.prefill_rate import PrefillRate, verdict
 from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import WireError
 from pdruntime.server.openai.events import TokenEvent
@@ -32,6 +33,7 @@ from pdruntime.server.openai.schemas import ApiError, GenerateRequest, error_bod
 from pdruntime.server.worker.base import WorkerBase
 from pdruntime.server.worker.engine_commands import Abort, AddRequest, GatherPages, Pages, Release, RequestGone
 from pdruntime.server.worker.prompts import client_of, read_generate, request_id
+from pdruntime.util.headers import DEADLINE_HEADER
 from pdruntime.util.periodic import PeriodicTask
 
 log = logging.getLogger("pdruntime.prefill")
@@ -40,6 +42,15 @@ REJECT_LOG_INTERVAL_S = 10.0  # seconds between WARNING lines about rejected KV 
 PROGRESS_INTERVAL_S = 1.0  # seconds between PROGRESS reports to a waiting decode (its stall limit is far longer)
 # KV-wire ERROR reason "request_failed:<status>": prefill failed the request itself (a 4xx), not the pair
 REQUEST_FAILED = "request_failed"
+
+
+def _seconds_left(raw: str | None) -> float | None:
+    """The router's X-PDStack-Deadline-S; None when absent or unreadable (then nothing is refused for time)."""
+    try:
+        v = float(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return v if v is not None and v >= 0 else None
 
 
 class TransferFailed(Exception):
@@ -57,6 +68,7 @@ class PrefillWorker(WorkerBase):
         self.bootstrap_host = bootstrap_host
         self.bootstrap_port = bootstrap_port
         self.queues = PrefillQueues()
+        self.rate = PrefillRate()  # prompt tokens/s computed, measured under backlog: admission by deadline
         self._server: transfer.BootstrapServer | None = None
         self.layout: wire.KVLayout | None = None
         self.reject_log = transfer.LogLimiter(REJECT_LOG_INTERVAL_S)
@@ -97,6 +109,13 @@ class PrefillWorker(WorkerBase):
                 continue  # the previous report is still being written
             req.progress_send = asyncio.get_running_loop().create_task(
                 _quietly(transfer.send_progress(conn, done, steps)))
+        if self.runner is not None:
+            self.rate.observe(now, int(self.runner.last_stats.get("num_prefill_tokens", 0)), sum(self.backlog()))
+
+    def backlog(self) -> list[int]:
+        """Prompt tokens each request before its KV is ready still has to compute (cache hits counted in: high)."""
+        return [max(0, len(r.prompt_ids) - r.computed_tokens) for stage, r in self.queues.items()
+                if stage in ("bootstrap", "waiting")]
 
     def progress(self, req: PrefillRequest) -> tuple[int, float]:
         """A long prompt whose chunks advance is progressing: its last advance counts as much as a stage change."""
@@ -148,17 +167,25 @@ class PrefillWorker(WorkerBase):
 
     # ---- HTTP side ---------------------------------------------------------------------------
     async def generate(self, request: Request) -> JSONResponse:
-        return await self.run_generate(await read_generate(request), client_of(request))
+        return await self.run_generate(await read_generate(request), client_of(request),
+                                       seconds_left=_seconds_left(request.headers.get(DEADLINE_HEADER)))
 
     async def run_generate(self, greq: GenerateRequest, client: str, shape: OpenAIShape | None = None,
-                           include_usage: bool = False) -> JSONResponse:
+                           include_usage: bool = False, *, seconds_left: float | None = None) -> JSONResponse:
         """Prefill one PD request; answers once decode has the KV (OpenAI-shaped with ``shape``: the /v1 routes,
-        whose body SGLang's router sends to both legs; it answers the client from decode's)."""
+        whose body SGLang's router sends to both legs; it answers the client from decode's). ``seconds_left``: of
+        the request's deadline, as pdrt's router sends it; a request that cannot make it is refused now."""
         if greq.bootstrap_room is None:
             raise ApiError(400, "a prefill worker serves only PD requests; accepted: a body with bootstrap_room "
                            "(and bootstrap_host/bootstrap_port) as sent by a PD router", param="bootstrap_room")
         prompt = self.prompts.prompt_ids(greq)
         params = self.prompts.sampling(greq, len(prompt))
+        refusal = verdict(self.rate.tokens_per_s, len(prompt), self.backlog(), seconds_left)
+        if refusal is not None:
+            self.metrics.refused.labels(self.role, refusal.code).inc()
+            raise ApiError(refusal.status, refusal.message, code=refusal.code,
+                           type="server_overloaded" if refusal.retry_after else "invalid_request_error",
+                           headers={"Retry-After": str(refusal.retry_after)} if refusal.retry_after else None)
         loop = asyncio.get_running_loop()
         req = PrefillRequest(rid=request_id(greq), room=int(greq.bootstrap_room), client=client,
                              prompt_ids=prompt, params=params, created_at=self.clock.now(),
