@@ -147,8 +147,8 @@ class OpenAIShape:
         if state is None:
             out = [self.chunk(ev, role=first, reason=reason, use=use, index=index)]
         else:
-            deltas = state.feed(ev.delta, final=reason is not None)
-            if reason and state.calls_sent:
+            deltas = state.feed(ev.delta, final=reason is not None, cut=reason == "length")
+            if reason == "stop" and state.calls_sent:  # cut by max_tokens, a (partial) call ends "length"
                 reason = "tool_calls"
             out = [self.chunk(ev, role=first and i == 0, delta=d, use=use if i == len(deltas) - 1 else None,
                               reason=reason if i == len(deltas) - 1 else None, index=index)
@@ -175,10 +175,12 @@ class OpenAIShape:
             if self.tool_parser is not None:
                 from pdruntime.server.openai.tools import openai_tool_calls, parser_for
 
-                content, calls = parser_for(self.tool_parser).parse(text)
+                p = parser_for(self.tool_parser)
+                content, calls = p.parse_cut(text) if reason == "length" else p.parse(text)
+                message["content"] = content
                 if calls:
                     message = {"role": "assistant", "content": content or None, "tool_calls": openai_tool_calls(calls)}
-                    reason = "tool_calls"
+                    reason = "tool_calls" if reason == "stop" else reason  # cut by max_tokens: "length"
             return {"index": index, "message": message, "finish_reason": reason,
                     "logprobs": {"content": logprobs} if logprobs is not None else None}
         return {"index": index, "text": (self.echo or "") + text, "finish_reason": reason,
