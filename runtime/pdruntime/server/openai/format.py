@@ -33,15 +33,24 @@ def logprob_entries(tokenizer: Any, token_ids: list[int], raw: list | None) -> l
     return out
 
 
+def prompt_logprob_entries(tokenizer: Any, prompt_ids: list[int], raw: list | None) -> list:
+    """``echo`` + logprobs: one entry per prompt token, ``raw`` holding the engine's for prompt_ids[1:]. The first
+    token has its text and a null logprob (nothing predicts it), as OpenAI reports it."""
+    first = {**_tok(tokenizer, prompt_ids[0], None), "top_logprobs": None}
+    return [first] + logprob_entries(tokenizer, prompt_ids[1:], raw)
+
+
 def completion_logprobs(entries: list, offset0: int = 0) -> dict:
-    """Chat-shaped entries -> the legacy completions shape {tokens, token_logprobs, top_logprobs, text_offset}."""
+    """Chat-shaped entries -> the legacy completions shape {tokens, token_logprobs, top_logprobs, text_offset}:
+    ``text_offset[i]`` is where ``tokens[i]`` starts in the choice's text (from ``offset0``); an entry with a
+    null logprob (the first echoed prompt token) has null top_logprobs."""
     tokens, lps, tops, offs = [], [], [], []
     pos = offset0
     for e in entries:
         e = e or {"token": "", "logprob": None, "top_logprobs": []}
         tokens.append(e["token"])
         lps.append(e["logprob"])
-        tops.append({t["token"]: t["logprob"] for t in e.get("top_logprobs") or []})
+        tops.append(None if e["logprob"] is None else {t["token"]: t["logprob"] for t in e.get("top_logprobs") or []})
         offs.append(pos)
         pos += len(e["token"])
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 
 from pdruntime.disagg.decode_queues import DecodeRequest
 from pdruntime.server.openai.events import TokenEvent
-from pdruntime.server.openai.format import Choices, OpenAIShape, logprob_entries
+from pdruntime.server.openai.format import Choices, OpenAIShape, logprob_entries, prompt_logprob_entries
 from pdruntime.server.openai.schemas import error_body
 from pdruntime.util.sse import SSE_DONE, sse
 
@@ -140,7 +140,7 @@ class DecodeStream:
         req, ids = self.req, list(item.new_token_ids)
         prompt_lps = None
         if getattr(item, "prompt_logprobs", None) is not None:  # monolithic runs (PD: prefill reports them)
-            prompt_lps = [None] + logprob_entries(self.tokenizer, req.prompt_ids[1:], item.prompt_logprobs)
+            prompt_lps = prompt_logprob_entries(self.tokenizer, req.prompt_ids, item.prompt_logprobs)
         lps = None
         if req.params.logprobs is not None:  # PD: the first token's entry is None here (prefill reports it)
             lps = logprob_entries(self.tokenizer, ids, getattr(item, "logprobs", None))

@@ -27,7 +27,7 @@ from pdruntime.disagg.prefill_queues import PrefillQueues, PrefillRequest
 from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import WireError
 from pdruntime.server.openai.events import TokenEvent
-from pdruntime.server.openai.format import OpenAIShape, logprob_entries
+from pdruntime.server.openai.format import OpenAIShape, logprob_entries, prompt_logprob_entries
 from pdruntime.server.openai.schemas import ApiError, GenerateRequest, error_body
 from pdruntime.server.worker.base import WorkerBase
 from pdruntime.server.worker.engine_commands import Abort, AddRequest, GatherPages, Pages, Release, RequestGone
@@ -183,8 +183,8 @@ class PrefillWorker(WorkerBase):
             result["meta_info"]["output_token_logprobs"] = logprob_entries(self.loaded.tokenizer, [first],
                                                                            [req.first_logprobs])
         if params.prompt_logprobs is not None:  # echo: the prompt's, first token None (nothing predicts it)
-            result["meta_info"]["input_token_logprobs"] = [None] + logprob_entries(
-                self.loaded.tokenizer, prompt[1:], getattr(req, "prompt_logprobs", None))
+            result["meta_info"]["input_token_logprobs"] = prompt_logprob_entries(
+                self.loaded.tokenizer, prompt, getattr(req, "prompt_logprobs", None))
         return JSONResponse(result if shape is None else shape.final(text, TokenEvent.from_json(result)))
 
     def add_routes(self, app: FastAPI) -> None:
