@@ -193,15 +193,13 @@ def test_a_schema_the_grammar_engine_cannot_compile_is_invalid_json_schema(clien
 
 
 def test_a_schema_past_a_grammar_limit_is_grammar_limit(client, model_id):
-    deep: dict = {"type": "string"}
-    for _ in range(70):
-        deep = {"type": "array", "items": deep}
+    schema = {"type": "object", "properties": {"x": {"type": "string", "pattern": "^a{300}$"}}}
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
             model=model_id, messages=[{"role": "user", "content": "json"}], max_tokens=20,
-            response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": deep}})
-    assert info.value.code == "grammar_limit", info.value.body
-    assert "levels" in info.value.body["message"]
+            response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
+    assert info.value.code == "grammar_limit" and info.value.body["param"] == "response_format", info.value.body
+    assert "counted repetitions" in info.value.body["message"]
 
 
 def test_a_raw_grammar_the_engine_rejects_is_invalid_grammar_not_transfer_failed(stack):
@@ -234,3 +232,21 @@ def test_a_cut_call_parses_and_streams_to_the_same_partial_call():
     llama = parser_for("llama3_json")
     assert llama.parse_cut('{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {"y"') == \
         ("", [{"name": "a", "arguments": '{"x": 1}'}, {"name": "b", "arguments": '{"y"'}])
+
+
+def test_the_finite_instance_check_rejects_only_what_it_proves():
+    from pdruntime.server.openai.structured import has_finite_instance
+
+    linked = {"type": "object", "properties": {"v": {"type": "integer"},
+                                               "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+              "required": ["v", "next"]}
+    tree = {"$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+                               "required": ["kids"]}}, "$ref": "#/$defs/node"}
+    chain = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(10)} | {"d10": {"type": "string"}},
+             "type": "object", "properties": {"x": {"$ref": "#/$defs/d0"}}, "required": ["x"]}
+    for ok in (linked, tree, chain, {}, {"type": "object"}, {"$ref": "https://example.com/remote"}):
+        assert has_finite_instance(ok) is True, ok
+    needs_two = {"type": "array", "minItems": 2, "prefixItems": [{"type": "string"}, {"$ref": "#"}]}
+    for bad in (*(UNSATISFIABLE[k] for k in ("refs without a base case", "requires itself", "not anything")),
+                needs_two, {"$ref": "#"}, {"allOf": [{"type": "string"}, {"enum": []}]}):
+        assert has_finite_instance(bad) is False, bad

@@ -22,18 +22,21 @@ class DecodeFailed(Exception):
     """A decode request ends with an error: ``status`` (the HTTP status), and for a busy worker (429) the
     ``retry_after`` seconds it suggests and the code ``decode_busy``."""
 
-    def __init__(self, reason: str, status: int = 502, *, retry_after: int | None = None) -> None:
+    def __init__(self, reason: str, status: int = 502, *, retry_after: int | None = None,
+                 code: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
         self.retry_after = retry_after
+        self._code = code  # the cause's name (e.g. unsatisfiable_schema), else decode_busy / decode_failed
 
     @property
     def code(self) -> str:
-        return "decode_busy" if self.status == 429 else "decode_failed"
+        return self._code or ("decode_busy" if self.status == 429 else "decode_failed")
 
     def body(self) -> dict:
-        err = error_body(self.status, self.reason, type="server_error", code=self.code)
+        kind = "invalid_request_error" if 400 <= self.status < 500 and self.status != 429 else "server_error"
+        err = error_body(self.status, self.reason, type=kind, code=self.code)
         if self.retry_after is not None:
             err["error"]["retry_after"] = self.retry_after
         return err
@@ -83,7 +86,7 @@ class _Worker(Protocol):
     loaded: Any  # the model: its tokenizer renders logprobs
 
     def _fail(self, req: DecodeRequest, reason: str, *, cause: str = ..., status: int = ...,
-              retry_after: int | None = ...) -> None: ...
+              retry_after: int | None = ..., code: str | None = ...) -> None: ...
 
 
 class DecodeStream:
