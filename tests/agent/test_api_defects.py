@@ -250,3 +250,13 @@ def test_the_finite_instance_check_rejects_only_what_it_proves():
     for bad in (*(UNSATISFIABLE[k] for k in ("refs without a base case", "requires itself", "not anything")),
                 needs_two, {"$ref": "#"}, {"allOf": [{"type": "string"}, {"enum": []}]}):
         assert has_finite_instance(bad) is False, bad
+
+
+def test_a_request_error_crosses_the_kv_wire_with_its_status_and_code():
+    from pdruntime.server.worker.decode import _request_failed
+
+    assert _request_failed("request_failed:400:unsatisfiable_schema") == (400, "unsatisfiable_schema")
+    assert _request_failed("request_failed:400") == (400, None)  # an older prefill: decode's own code
+    assert _request_failed("request_failed:500:x") == (422, "x")  # never a 5xx: the request's fault
+    assert _request_failed("request_failed:400:bad code!") == (400, None)
+    assert _request_failed("protocol") == (None, None)

@@ -243,7 +243,11 @@ def check_schema(schema: Any, param: str) -> None:
         raise GrammarError(f"{param}: the JSON schema is unsatisfiable: no finite JSON value satisfies it (a required "
                            "value that only a $ref cycle without a base case, 'not: {}', 'enum: []' or a false "
                            f"schema could fill); {accepted}", "unsatisfiable_schema", param)
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(_json_grammar(schema, param))
+    grammar = _json_grammar(schema, param)
+    try:
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    except Exception as exc:  # a library panic: logged by public_error, a sentence for the client
+        failed, messages = True, [str(exc)]
     if failed:
         text = _engine_text(messages)
         code = grammar_error_code(text)
