@@ -130,6 +130,31 @@ def test_a_grammar_dead_end_at_generation_is_an_error_not_a_stop(stack, tiny):
     assert "dead end" in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize("case, prefill_status", [("self", 400), ("refs without a base case", 200)])
+def test_a_pd_grammar_dead_end_fails_both_legs_with_its_code(stack, case, prefill_status):
+    """Both legs of a PD request (as a router sends them), with a raw grammar that dead-ends: at the first token
+    (prefill samples it: prefill's 400 reaches decode over the KV wire with its code) or later (decode's)."""
+    import asyncio
+
+    from pdruntime.server.openai.structured import _json_grammar
+
+    schema = {"$ref": "#"} if case == "self" else UNSATISFIABLE[case]
+    body = {"text": "json", "rid": f"dead-{prefill_status}", "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": stack.bootstrap_port, "bootstrap_room": 777000 + prefill_status,
+            "sampling_params": {"max_new_tokens": 30, "temperature": 0, "grammar": _json_grammar(schema)}}
+
+    async def both():
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await asyncio.gather(c.post(stack.prefill.url + "/generate", json=body),
+                                        c.post(stack.decode.url + "/generate", json=body))
+
+    pr, dr = asyncio.run(both())
+    assert pr.status_code == prefill_status, pr.text
+    assert dr.status_code == 400 and dr.json()["error"]["code"] == "unsatisfiable_schema", dr.text
+    if prefill_status == 400:
+        assert pr.json()["error"]["code"] == "unsatisfiable_schema", pr.text
+
+
 def test_the_engine_fails_a_dead_ending_grammar_with_its_code(make_engine):
     from pdruntime.engine import SamplingParams
     from pdruntime.server.openai.structured import _json_grammar
