@@ -10,9 +10,9 @@ Why llguidance: maintained (Microsoft, used by vLLM, SGLang and llama.cpp), a sm
 torch dependency (xgrammar pins torch/transformers), JSON Schema and Lark grammars with ``%json`` embedded, and
 mask computation in ~tens of microseconds per token without a per-schema precompile step.
 
-Errors name their cause (``util.public_error.grammar_error_code``): a grammar that does not compile is ``invalid_grammar``, one that
-llguidance proves unsatisfiable ``unsatisfiable_schema``, one past its internal limits ``grammar_limit``. A matcher
-that reaches a dead end while generating (no token can continue and the output is not complete: e.g. a schema
+Errors name their cause (``util.public_error.grammar_error_code``): a grammar that does not compile is
+``invalid_grammar``, one that llguidance proves unsatisfiable ``unsatisfiable_schema``, one past its internal
+limits ``grammar_limit``. A matcher that reaches a dead end while generating (no token can continue and the output is not complete: e.g. a schema
 whose ``$ref`` cycle has no base case) raises :class:`GrammarError` and its request fails with that code, never
 finishing "stop" on a cut value.
 """

@@ -182,7 +182,10 @@ def _has_instance(node: Any, root: Any, known: set[int], memo: dict[int, bool]) 
     ref = node.get("$ref")
     if ok and isinstance(ref, str):
         target = _resolve(root, ref)
-        ok = target is None or (target if isinstance(target, bool) else not isinstance(target, dict) or id(target) in known)
+        if isinstance(target, bool):
+            ok = target
+        else:  # not local or absent (None): not judged; a dict: satisfiable once proven so
+            ok = not isinstance(target, dict) or id(target) in known
     if ok and isinstance(node.get("allOf"), list):
         ok = all(sub(x) for x in node["allOf"])
     for key in ("anyOf", "oneOf"):
