@@ -12,9 +12,9 @@ mask computation in ~tens of microseconds per token without a per-schema precomp
 
 Errors name their cause (``util.public_error.grammar_error_code``): a grammar that does not compile is
 ``invalid_grammar``, one that llguidance proves unsatisfiable ``unsatisfiable_schema``, one past its internal
-limits ``grammar_limit``. A matcher that reaches a dead end while generating (no token can continue and the output is not complete: e.g. a schema
-whose ``$ref`` cycle has no base case) raises :class:`GrammarError` and its request fails with that code, never
-finishing "stop" on a cut value.
+limits ``grammar_limit``. A matcher that reaches a dead end while generating (no token can continue and the output
+is not complete: e.g. a schema whose ``$ref`` cycle has no base case) raises :class:`GrammarError` and its request
+fails with that code, never finishing "stop" on a cut value.
 """
 
 from __future__ import annotations
