@@ -96,7 +96,7 @@ class WorkerBase:
         self.ready = False
         await self.stop_role()
         for _, req in self.queues.items():
-            self._fail(req, "server shutting down", cause="shutdown")
+            self._fail(req, "server shutting down", cause="shutdown", code="shutting_down")
         await self.watchdog.stop()
         if self.runner is not None:
             await asyncio.to_thread(self.runner.stop)
@@ -214,7 +214,7 @@ class WorkerBase:
         req = self.queues.get(rid)
         if req is None:
             return False
-        self._fail(req, f"aborted ({cause})", cause=cause, status=499)
+        self._fail(req, f"aborted ({cause})", cause=cause, status=499, code="aborted")
         return True
 
     # ---- app -------------------------------------------------------------------------------

@@ -176,7 +176,7 @@ class PrefillWorker(WorkerBase):
                                            type=kind, code=exc.code), status_code=exc.status)
         except asyncio.CancelledError:  # the router (or client) went away
             outcome = "aborted"
-            self._fail(req, "client disconnected", cause="client_disconnect", status=499)
+            self._fail(req, "client disconnected", cause="client_disconnect", status=499, code="aborted")
             raise
         finally:
             self.metrics.requests.labels(self.role, self.metrics.clients.label(req.client), outcome).inc()
