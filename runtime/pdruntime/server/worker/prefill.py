@@ -28,7 +28,7 @@ from pdruntime.disagg.prefill_rate import PrefillRate, verdict
 from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import WireError
 from pdruntime.server.openai.events import TokenEvent
-from pdruntime.server.openai.format import OpenAIShape, logprob_entries
+from pdruntime.server.openai.format import OpenAIShape, logprob_entries, prompt_logprob_entries
 from pdruntime.server.openai.schemas import ApiError, GenerateRequest, error_body
 from pdruntime.server.worker.base import WorkerBase
 from pdruntime.server.worker.engine_commands import Abort, AddRequest, GatherPages, Pages, Release, RequestGone
@@ -40,7 +40,7 @@ log = logging.getLogger("pdruntime.prefill")
 
 REJECT_LOG_INTERVAL_S = 10.0  # seconds between WARNING lines about rejected KV pulls (the rest are counted)
 PROGRESS_INTERVAL_S = 1.0  # seconds between PROGRESS reports to a waiting decode (its stall limit is far longer)
-# KV-wire ERROR reason "request_failed:<status>": prefill failed the request itself (a 4xx), not the pair
+# KV-wire ERROR reason "request_failed:<status>:<code>": prefill failed the request itself (a 4xx), not the pair
 REQUEST_FAILED = "request_failed"
 
 
@@ -54,10 +54,14 @@ def _seconds_left(raw: str | None) -> float | None:
 
 
 class TransferFailed(Exception):
-    def __init__(self, reason: str, status: int = 503) -> None:
+    """A prefill request failed: ``status`` (HTTP) and ``code``, the cause's name (``transfer_failed`` for the KV
+    transfer and its watchdogs; the engine's or the request's own otherwise, e.g. ``unsatisfiable_schema``)."""
+
+    def __init__(self, reason: str, status: int = 503, code: str = "transfer_failed") -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
+        self.code = code
 
 
 class PrefillWorker(WorkerBase):
@@ -131,7 +135,8 @@ class PrefillWorker(WorkerBase):
         return req.kv_stats.row() if req.kv_stats is not None else {}
 
     # ---- failure and cleanup (idempotent) ----------------------------------------------------
-    def _fail(self, req: PrefillRequest, reason: str, *, cause: str = "peer_failure", status: int = 503) -> None:
+    def _fail(self, req: PrefillRequest, reason: str, *, cause: str = "peer_failure", status: int = 503,
+              code: str = "transfer_failed") -> None:
         if not req.status.fail(self.clock.now(), reason):
             return
         self.watchdog.disarm(req.rid)
@@ -139,7 +144,8 @@ class PrefillWorker(WorkerBase):
             if 400 <= status < 500 and status != 499:
                 # a request error (e.g. the engine failed it alone): tell decode why, so its leg fails as this
                 # request's error and not as a lost peer (which a router counts against the pair)
-                asyncio.get_running_loop().create_task(transfer.send_error(req.writer, f"{REQUEST_FAILED}:{status}", reason))
+                asyncio.get_running_loop().create_task(
+                    transfer.send_error(req.writer, f"{REQUEST_FAILED}:{status}:{code}", reason))
             else:
                 req.writer.close()
         if req.in_engine and self.runner is not None:
@@ -154,7 +160,7 @@ class PrefillWorker(WorkerBase):
         if cause in ("client_disconnect", "abort_request", "watchdog"):
             self.metrics.aborts.labels(self.role, cause).inc()
         if not req.done.done():
-            req.done.set_exception(TransferFailed(reason, status))
+            req.done.set_exception(TransferFailed(reason, status, code))
         log.warning("prefill request failed: rid=%s room=%s reason=%s", req.rid, req.room, reason)
 
     def _on_watchdog(self, req: PrefillRequest, phase: str) -> None:
@@ -201,11 +207,12 @@ class PrefillWorker(WorkerBase):
             await req.done
         except TransferFailed as exc:
             outcome = "failed"
+            kind = "invalid_request_error" if 400 <= exc.status < 500 else "server_error"
             return JSONResponse(error_body(exc.status, f"prefill of request {req.rid} failed: {exc.reason}",
-                                           type="server_error", code="transfer_failed"), status_code=exc.status)
+                                           type=kind, code=exc.code), status_code=exc.status)
         except asyncio.CancelledError:  # the router (or client) went away
             outcome = "aborted"
-            self._fail(req, "client disconnected", cause="client_disconnect", status=499)
+            self._fail(req, "client disconnected", cause="client_disconnect", status=499, code="aborted")
             raise
         finally:
             self.metrics.requests.labels(self.role, self.metrics.clients.label(req.client), outcome).inc()
@@ -219,8 +226,8 @@ class PrefillWorker(WorkerBase):
             result["meta_info"]["output_token_logprobs"] = logprob_entries(self.loaded.tokenizer, [first],
                                                                            [req.first_logprobs])
         if params.prompt_logprobs is not None:  # echo: the prompt's, first token None (nothing predicts it)
-            result["meta_info"]["input_token_logprobs"] = [None] + logprob_entries(
-                self.loaded.tokenizer, prompt[1:], getattr(req, "prompt_logprobs", None))
+            result["meta_info"]["input_token_logprobs"] = prompt_logprob_entries(
+                self.loaded.tokenizer, prompt, getattr(req, "prompt_logprobs", None))
         return JSONResponse(result if shape is None else shape.final(text, TokenEvent.from_json(result)))
 
     def add_routes(self, app: FastAPI) -> None:
@@ -334,7 +341,7 @@ class PrefillWorker(WorkerBase):
                 req.prompt_logprobs = out.prompt_logprobs
                 req.kv_ready.set_result(out.new_token_ids[0])
         elif out.finished:
-            self._fail(req, f"engine finished the prefill with {out.finish_reason!r}")
+            self._fail(req, f"engine finished the prefill with {out.finish_reason!r}", code="engine_error")
 
 
 async def _quietly(aw) -> None:
