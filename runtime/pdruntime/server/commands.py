@@ -62,6 +62,62 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: a number in [0, 1]")
+    return v
+
+
+def _ratio(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not v >= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: a number >= 1")
+    return v
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: an integer >= 0")
+    return int(text)
+
+
+def _routing_flags(p: argparse.ArgumentParser) -> None:
+    from pdruntime.server.router.policy import ROUTING_POLICIES, RoutingConfig
+
+    d = RoutingConfig()
+    g = p.add_argument_group("router: routing policy")
+    g.add_argument("--routing-policy", choices=ROUTING_POLICIES, default=d.policy,
+                   help="least-load: sticky by conversation, else the least outstanding pair; round-robin: each pair "
+                        "in turn; prefix: the pair that holds the longest prefix of the prompt, within the load bound")
+    g.add_argument("--balance-abs-threshold", type=_count, default=d.balance_abs_threshold,
+                   help="prefix: the load bound holds when the busiest pair has more than this many outstanding "
+                        "requests above the idlest ...")
+    g.add_argument("--balance-rel-threshold", type=_ratio, default=d.balance_rel_threshold,
+                   help="... and more than this many times its load; then least-load decides")
+    g.add_argument("--cache-threshold", type=_fraction, default=d.cache_threshold,
+                   help="prefix: share of the prompt a pair must hold to win on its prefix (else least-load)")
+    g.add_argument("--prefix-tree-max-chars", type=_positive_int, default=d.tree_max_chars,
+                   help="prefix: prompt characters remembered per pair (LRU)")
+
+
+def routing_config(args: argparse.Namespace):
+    """The router's RoutingConfig from its flags (ValueError naming the flag when a value is refused)."""
+    from pdruntime.server.router.policy import RoutingConfig
+
+    try:
+        return RoutingConfig(args.routing_policy, args.balance_abs_threshold, args.balance_rel_threshold,
+                             args.cache_threshold, args.prefix_tree_max_chars)
+    except ValueError as exc:
+        raise ValueError(f"router routing flags: {exc}") from None
+
+
 def register(subparsers: Any) -> None:
     serve = subparsers.add_parser("serve", help="run one server: prefill worker, decode worker or router")
     serve.add_argument("--role", choices=ROLES, required=True)
@@ -89,6 +145,7 @@ def register(subparsers: Any) -> None:
                        default=connections.MAX_CONNECTIONS_PER_CLIENT,
                        help="open connections per client address; beyond it that client's oldest idle one is closed")
     serve.add_argument("--log-level", default="info")
+    _routing_flags(serve)
     _engine_flags(serve)
     serve.set_defaults(func=cmd_serve, handler=cmd_serve)
 
@@ -183,7 +240,8 @@ def build_server(args: argparse.Namespace, env=None):
         if admin == "":
             raise ValueError(f"--admin-token-file {args.admin_token_file!r} is empty; accepted: a file holding the token")
         cfg = RouterConfig(request_timeout_s=args.request_timeout_s, body_timeout_s=args.body_timeout_s,
-                           breaker_cooldown_s=args.breaker_cooldown_s, api_keys=keys, admin_token=admin)
+                           breaker_cooldown_s=args.breaker_cooldown_s, api_keys=keys, admin_token=admin,
+                           routing=routing_config(args))
         router = Router(env, topology=topo, topology_file=args.topology_file, config=cfg, host=args.host, port=args.port)
         return router.build_app(), router
     from pdruntime.engine import Engine, load_for

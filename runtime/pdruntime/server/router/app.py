@@ -12,7 +12,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
@@ -29,7 +29,8 @@ from pdruntime.server.router.auth import (admin_token, bearer, client_identity, 
                                           key_name, match_api_key, same_secret)
 from pdruntime.server.router.health_probe import HealthProber
 from pdruntime.server.router.legs import LegError, Legs, Outbound
-from pdruntime.server.router.policy import Outcome, PairPicker, PairState
+from pdruntime.server.router.policy import Outcome, PairPicker, PairState, RoutingConfig
+from pdruntime.server.router.prefix_tree import routing_text
 from pdruntime.server.router.reply import Dispatched, EdgeRequest, LiveRequest, Reply
 from pdruntime.server.router.topology import Topology, TopologyWatcher
 from pdruntime.server.router.topology_source import TopologySource
@@ -52,6 +53,7 @@ class RouterConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     api_keys: dict[str, str] = field(default_factory=dict, repr=False)  # key -> client name; empty: no auth
     admin_token: str | None = field(default=None, repr=False)  # /config, /debug/*: None = loopback clients only
+    routing: RoutingConfig = field(default_factory=RoutingConfig)  # --routing-policy and its thresholds
 
 
 class Router:
@@ -63,7 +65,8 @@ class Router:
         self.topology_file = topology_file
         self.host, self.port = host, port
         self.metrics = Metrics("router")
-        self.picker = PairPicker(self.cfg.breaker_threshold, self.cfg.breaker_cooldown_s, self.cfg.breaker_trial_timeout_s)
+        self.picker = PairPicker(self.cfg.breaker_threshold, self.cfg.breaker_cooldown_s, self.cfg.breaker_trial_timeout_s,
+                                 self.cfg.routing)
         self.live: dict[str, LiveRequest] = {}
         self.models: dict[str, dict] = {}  # model id -> /get_model_info of a worker
         self.client: httpx.AsyncClient | None = None
@@ -174,9 +177,11 @@ class Router:
         last: LegError | None = None
         busy: list[LegError] = []
         pinned = live.pinned
+        prompt = routing_text(out.body) if self.picker.tree is not None and pinned is None else None
         while len(tried) < (MAX_ATTEMPTS if pinned is None else 1):  # a pinned request is never retried elsewhere
             now = time.monotonic()
-            state = self.picker.choose(now, live.conversation, exclude=tried | self.stale_pairs(), group=pinned)
+            state = self.picker.choose(now, live.conversation, exclude=tried | self.stale_pairs(), group=pinned,
+                                       prompt=prompt)
             if state is None:
                 break
             if tried:
@@ -437,7 +442,8 @@ class Router:
                            "breaker_trial_timeout_s": self.cfg.breaker_trial_timeout_s, "max_attempts": MAX_ATTEMPTS,
                            "body_timeout_s": self.cfg.body_timeout_s, "max_body_bytes": self.cfg.max_body_bytes,
                            "api_keys": {"enabled": bool(self.cfg.api_keys), "clients": sorted(set(self.cfg.api_keys.values()))},
-                           "admin": "token" if self.cfg.admin_token is not None else "loopback-only"},
+                           "admin": "token" if self.cfg.admin_token is not None else "loopback-only",
+                           "routing": {**asdict(self.cfg.routing), "decisions": dict(self.picker.decisions)}},
                 "models": sorted(self.models),
                 "worker_health": self.prober.snapshot() if self.prober is not None else []}
 
