@@ -296,3 +296,53 @@ def test_the_router_routes_by_the_request_prompt():
         asyncio.run(router._dispatch(LiveRequest("rid", "c", None, 0.0), out))
     assert seen == [routing_text({"messages": messages})]
     assert router.config()["router"]["routing"]["policy"] == "prefix"
+
+
+# ---------------------------------------------------------------- the CRD field, rendered and parsed back
+def rendered_routing(raw: dict) -> RoutingConfig:
+    """spec -> the operator's router command line -> the router's own argparse -> its RoutingConfig."""
+    from pdoperator.core.render import Owner, router_command
+    from pdoperator.core.spec import parse_spec
+    from pdruntime.cli import build_parser
+    from pdruntime.server.commands import routing_config
+
+    cmd = router_command(parse_spec({"image": "img", **raw}), Owner("llm", "ns", "uid"))
+    assert cmd[:2] == ["pdrt", "serve"]
+    return routing_config(build_parser().parse_args(cmd[1:]))
+
+
+def test_the_crd_routing_field_reaches_the_router_as_its_flags():
+    from dataclasses import asdict, fields
+
+    from pdoperator.core.render import ROUTING_FLAGS
+    from pdoperator.core.spec import ROUTING_POLICIES as CRD_POLICIES
+    from pdoperator.core.spec import RoutingSpec
+    from pdruntime.server.router.policy import ROUTING_POLICIES
+
+    assert CRD_POLICIES == ROUTING_POLICIES
+    # unset: nothing rendered, and the router's defaults are the model's
+    assert list(asdict(rendered_routing({})).values()) == list(asdict(RoutingSpec()).values())
+    assert [f.name for f in fields(RoutingSpec)] == list(ROUTING_FLAGS)
+    routing = {"policy": "prefix", "balanceAbsThreshold": 3, "balanceRelThreshold": 2.5, "cacheThreshold": 0.6,
+               "prefixTreeMaxChars": 4096}
+    assert rendered_routing({"router": {"routing": routing}}) == RoutingConfig("prefix", 3, 2.5, 0.6, 4096)
+
+
+def test_the_crd_routing_field_is_validated_and_leaves_revisions_alone():
+    from pdoperator.core.render import Owner, router_command
+    from pdoperator.core.revisions import revision_hash
+    from pdoperator.core.spec import SpecError, parse_spec
+
+    with pytest.raises(SpecError) as err:
+        parse_spec({"image": "img", "router": {"routing": {"policy": "cache_aware", "cacheThreshold": 2}}})
+    assert err.value.problems == [
+        "spec.router.routing.policy='cache_aware' is invalid; accepted: least-load | round-robin | prefix",
+        "spec.router.routing.cacheThreshold=2 is invalid; accepted: a number in [0.0, 1.0]"]
+    with pytest.raises(SpecError, match="spec.router.routing is pdrt's router's; accepted with engine 'sglang'"):
+        parse_spec({"image": "img", "engine": "sglang", "model": {"source": "m"},
+                    "router": {"routing": {"policy": "prefix"}}})
+    plain = parse_spec({"image": "img"})
+    prefix = parse_spec({"image": "img", "router": {"routing": {"policy": "prefix"}}})
+    assert revision_hash(prefix) == revision_hash(plain)  # a router setting never rolls the pairs
+    owner = Owner("llm", "ns", "uid")
+    assert router_command(prefix, owner) == router_command(plain, owner) + ["--routing-policy", "prefix"]
