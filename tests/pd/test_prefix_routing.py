@@ -346,3 +346,25 @@ def test_the_crd_routing_field_is_validated_and_leaves_revisions_alone():
     assert revision_hash(prefix) == revision_hash(plain)  # a router setting never rolls the pairs
     owner = Owner("llm", "ns", "uid")
     assert router_command(prefix, owner) == router_command(plain, owner) + ["--routing-policy", "prefix"]
+
+
+def test_pdrt_up_hands_its_routing_flags_to_its_router(tmp_path):
+    import shutil
+
+    from pdruntime.cli import build_parser
+    from pdruntime.server.commands import _router_args, routing_config
+    from pdruntime.server.local.supervisor import LocalStack
+
+    up = build_parser().parse_args(["up", "--pairs", "2", "--routing-policy", "prefix", "--cache-threshold", "0.5"])
+    args = _router_args(up)
+    serve = build_parser().parse_args(["serve", "--role", "router", "--prefill", "http://a:1", "--decode",
+                                       "http://b:2", *args])
+    assert routing_config(serve) == RoutingConfig("prefix", cache_threshold=0.5)
+    stack = LocalStack(pairs=2, router_args=args, log_dir=str(tmp_path))
+    spawned = []
+    stack._spawn = lambda name, argv: spawned.append((name, argv)) or (None, "")
+    try:
+        stack._start_router()
+        assert spawned[0][0] == "router" and spawned[0][1][-len(args):] == args
+    finally:
+        shutil.rmtree(stack.workdir, ignore_errors=True)

@@ -118,6 +118,14 @@ def routing_config(args: argparse.Namespace):
         raise ValueError(f"router routing flags: {exc}") from None
 
 
+def _router_args(args: argparse.Namespace) -> list[str]:
+    """`pdrt up`'s routing flags, checked here, for its router's `pdrt serve --role router`."""
+    r = routing_config(args)
+    return ["--routing-policy", r.policy, "--balance-abs-threshold", str(r.balance_abs_threshold),
+            "--balance-rel-threshold", str(r.balance_rel_threshold), "--cache-threshold", str(r.cache_threshold),
+            "--prefix-tree-max-chars", str(r.tree_max_chars)]
+
+
 def register(subparsers: Any) -> None:
     serve = subparsers.add_parser("serve", help="run one server: prefill worker, decode worker or router")
     serve.add_argument("--role", choices=ROLES, required=True)
@@ -158,6 +166,7 @@ def register(subparsers: Any) -> None:
     up.add_argument("--base-port", type=int, default=8100, help="first worker port (3 per pair)")
     up.add_argument("--model", default=None)
     up.add_argument("--ready-timeout-s", type=float, default=600.0)
+    _routing_flags(up)
     _engine_flags(up)
     up.set_defaults(func=cmd_up, handler=cmd_up)
 
@@ -305,7 +314,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # health polls
     try:
         stack = LocalStack(pairs=args.pairs, prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
-                           base_port=args.base_port, model=args.model, worker_args=_worker_args(args))
+                           base_port=args.base_port, model=args.model, worker_args=_worker_args(args),
+                           router_args=_router_args(args))
     except ValueError as exc:
         print(f"pdrt up: {exc}", file=sys.stderr)
         return 2
