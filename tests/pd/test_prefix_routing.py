@@ -368,3 +368,28 @@ def test_pdrt_up_hands_its_routing_flags_to_its_router(tmp_path):
         assert spawned[0][0] == "router" and spawned[0][1][-len(args):] == args
     finally:
         shutil.rmtree(stack.workdir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_live_router_routes_a_conversation_by_its_prefix(tiny_model, tmp_path):
+    """A real `pdrt serve --role router --routing-policy prefix` in front of a real PD pair: a three-round chat
+    conversation is answered, and the router's /config counts round 1 as a new prompt and rounds 2 and 3 as
+    prefix hits (the HTTP path hands the request's messages to the policy)."""
+    import httpx
+    from pd_harness import start_stack
+
+    stack = start_stack(str(tmp_path), tiny_model, router_flags=["--routing-policy", "prefix"])
+    try:
+        model = httpx.get(stack.router.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        messages = [{"role": "system", "content": "You are an agent working in a repository. " * 3}]
+        for question in ("list the files", "open the first one", "summarize it"):
+            messages.append({"role": "user", "content": question})
+            r = httpx.post(stack.router.url + "/v1/chat/completions", timeout=120, json={
+                "model": model, "messages": messages, "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+            messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"] or ""})
+        routing = httpx.get(stack.router.url + "/config", timeout=10).json()["router"]["routing"]
+        assert routing["policy"] == "prefix"
+        assert routing["decisions"] == {"prefix_hit": 2, "least_load": 1, "load_bound": 0}
+    finally:
+        stack.stop()
