@@ -729,8 +729,8 @@ def _rollout(r: _Reader, ro: Mapping[str, Any]) -> RolloutSpec:
 
 
 def _routing(r: _Reader, d: Mapping[str, Any], engine: str) -> RoutingSpec:
-    raw = r.obj(d.get("router"), "spec.router").get("routing")
-    ro = r.obj(raw, "spec.router.routing")
+    router = d.get("router")  # not an object: _role has said so
+    ro = r.obj(router.get("routing") if isinstance(router, Mapping) else None, "spec.router.routing")
     routing = RoutingSpec(**{a: r.take(ro, "spec.router.routing", RoutingSpec, a)
                              for a in RoutingSpec.__dataclass_fields__})
     if ro and engine == "sglang":

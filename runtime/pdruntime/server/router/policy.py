@@ -31,7 +31,7 @@ class RoutingConfig:
     balance_abs_threshold: int = 8  # outstanding requests on a pair's busier worker
     balance_rel_threshold: float = 1.5  # busiest / idlest load ratio
     cache_threshold: float = 0.3  # share of the prompt's characters a pair must hold to win on its prefix
-    tree_max_chars: int = 1 << 20  # prompt characters remembered per pair (LRU), about 5 MB of router memory
+    tree_max_chars: int = 1 << 20  # prompt characters remembered per pair (LRU), about 12 MB of router memory
 
     def __post_init__(self) -> None:
         problems = []
