@@ -393,3 +393,4 @@ def test_a_live_router_routes_a_conversation_by_its_prefix(tiny_model, tmp_path)
         assert routing["decisions"] == {"prefix_hit": 2, "least_load": 1, "load_bound": 0}
     finally:
         stack.stop()
+
