@@ -26,8 +26,11 @@ run: setup
 	$(VENV)/bin/pdrt up
 
 # lint first: a defect ruff can name (an unused import, an undefined name) fails in seconds, not minutes
+# two pytest workers, each taking whole files (module-scoped stacks stay in one process): most tests wait on
+# their servers' processes, so two keep both cores busy. PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
 test: setup tools lint
-	$(PY) -m pytest -m "not slow and not gpu and not kind" -q
+	$(PY) -m pytest -m "not slow and not gpu and not kind" -q $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 # A test cluster that real kubectl and helm drive, no Docker: prints its kubeconfig and runs until Ctrl-C
 # (tests/cluster/testcluster.py; docs/install.md "Try it on the test cluster").

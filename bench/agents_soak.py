@@ -6,6 +6,9 @@ connection): every round streams a chat completion and then appends the assistan
 tool-call-like output (a JSON tool result that grows each round), so every round resends a longer context.
 
 Faults, as in production:
+  * with --burst N: at BURST_AT of the run, N concurrent 600-token one-shot completions beside the agents
+    (overload), and with --long-prompt one prompt of 95% of the context; each burst answer must be a 200 or a
+    429/503 with Retry-After (agents honour Retry-After too), and the long prompt must succeed;
   * ABORT_RATE of the requests are aborted by the client after their first token (the round is retried);
   * at KILL_AT of the run, pair 0's decode worker is SIGKILLed; `pdrt up` co-restarts the pair while the
     agents keep going (their failed rounds are retried after a short pause, and counted as errors surfaced).
@@ -53,6 +56,7 @@ class Stats:
     latencies: list = field(default_factory=list)  # seconds per completed round (successful attempt)
     max_context_chars: int = 0
     gave_up: int = 0  # agents stopped by a request error (4xx)
+    refused: int = 0  # round attempts refused with 429/503 + Retry-After (the agent waits and asks again)
 
     def error(self, key: str) -> None:
         self.errors[key] = self.errors.get(key, 0) + 1
@@ -87,6 +91,11 @@ async def run_agent(i: int, url: str, model: str, args, stats: Stats, stop_at: f
             try:
                 async with asyncio.timeout(args.deadline_s + HANG_S):
                     async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
+                        if resp.status_code in (429, 503) and resp.headers.get("retry-after"):
+                            stats.refused += 1  # back-pressure: wait as told (bounded) and ask again
+                            await resp.aread()
+                            await asyncio.sleep(min(float(resp.headers["retry-after"]), 5.0) * (0.5 + rng.random()))
+                            continue
                         if resp.status_code != 200:
                             raw = await resp.aread()
                             try:
@@ -127,6 +136,41 @@ async def run_agent(i: int, url: str, model: str, args, stats: Stats, stop_at: f
             messages.append({"role": "assistant", "content": reply or "(no text)"})
             messages.append({"role": "user", "content": "Tool result:\n" + tool_output(i, rnd, rng)})
             stats.max_context_chars = max(stats.max_context_chars, sum(len(m["content"]) for m in messages))
+
+
+async def one_shot(url: str, model: str, prompt: str, max_tokens: int) -> tuple[int, float, bool]:
+    """A plain completion on its own connection: (status, seconds, whether a 429/503 carried Retry-After)."""
+    t0 = time.monotonic()
+    try:
+        async with httpx.AsyncClient(timeout=600) as client:
+            r = await client.post(url + "/v1/completions", json={
+                "model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+    except httpx.HTTPError:
+        return 0, time.monotonic() - t0, False
+    return r.status_code, time.monotonic() - t0, r.headers.get("retry-after") is not None
+
+
+async def overload(url: str, model: str, args, stats: Stats, out: dict) -> None:
+    """At BURST_AT of all rounds: BURST concurrent 600-token completions next to the agents, and (with
+    --long-prompt) one prompt of 95% of the context. Every burst answer must be a 200 or a 429/503 with
+    Retry-After; the long prompt must succeed, however long its prefill takes."""
+    while stats.rounds < args.burst_at * args.agents * args.rounds:
+        await asyncio.sleep(0.2)
+    long_prompt = "pd " * int(args.context * 0.95 / 2) if args.long_prompt else None  # byte-level: ~2 tokens a word
+    jobs = [one_shot(url, model, f"burst {i}: tell a long story", args.burst_tokens) for i in range(args.burst)]
+    if long_prompt is not None:
+        jobs.append(one_shot(url, model, long_prompt, 4))
+    res = await asyncio.gather(*jobs)
+    burst = res[:args.burst]
+    codes: dict[str, int] = {}
+    for code, _, _ in burst:
+        codes[str(code)] = codes.get(str(code), 0) + 1
+    out["burst"] = {"requests": args.burst, "codes": codes,
+                    "refusals_without_retry_after": sum(c in (429, 503) and not ra for c, _, ra in burst),
+                    "slowest_refusal_s": round(max((t for c, t, _ in burst if c in (429, 503)), default=0.0), 2)}
+    if long_prompt is not None:
+        code, secs, _ = res[-1]
+        out["long_prompt"] = {"status": code, "seconds": round(secs, 1)}
 
 
 def worker_ports(base: int, pairs: int) -> list[tuple[str, int]]:
@@ -201,7 +245,12 @@ async def soak(args) -> dict:
             killed.update(pid=pid, at_s=round(time.monotonic() - t0, 1), at_rounds=stats.rounds)
 
         ktask = asyncio.create_task(killer()) if args.kill_at < 1 else None
+        loaded: dict = {}
+        otask = asyncio.create_task(overload(url, model, args, stats, loaded)) if args.burst or args.long_prompt \
+            else None
         await asyncio.gather(*(run_agent(i, url, model, args, stats, stop_at) for i in range(args.agents)))
+        if otask is not None:
+            await asyncio.wait_for(otask, 600)  # the burst began before the last round: it ends in its own time
         wall = time.monotonic() - t0
         if ktask is not None:
             ktask.cancel()
@@ -219,7 +268,8 @@ async def soak(args) -> dict:
                 "round_p50_s": round(pct(stats.latencies, 0.50), 3), "round_p99_s": round(pct(stats.latencies, 0.99), 3),
                 "max_context_chars": stats.max_context_chars, "wall_s": round(wall, 1),
                 "decode_killed": killed, "decode_co_restarted": bool(killed) and new_instance not in (None, old_instance),
-                "model": args.model_label, "log": log_path}
+                "refused_rounds": stats.refused, **loaded,
+                "model": args.model_label, "log": log_path, "burst_tokens": args.burst_tokens}
     finally:
         up.send_signal(signal.SIGTERM)
         try:
@@ -239,7 +289,18 @@ def table(r: dict) -> str:
             ("round latency p50 / p99 s", f"{r['round_p50_s']} / {r['round_p99_s']}"),
             ("largest context, chars", r["max_context_chars"]),
             ("decode killed at (s, rounds)", f"{r['decode_killed'].get('at_s')}, {r['decode_killed'].get('at_rounds')}"),
-            ("pair co-restarted", r["decode_co_restarted"]), ("wall s", r["wall_s"]), ("model", r["model"])]
+            ("pair co-restarted", r["decode_co_restarted"]),
+            ("rounds refused with Retry-After (retried)", r["refused_rounds"])]
+    if "burst" in r:
+        b = r["burst"]
+        rows += [(f"overload burst: {b['requests']} x {r['burst_tokens']} tokens", ", ".join(
+            f"{n} x {c}" for c, n in sorted(b["codes"].items()))),
+            ("burst refusals without Retry-After", b["refusals_without_retry_after"]),
+            ("burst slowest refusal s", b["slowest_refusal_s"])]
+    if "long_prompt" in r:
+        rows.append(("long prompt (95% of context): status, s", f"{r['long_prompt']['status']}, "
+                                                                 f"{r['long_prompt']['seconds']}"))
+    rows += [("wall s", r["wall_s"]), ("model", r["model"])]
     w = max(len(k) for k, _ in rows)
     out = [f"{'metric':<{w}} | value", f"{'-' * w}-|------"] + [f"{k:<{w}} | {v}" for k, v in rows]
     if r["errors"]:
@@ -256,6 +317,11 @@ def parse(argv: list[str] | None = None):
     p.add_argument("--abort-rate", type=float, default=0.05)
     p.add_argument("--kill-at", type=float, default=0.4, help="share of all rounds after which decode 0 is killed; 1 = never")
     p.add_argument("--deadline-s", type=float, default=120.0, help="X-Request-Timeout per round attempt")
+    p.add_argument("--burst", type=int, default=0, help="overload: concurrent one-shot completions fired once")
+    p.add_argument("--burst-tokens", type=int, default=600, help="max_tokens of each burst request")
+    p.add_argument("--burst-at", type=float, default=0.6, help="share of all rounds after which the burst fires")
+    p.add_argument("--long-prompt", action="store_true", help="with the burst: one prompt of 95%% of the context")
+    p.add_argument("--context", type=int, default=16384, help="the model's context, tokens (--long-prompt)")
     p.add_argument("--max-run-s", type=float, default=1800.0)
     p.add_argument("--num-blocks", type=int, default=8192, help="KV pages per worker (16 tokens each)")
     p.add_argument("--model", default=None, help="default: the tiny random-weight test model")
@@ -291,4 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     r = main()
-    sys.exit(1 if r["hangs"] or r["leaked_pages"] or r["leaked_live_requests"] else 0)
+    bad_burst = r.get("burst", {}).get("refusals_without_retry_after") or any(
+        c not in ("200", "429", "503") for c in r.get("burst", {}).get("codes", {}))
+    sys.exit(1 if r["hangs"] or r["leaked_pages"] or r["leaked_live_requests"] or bad_burst
+             or r.get("long_prompt", {}).get("status", 200) != 200 else 0)

@@ -392,6 +392,52 @@ def test_sigstop_prefill(fs):
 
 
 @pytest.mark.slow
+def test_overload_burst_gets_a_200_or_a_429_with_retry_after_never_a_502(fs):
+    """The overload row (issue 20): 80 concurrent 600-token completions on one pair whose decode holds ~26."""
+    s = fs
+    model = model_of(s)
+    health: list[int] = []
+    calls = [Call(s, {**chat(model, f"burst {i}: tell a long story"), "max_tokens": 600, "ignore_eos": True},
+                  deadline_s=120) for i in range(80)]
+    t_end = time.monotonic() + 120 + HANG_MARGIN_S
+    while any(c._t.is_alive() for c in calls) and time.monotonic() < t_end:
+        health.append(httpx.get(s.router.url + "/health", timeout=10).status_code)
+        time.sleep(0.5)
+    for c in calls:
+        c.join(max(0.0, t_end - time.monotonic()))
+    codes = sorted(c.status for c in calls)
+    refused = [c for c in calls if c.status in (429, 503)]
+    odd = [(c.status, c.error_message()[:200]) for c in calls if c.status not in (200, 429)]
+    assert set(codes) <= {200, 429, 503} and refused and codes.count(200) >= 20, (codes, odd)
+    for c in refused:  # a clear answer: the OpenAI error shape, a code naming why, how long to wait
+        assert c.body["error"]["code"] in ("pairs_busy", "router_queue_full") and c.error_message(), c.body
+    assert set(health) == {200}, health  # busy, not unhealthy: a load balancer keeps the stack
+    assert s.metric(s.router, "pdrt_router_circuit_open") == 0
+    assert s.metric(s.router, "pdrt_requests_refused_total", {"reason": "pairs_busy"}) >= 1
+    assert_pages_free(s)
+    next_request_succeeds(s)
+
+
+@pytest.mark.slow
+def test_a_long_prompt_that_keeps_advancing_is_served_however_long_its_prefill(fs):
+    """The long-prompt row (issue 20): 95% of the context with every prefill step slowed to 2.5 s (~10 s of
+    prefill, past decode's 6-s transfer timeout here, which once covered prefill's work and failed it)."""
+    s = fs
+    model = model_of(s)
+    s.hooks(s.prefill, step_delay_s=2.5)
+    try:
+        call = Call(s, {**chat(model, "pd " * 900), "max_tokens": 4}, deadline_s=90).join(90 + HANG_MARGIN_S)
+    finally:
+        s.hooks(s.prefill, step_delay_s=0)
+    assert call.status == 200, (call.status, call.body)
+    assert call.body["usage"]["prompt_tokens"] > 0.85 * 2048 and call.elapsed > 6, (call.body["usage"], call.elapsed)
+    assert s.metric(s.decode, "pdrt_watchdog_fired_total", {"phase": "prefill_stall"}) == 0
+    assert s.metric(s.decode, "pdrt_watchdog_fired_total", {"phase": "decode_transfer"}) == 0
+    assert_pages_free(s)
+    next_request_succeeds(s)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["drop", "corrupt"])
 def test_kv_connection_dropped_or_corrupted_mid_stream(tiny_model, tmp_path, mode):
     # the router sends decode to the proxy's port; the proxy forwards to prefill's real bootstrap port

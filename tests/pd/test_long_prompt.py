@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -49,16 +50,42 @@ def test_a_prompt_of_95_percent_of_the_context_succeeds_while_prefill_keeps_adva
     n = _count_tokens(stack, model, text)
     assert 0.85 * 2048 <= n < 2048, n
     stack.hooks(stack.prefill, step_delay_s=STEP_DELAY_S)  # every step slow, each one still progress
+    out: dict = {}
     try:
         t0 = time.monotonic()
-        r = httpx.post(stack.router.url + "/v1/completions", timeout=120, json={
-            "model": model, "prompt": _long_prompt("qq"), "max_tokens": 4, "ignore_eos": True})
+        t = threading.Thread(target=lambda: out.update(r=httpx.post(stack.router.url + "/v1/completions", timeout=120, json={
+            "model": model, "prompt": _long_prompt("qq"), "max_tokens": 4, "ignore_eos": True})), daemon=True)
+        t.start()
+        verdicts = _sweep_while(t, stack.router.url)
         took = time.monotonic() - t0
     finally:
         stack.hooks(stack.prefill, step_delay_s=0)
+    r = out["r"]
     assert r.status_code == 200, r.text
     assert took > 6.0, took  # longer than the old decode transfer timeout, which would have failed it
     assert r.json()["usage"]["completion_tokens"] == 4
+    # the operator's stall sweep, fed the router's real /debug/requests, reads the same progress: never Stalled,
+    # although the request was older than stall.seconds before decode (what the age-only rule flagged)
+    old = [e for e in verdicts if any(r.pre_decode and r.age_s >= STALL_S for r in e.observation.rows)]
+    assert old, [e.reason for e in verdicts]
+    assert not [e.reason for e in verdicts if e.stalled]
+
+
+def _sweep_while(t, router_url: str) -> list:
+    """The operator's stall verdicts (stall.seconds = STALL_S), one a second, while thread ``t`` runs."""
+    from pdoperator.core.stall import evaluate, observe, rows_by_pair
+
+    prev, verdicts = None, []
+    while t.is_alive():
+        doc = httpx.get(router_url + "/debug/requests", timeout=10).json()
+        rows = rows_by_pair([doc])[0].get(0, [])
+        if rows:
+            cur = observe(0, time.monotonic(), rows, [], [])
+            e = evaluate(prev, cur, STALL_S)
+            prev = e.observation
+            verdicts.append(e)
+        t.join(1.0)
+    return verdicts
 
 
 def test_a_frozen_prefill_fails_after_the_stall_limit_naming_the_stage(slow_stack):
@@ -67,8 +94,6 @@ def test_a_frozen_prefill_fails_after_the_stall_limit_naming_the_stage(slow_stac
     stack.hooks(stack.prefill, step_delay_s=1.0)
     pid = stack.prefill.popen.pid
     try:
-        import threading
-
         out: dict = {}
         t = threading.Thread(target=lambda: out.update(r=httpx.post(
             stack.router.url + "/v1/completions", timeout=120,

@@ -102,6 +102,8 @@ def test_100_concurrent_600_token_requests_get_200_or_a_quick_429_with_retry_aft
     bad = [(c, body) for c, _, _, body in results if c not in (200, 429, 503)]
     assert not bad, bad  # no 502: a busy pair is not a failing pair
     refused = [(c, secs, ra) for c, secs, ra, _ in results if c in (429, 503)]
+    for c, secs, _, body in sorted((r for r in results if r[0] != 200), key=lambda r: -r[1])[:3]:
+        print(f"slow refusal: {c} after {secs:.2f}s: {body[:200]}")
     assert all(ra is not None and int(ra) >= 1 for _, _, ra in refused), refused
     slowest = max((secs for _, secs, _ in refused), default=0.0)
     print(f"100 x 600 tokens: {codes.count(200)} x 200, {len(refused)} refused, slowest refusal {slowest:.2f}s")

@@ -96,7 +96,7 @@ def run_runner(engine, rids, *, policy=None, until=None, timeout=10.0):
             if finished >= set(rids) or (until is not None and until(fatal)):
                 done.set()
 
-        def on_error(rid, msg, status):
+        def on_error(rid, msg, status, code=None):
             errors[rid] = (msg, status)
             finished.add(rid)
             check()
@@ -165,7 +165,7 @@ def test_failures_not_tied_to_a_request_fail_the_step_back_off_and_give_up_after
         fatal: list[str] = []
         got_fatal = asyncio.Event()
         runner = EngineRunner(eng, asyncio.get_running_loop(), policy=policy,
-                              on_request_error=lambda rid, msg, st: errors.__setitem__(rid, (msg, st)),
+                              on_request_error=lambda rid, msg, st, code=None: errors.__setitem__(rid, (msg, st)),
                               on_fatal=lambda r: (fatal.append(r), got_fatal.set()))
         runner.start()
         for i in range(3):  # one request per round: each round fails its request, the third gives up
@@ -194,7 +194,7 @@ def test_persistent_step_failures_never_spin():
     async def main():
         errors: dict = {}
         runner = EngineRunner(eng, asyncio.get_running_loop(), policy=policy,
-                              on_request_error=lambda rid, msg, st: errors.__setitem__(rid, st))
+                              on_request_error=lambda rid, msg, st, code=None: errors.__setitem__(rid, st))
         runner.start()
         t0 = time.monotonic()
         for i in range(30):

@@ -58,7 +58,7 @@ class SGLangRouter(Proc):
         with open(self.log, errors="replace") as fh:
             return fh.read()[-4000:]
 
-    def wait_workers(self, timeout: float = 40.0) -> list[dict]:
+    def wait_workers(self, timeout: float = 90.0) -> list[dict]:
         """Until the router has registered both workers as healthy (its /health is 200 before that)."""
         deadline = time.monotonic() + timeout
         workers: list[dict] = []

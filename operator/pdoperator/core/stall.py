@@ -15,7 +15,10 @@ A pair is **Stalled** when it has live requests and
 
 (a) one of them made no progress for ``>= stall.seconds``, or
 (b) its oldest request in a pre-decode stage (router ``dispatching``/``waiting_first_token``, every
-    prefill stage, decode ``prealloc``/``transfer``) is ``>= stall.seconds`` old.
+    prefill stage, decode ``prealloc``/``transfer``) is ``>= stall.seconds`` old, for rows without ``idle_s``
+    (runtimes that do not report progress) and router rows no worker lists. pdrt's workers report it, and prefill's and decode's count a prefill
+    chunk that advances as progress: a long prompt is never Stalled while it advances. A router row is judged by
+    the worker rows of the same request where they list it.
 
 A long generation that keeps producing tokens is never stalled, however old. Watchdog fires over the
 interval and tokens/s are evidence reported with the verdict, never a verdict alone (a watchdog that
@@ -201,9 +204,14 @@ def evaluate(prev: Observation | None, cur: Observation, stall_s: float) -> Evid
     if not rows:
         return Evidence(stalled=False, reason=f"pair {cur.pair}: no live request", **base)
 
-    # (a) no progress for stall_s; (b) pre-decode for stall_s: the request stuck longest is named
-    stuck = [(cur.at - r.progressed_at, "idle", r) for r in rows if cur.at - r.progressed_at >= stall_s]
-    stuck += [(r.age_s, "old", r) for r in rows if r.pre_decode and r.age_s >= stall_s]
+    # (a) no progress for stall_s; (b) pre-decode for stall_s, for rows that do not report progress (idle_s) and
+    # the router's (it cannot see a prefill's chunks): where a worker reports progress, a long prefill that advances is progress, never a stall. A router row is judged
+    # by the workers' rows of the same request when they list it (they see its progress; the router does not).
+    in_workers = {r.id for r in rows if r.role != "router"}
+    judged = [r for r in rows if r.role != "router" or r.id not in in_workers]
+    stuck = [(cur.at - r.progressed_at, "idle", r) for r in judged if cur.at - r.progressed_at >= stall_s]
+    stuck += [(r.age_s, "old", r) for r in judged
+              if r.pre_decode and (r.idle_s is None or r.role == "router") and r.age_s >= stall_s]
     evidence = f"{rate:g} tokens/s" if rate is not None else "tokens/s unknown"
     evidence += f", {fires} watchdog fire(s) over {interval:.0f}s" if interval else ", watchdog fires not yet counted"
     if cur.unreachable:

@@ -41,6 +41,8 @@ class PrefillRequest:
     bytes_sent: int = 0
     kv_stats: Any = None  # transfer.TransferStats of the bulk phase (live; /debug/requests)
     progress_send: asyncio.Task | None = None  # the PROGRESS report being written to decode, if any
+    computed_tokens: int = 0  # prompt tokens the engine has computed so far (its last report)
+    computed_at: float | None = None  # watchdog clock: when that count last advanced (/debug/requests idle_s)
 
     @property
     def gone(self) -> bool:

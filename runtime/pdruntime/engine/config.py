@@ -19,7 +19,12 @@ SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed accepts [0, 2**64)
 
 
 class InvalidRequest(ValueError):
-    """A request the engine refuses; the message says what was wrong and what is accepted."""
+    """A request the engine refuses; the message says what was wrong and what is accepted, ``code`` names the
+    cause for the API's error body (e.g. ``invalid_grammar``, ``unsatisfiable_schema``)."""
+
+    def __init__(self, message: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class OutOfBlocks(RuntimeError):
@@ -176,6 +181,7 @@ class StepOutput:
     finished: bool
     finish_reason: FinishReason | None = None
     error: str | None = None  # finish_reason == "error": why the engine failed this request alone
+    error_code: str | None = None  # finish_reason == "error": the cause's API code when it is the request's (a grammar)
     # params.logprobs set: one (logprob, [(token id, logprob)] top-n) per new_token_ids entry, else None
     logprobs: list | None = None
     # params.prompt_logprobs set, on the request's first output: one entry per prompt token after the first

@@ -23,7 +23,7 @@ from .block_pool import BlockPool
 from .config import EngineConfig, InvalidRequest, OutOfBlocks, SamplingParams, StepOutput
 from .device import cuda_graph_buckets, kv_cache_blocks
 from .kv_cache import KVCache
-from .grammar import Grammars
+from .grammar import GrammarError, Grammars
 from .prefix_cache import PrefixCache
 from .sampler import sample_batch
 from .scheduler import Scheduler
@@ -403,8 +403,9 @@ class Engine:
         """Ids of the requests a step may run (prefilling or decoding, then waiting for admission), oldest first."""
         return [s.request_id for s in self.scheduler.active] + [s.request_id for s in self.scheduler.waiting]
 
-    def fail_request(self, request_id: str, reason: str) -> bool:
-        """Finish a request with ``finish_reason="error"`` and free its pages (failure isolation)."""
+    def fail_request(self, request_id: str, reason: str, code: str | None = None) -> bool:
+        """Finish a request with ``finish_reason="error"`` and free its pages (failure isolation); ``code``: the
+        API code of a cause that is the request's own (its grammar), None for an engine failure."""
         seq = self._seqs.get(request_id)
         if seq is None:
             return False
@@ -415,7 +416,7 @@ class Engine:
         self._orphan_forks(seq)
         seq.status = Status.FINISHED
         del self._seqs[request_id]
-        self._pending.append(StepOutput(request_id, [], "", True, "error", error=reason))
+        self._pending.append(StepOutput(request_id, [], "", True, "error", error=reason, error_code=code))
         return True
 
     def add_canary(self) -> str:
@@ -462,6 +463,9 @@ class Engine:
                 if lp is not None:
                     s.logprobs.append(lp)
                 out.append(tok)
+            except GrammarError as exc:  # the request's grammar, not the engine: its own error and code
+                self.fail_request(s.request_id, str(exc), exc.code)
+                out.append(None)
             except Exception as exc:
                 log.warning("sampling failed for rid=%s alone (%s: %s); failing that request", s.request_id,
                             type(exc).__name__, exc)

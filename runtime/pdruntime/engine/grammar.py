@@ -9,6 +9,12 @@ emitted, so constrained decoding continues across the PD split.
 Why llguidance: maintained (Microsoft, used by vLLM, SGLang and llama.cpp), a small self-contained wheel with no
 torch dependency (xgrammar pins torch/transformers), JSON Schema and Lark grammars with ``%json`` embedded, and
 mask computation in ~tens of microseconds per token without a per-schema precompile step.
+
+Errors name their cause (``util.public_error.grammar_error_code``): a grammar that does not compile is
+``invalid_grammar``, one that llguidance proves unsatisfiable ``unsatisfiable_schema``, one past its internal
+limits ``grammar_limit``. A matcher that reaches a dead end while generating (no token can continue and the output
+is not complete: e.g. a schema whose ``$ref`` cycle has no base case) raises :class:`GrammarError` and its request
+fails with that code, never finishing "stop" on a cut value.
 """
 
 from __future__ import annotations
@@ -17,9 +23,17 @@ from typing import Any
 
 import torch
 
-from pdruntime.util.public_error import public_error
+from pdruntime.util.public_error import grammar_error_code as error_code, public_error
 
 from .config import InvalidRequest
+
+
+class GrammarError(RuntimeError):
+    """A request's grammar failed while generating; ``code`` is the API's name for the cause."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class Grammars:
@@ -44,12 +58,25 @@ class Grammars:
 
         m = llguidance.LLMatcher(self._lltok(), grammar, log_level=0)
         if m.is_error():
-            raise InvalidRequest(f"the structured-output grammar is invalid: {public_error(m.get_error())}")
+            err = m.get_error()
+            raise InvalidRequest(f"the structured-output grammar is invalid: {public_error(err)}", error_code(err))
         return m
 
+    def _dead_end(self, matcher: Any) -> GrammarError:
+        err = matcher.get_error()
+        if error_code(err) == "grammar_limit":
+            return GrammarError(f"the structured-output grammar passed a grammar-engine limit while generating: "
+                                f"{public_error(err)}; accepted: a simpler schema", "grammar_limit")
+        return GrammarError("the structured-output grammar reached a dead end while generating: no token can continue "
+                            "the output and it is not complete (the schema is unsatisfiable along this path, e.g. a "
+                            "$ref cycle without a base case); accepted: a schema that some finite JSON value satisfies",
+                            "unsatisfiable_schema")
+
     def mask(self, matcher: Any) -> torch.Tensor:
-        """int32 [ceil(V/32)] allowed tokens for the matcher's next token."""
+        """int32 [ceil(V/32)] allowed tokens for the matcher's next token; GrammarError at a dead end."""
         raw = matcher.compute_bitmask()
+        if matcher.is_error():
+            raise self._dead_end(matcher)
         words = torch.frombuffer(bytearray(raw), dtype=torch.int32)
         need = -(-self.vocab_size // 32)
         return words[:need] if words.numel() >= need else torch.nn.functional.pad(words, (0, need - words.numel()))
@@ -58,8 +85,8 @@ class Grammars:
         if token in self.tokenizer.eos_token_ids and matcher.is_accepting():
             matcher.consume_token(token)
             return
-        if not matcher.consume_token(token):
-            raise RuntimeError(f"token {token} is outside the grammar: {matcher.get_error()[:200]}")
+        if not matcher.consume_token(token) or matcher.is_error():
+            raise self._dead_end(matcher)
 
     def finished(self, matcher: Any) -> bool:
         return bool(matcher.is_stopped())

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from pdruntime.server import connections
+from pdruntime.server.router import admission
 
 ROLES = ("prefill", "decode", "router")
 
@@ -54,6 +55,22 @@ def _positive_float(text: str) -> float:
     if not v > 0:
         raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: a number of seconds > 0")
     return v
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: a number of seconds >= 0")
+    return v
+
+
+def _nonnegative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: an integer >= 0")
+    return int(text)
 
 
 def _positive_int(text: str) -> int:
@@ -144,6 +161,13 @@ def register(subparsers: Any) -> None:
                        help="router: token for /config and /debug/* (without one they answer loopback clients only)")
     serve.add_argument("--body-timeout-s", type=float, default=30.0, help="router: seconds to receive a request body")
     serve.add_argument("--breaker-cooldown-s", type=float, default=5.0, help="router: seconds a tripped pair rests")
+    serve.add_argument("--max-pending-per-pair", type=_positive_int, default=admission.MAX_PENDING,
+                       help="router: requests a pair holds between dispatch and their first token; more wait in "
+                            "the router's queue")
+    serve.add_argument("--admission-wait-s", type=_nonnegative_float, default=admission.WAIT_S,
+                       help="router: seconds a request waits for a pair with room before a 429 with Retry-After")
+    serve.add_argument("--max-queued-requests", type=_nonnegative_int, default=admission.MAX_QUEUED,
+                       help="router: requests waiting for a pair at once; beyond it a 429 at arrival")
     serve.add_argument("--header-timeout-s", type=_positive_float, default=connections.HEADER_TIMEOUT_S,
                        help="seconds a connection may take to send a whole request head (from connecting, or from "
                             "the first byte of its next request); then it is closed")
@@ -250,7 +274,8 @@ def build_server(args: argparse.Namespace, env=None):
             raise ValueError(f"--admin-token-file {args.admin_token_file!r} is empty; accepted: a file holding the token")
         cfg = RouterConfig(request_timeout_s=args.request_timeout_s, body_timeout_s=args.body_timeout_s,
                            breaker_cooldown_s=args.breaker_cooldown_s, api_keys=keys, admin_token=admin,
-                           routing=routing_config(args))
+                           max_pending_per_pair=args.max_pending_per_pair, admission_wait_s=args.admission_wait_s,
+                           max_queued_requests=args.max_queued_requests, routing=routing_config(args))
         router = Router(env, topology=topo, topology_file=args.topology_file, config=cfg, host=args.host, port=args.port)
         return router.build_app(), router
     from pdruntime.engine import Engine, load_for

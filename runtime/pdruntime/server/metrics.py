@@ -65,7 +65,8 @@ class Metrics:
                                 registry=r)
         # workers
         self.refused = Counter("pdrt_requests_refused_total", "Requests refused with 429/503 and Retry-After, by "
-                               "reason (kv_pages: decode's pool; pairs_busy: every pair busy, at the router)",
+                               "reason (kv_pages: decode's pool; pairs_busy: every pair busy, at the router; queue_full: the "
+                               "router's queue is full)",
                                ["role", "reason"], registry=r)
         self.pages_orphaned = Gauge("pdrt_kv_pages_orphaned", "KV pages in use that no live request holds (a leak; "
                                     "0 at every scrape in a healthy worker)", ["role"], registry=r)
@@ -116,6 +117,8 @@ class Metrics:
                                 "went unanswered (frozen) or unhealthy for the stale period", ["pair"], registry=r)
         self.worker_stale = Counter("pdrt_router_worker_stale_total", "Times a worker's /health went stale "
                                     "(frozen, unhealthy or gone after answering)", registry=r)
+        self.router_queue = Gauge("pdrt_router_queued_requests", "Requests waiting in the router for a pair with "
+                                  "room (admission: --max-pending-per-pair, a pair's learned capacity)", registry=r)
         self.retries = Counter("pdrt_router_retries_total", "Requests retried on another pair before the first "
                                "token", registry=r)
         self.disconnects = Counter("pdrt_router_client_disconnects_total", "Clients that went away mid-request",

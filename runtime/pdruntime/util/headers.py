@@ -7,3 +7,4 @@ ADMIN_TOKEN_HEADER = "x-pdstack-admin-token"  # the admin token where Authorizat
 PIN_HEADER = "x-pdstack-pair"  # pin a request to one group (canary probes); needs admin credentials
 REQUEST_ID_HEADER = "x-request-id"  # a client's own id; the router shows it as client_request_id
 CLIENT_CONNECTION_HEADER = "x-pdstack-client-connection"  # router -> both legs: the client's "host:port"
+DEADLINE_HEADER = "x-pdstack-deadline-s"  # router -> prefill leg: seconds left of the request's deadline at sending

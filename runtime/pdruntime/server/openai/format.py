@@ -33,15 +33,24 @@ def logprob_entries(tokenizer: Any, token_ids: list[int], raw: list | None) -> l
     return out
 
 
+def prompt_logprob_entries(tokenizer: Any, prompt_ids: list[int], raw: list | None) -> list:
+    """``echo`` + logprobs: one entry per prompt token, ``raw`` holding the engine's for prompt_ids[1:]. The first
+    token has its text and a null logprob (nothing predicts it), as OpenAI reports it."""
+    first = {**_tok(tokenizer, prompt_ids[0], None), "top_logprobs": None}
+    return [first] + logprob_entries(tokenizer, prompt_ids[1:], raw)
+
+
 def completion_logprobs(entries: list, offset0: int = 0) -> dict:
-    """Chat-shaped entries -> the legacy completions shape {tokens, token_logprobs, top_logprobs, text_offset}."""
+    """Chat-shaped entries -> the legacy completions shape {tokens, token_logprobs, top_logprobs, text_offset}:
+    ``text_offset[i]`` is where ``tokens[i]`` starts in the choice's text (from ``offset0``); an entry with a
+    null logprob (the first echoed prompt token) has null top_logprobs."""
     tokens, lps, tops, offs = [], [], [], []
     pos = offset0
     for e in entries:
         e = e or {"token": "", "logprob": None, "top_logprobs": []}
         tokens.append(e["token"])
         lps.append(e["logprob"])
-        tops.append({t["token"]: t["logprob"] for t in e.get("top_logprobs") or []})
+        tops.append(None if e["logprob"] is None else {t["token"]: t["logprob"] for t in e.get("top_logprobs") or []})
         offs.append(pos)
         pos += len(e["token"])
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
@@ -147,8 +156,8 @@ class OpenAIShape:
         if state is None:
             out = [self.chunk(ev, role=first, reason=reason, use=use, index=index)]
         else:
-            deltas = state.feed(ev.delta, final=reason is not None)
-            if reason and state.calls_sent:
+            deltas = state.feed(ev.delta, final=reason is not None, cut=reason == "length")
+            if reason == "stop" and state.calls_sent:  # cut by max_tokens, a (partial) call ends "length"
                 reason = "tool_calls"
             out = [self.chunk(ev, role=first and i == 0, delta=d, use=use if i == len(deltas) - 1 else None,
                               reason=reason if i == len(deltas) - 1 else None, index=index)
@@ -175,10 +184,12 @@ class OpenAIShape:
             if self.tool_parser is not None:
                 from pdruntime.server.openai.tools import openai_tool_calls, parser_for
 
-                content, calls = parser_for(self.tool_parser).parse(text)
+                p = parser_for(self.tool_parser)
+                content, calls = p.parse_cut(text) if reason == "length" else p.parse(text)
+                message["content"] = content
                 if calls:
                     message = {"role": "assistant", "content": content or None, "tool_calls": openai_tool_calls(calls)}
-                    reason = "tool_calls"
+                    reason = "tool_calls" if reason == "stop" else reason  # cut by max_tokens: "length"
             return {"index": index, "message": message, "finish_reason": reason,
                     "logprobs": {"content": logprobs} if logprobs is not None else None}
         return {"index": index, "text": (self.echo or "") + text, "finish_reason": reason,

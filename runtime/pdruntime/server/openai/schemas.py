@@ -468,6 +468,9 @@ def validate(model: type[BaseModel], body: dict) -> Any:
 
 def _to_api_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
     err = exc.errors()[0]
+    cause = (err.get("ctx") or {}).get("error")
+    if getattr(cause, "code", None) and getattr(cause, "param", None):  # structured.GrammarError: names its cause
+        return ApiError(400, str(cause), param=cause.param, code=cause.code)
     loc = ".".join(str(x) for x in err.get("loc", ()) if not _is_tag(x)) or None
     if err.get("type") == "extra_forbidden":
         return ApiError(400, f"unknown parameter {loc!r}; accepted parameters: {', '.join(sorted(model.model_fields))}",

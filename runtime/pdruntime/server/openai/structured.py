@@ -17,18 +17,29 @@ import re
 from typing import Any
 
 from pdruntime.server.openai.tools import parser_for
-from pdruntime.util.public_error import public_error
+from pdruntime.util.public_error import grammar_error_code, public_error
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def _json_grammar(schema: dict) -> str:
+class GrammarError(ValueError):
+    """A schema the grammar engine cannot use: ``code`` names the cause (``invalid_json_schema``,
+    ``unsatisfiable_schema``, ``grammar_limit``), ``param`` the request field that holds it."""
+
+    def __init__(self, message: str, code: str, param: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+def _json_grammar(schema: dict, param: str = "response_format") -> str:
     import llguidance
 
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
     except Exception as exc:  # the library's text may be a Rust panic with a backtrace: logged, not returned
-        raise ValueError(f"response_format.json_schema cannot be compiled: {public_error(str(exc))}") from None
+        raise GrammarError(f"{param}: the JSON schema cannot be compiled: {public_error(str(exc))}; accepted: JSON "
+                           "Schema the grammar engine supports (docs/api.md)", "invalid_json_schema", param) from None
 
 
 def _lark_json(schema: dict) -> str:
@@ -134,18 +145,159 @@ def check_schema_bounds(schema: Any, where: str) -> int:
     return size
 
 
-def check_grammar_bounds(req: Any) -> None:
-    """Every schema a request would compile into a grammar, bounded at the edge (a 400 naming the limit)."""
+MAX_INSTANCE_ROUNDS = 64  # rounds of the finite-instance fixpoint (each proves one more $ref target); past: not judged
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    """A local ``$ref``'s target in ``root`` (``#``, ``#/$defs/X``, any JSON pointer); None when not local or absent."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in filter(None, ref[1:].split("/")):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _has_instance(node: Any, root: Any, known: set[int], memo: dict[int, bool]) -> bool:
+    """Whether some finite JSON value satisfies ``node``, given that the ``$ref`` targets whose ids are in ``known``
+    have one. Conservative: false only for what it proves (a false schema, ``not: {}``, ``enum: []``, and required
+    properties, minItems, allOf/anyOf/oneOf and ``$ref`` built only on such); anything else counts as satisfiable."""
+    if isinstance(node, bool):
+        return node
+    if not isinstance(node, dict):
+        return True
+    if id(node) in memo:
+        return memo[id(node)]
+
+    def sub(x: Any) -> bool:
+        return _has_instance(x, root, known, memo)
+
+    ok = node.get("not") not in (True, {}) and node.get("enum") != []
+    ref = node.get("$ref")
+    if ok and isinstance(ref, str):
+        target = _resolve(root, ref)
+        if isinstance(target, bool):
+            ok = target
+        else:  # not local or absent (None): not judged; a dict: satisfiable once proven so
+            ok = not isinstance(target, dict) or id(target) in known
+    if ok and isinstance(node.get("allOf"), list):
+        ok = all(sub(x) for x in node["allOf"])
+    for key in ("anyOf", "oneOf"):
+        if ok and isinstance(node.get(key), list) and node[key]:
+            ok = any(sub(x) for x in node[key])
+    kind = node.get("type")
+    if ok and kind in ("object", ["object"]) and isinstance(node.get("required"), list):
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        extra = True if node.get("patternProperties") else node.get("additionalProperties", True)
+        ok = all(sub(props.get(name, extra)) for name in node["required"] if isinstance(name, str))
+    least = node.get("minItems", 0)
+    if ok and kind in ("array", ["array"]) and isinstance(least, int) and least > 0:
+        prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+        ok = all(sub(x) for x in prefix[:least]) and (least <= len(prefix) or sub(node.get("items", True)))
+    memo[id(node)] = ok
+    return ok
+
+
+def has_finite_instance(schema: Any) -> bool | None:
+    """Whether some finite JSON value satisfies ``schema`` (see :func:`_has_instance`): the least fixpoint over its
+    local ``$ref`` targets, so a cycle of refs with no base case has none. None: not judged (too many rounds)."""
+    targets: dict[int, Any] = {}
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            target = _resolve(schema, node["$ref"]) if isinstance(node.get("$ref"), str) else None
+            if isinstance(target, dict):
+                targets[id(target)] = target
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    known: set[int] = set()
+    for _ in range(MAX_INSTANCE_ROUNDS):
+        memo: dict[int, bool] = {}
+        grown = {k for k, t in targets.items() if k not in known and _has_instance(t, schema, known, memo)}
+        if not grown:
+            return _has_instance(schema, schema, known, {})
+        known |= grown
+    return None
+
+
+def _engine_text(messages: list[str]) -> str:
+    """llguidance's first error as one line: a regex error's header ("regex parse error:") with its cause."""
+    lines = [ln.strip() for ln in (messages[0] if messages else "unknown error").splitlines() if ln.strip()]
+    cause = next((ln for ln in lines[1:] if ln.startswith("error:")), None) if lines and lines[0].endswith(":") else None
+    return public_error(f"{lines[0]} {cause}" if cause else "\n".join(lines))
+
+
+def check_schema(schema: Any, param: str) -> None:
+    """GrammarError unless the grammar engine can enforce ``schema`` (the field ``param``): it compiles, and
+    neither llguidance (contradicting bounds, empty enums, required values no schema admits...) nor
+    :func:`has_finite_instance` (``$ref`` cycles without a base case, ``not: {}``) proves it unsatisfiable."""
+    import llguidance
+
+    accepted = "accepted: a schema that some finite JSON value satisfies"
+    if has_finite_instance(schema) is False:
+        raise GrammarError(f"{param}: the JSON schema is unsatisfiable: no finite JSON value satisfies it (a required "
+                           "value that only a $ref cycle without a base case, 'not: {}', 'enum: []' or a false "
+                           f"schema could fill); {accepted}", "unsatisfiable_schema", param)
+    grammar = _json_grammar(schema, param)
+    try:
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    except Exception as exc:  # a library panic: logged by public_error, a sentence for the client
+        failed, messages = True, [str(exc)]
+    if failed:
+        text = _engine_text(messages)
+        code = grammar_error_code(text)
+        if code == "unsatisfiable_schema":
+            raise GrammarError(f"{param}: the JSON schema is unsatisfiable ({text}); {accepted}", code, param)
+        if code == "grammar_limit":
+            raise GrammarError(f"{param}: the JSON schema passes a grammar-engine limit ({text}); accepted: a "
+                               "simpler schema", code, param)
+        raise GrammarError(f"{param}: the JSON schema cannot be compiled ({text}); accepted: JSON Schema the grammar "
+                           "engine supports (docs/api.md)", "invalid_json_schema", param)
+
+
+def check_satisfiable(req: Any) -> None:
+    """Every schema the request's grammar enforces (``response_format``; with a forced ``tool_choice``, the
+    parameters of each tool it may call), checked by :func:`check_schema`."""
     rf = req.response_format
     if rf is not None and rf.type == "json_schema" and rf.json_schema.schema_ is not None:
-        check_schema_bounds(rf.json_schema.schema_, "response_format.json_schema.schema")
+        check_schema(rf.json_schema.schema_, "response_format")
+    tc = req.tool_choice
+    if req.tools and (tc == "required" or hasattr(tc, "function")):
+        named = tc.function.name if hasattr(tc, "function") else None
+        for i, t in enumerate(req.tools):
+            if t.function.parameters and named in (None, t.function.name):
+                check_schema(t.function.parameters, f"tools[{i}].function.parameters")
+
+
+def _bounded(schema: Any, where: str, param: str) -> int:
+    try:
+        return check_schema_bounds(schema, where)
+    except ValueError as exc:
+        raise GrammarError(str(exc), "grammar_limit", param) from None
+
+
+def check_grammar_bounds(req: Any) -> None:
+    """Every schema a request would compile into a grammar, bounded at the edge (GrammarError ``grammar_limit``:
+    a 400 naming the limit)."""
+    rf = req.response_format
+    if rf is not None and rf.type == "json_schema" and rf.json_schema.schema_ is not None:
+        _bounded(rf.json_schema.schema_, "response_format.json_schema.schema", "response_format")
     total = 0
     for i, t in enumerate(req.tools or ()):
         if t.function.parameters:
-            total += check_schema_bounds(t.function.parameters, f"tools[{i}].function.parameters")
+            where = f"tools[{i}].function.parameters"
+            total += _bounded(t.function.parameters, where, where)
     if total > MAX_TOOLS_SCHEMA_BYTES:
-        raise ValueError(f"the tools' parameters are {total} bytes as JSON together; accepted: at most "
-                         f"{MAX_TOOLS_SCHEMA_BYTES} bytes")
+        raise GrammarError(f"the tools' parameters are {total} bytes as JSON together; accepted: at most "
+                           f"{MAX_TOOLS_SCHEMA_BYTES} bytes", "grammar_limit", "tools")
 
 
 def check_chat(req: Any) -> None:
@@ -164,6 +316,7 @@ def check_chat(req: Any) -> None:
     if forced and req.response_format is not None and req.response_format.type != "text":
         raise ValueError("response_format with a forced tool_choice is not supported (both constrain the output); "
                          "accepted: one of them")
+    check_satisfiable(req)
 
 
 def chat_grammar(req: Any, parser: str = "hermes") -> str | None:

@@ -58,9 +58,90 @@ class ToolParser:
             return text, []
         return "", calls
 
+    def parse_cut(self, text: str) -> tuple[str, list[dict]]:
+        """:meth:`parse` of an output that ``max_tokens`` cut off: the complete calls, then the unfinished last
+        one as a partial call (its name, its arguments so far) once its name is complete. The unfinished call's
+        markup never stays content (dropped when even its name is cut)."""
+        if self.start:
+            i = text.rfind(self.start)
+            if i < 0 or self.end in text[i:]:
+                return self.parse(text)
+            content, calls = self.parse(text[:i])
+            part = _partial_call(text[i + len(self.start):])
+            return content.strip(), calls + ([part] if part else [])
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{"):
+            return self.parse(text)
+        done, sep, last = body.rpartition(";")
+        calls = [_call(p, self.args_key) for p in done.split(";")] if sep else []
+        if any(c is None for c in calls):
+            return self.parse(text)
+        part = _partial_call(last)
+        return "", calls + ([part] if part else [])
+
 
 def _lark_escape(s: str) -> str:
     return s.replace("\\", "\\\\").replace('"', '\\"')
+
+
+# the head of a call's JSON: its complete name, then (once written) the key of its arguments
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGS_KEY = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')  # (?=\S): the value has begun
+
+
+def _call_head(raw: str) -> tuple[str, int | None] | None:
+    """(name, index in ``raw`` where the arguments' value starts, None until written) of a call's JSON that
+    starts with its complete name (the order a forced call's grammar writes), else None."""
+    m = _HEAD.match(raw)
+    if m is None:
+        return None
+    try:
+        name = json.loads(f'"{m.group(1)}"')
+    except ValueError:
+        return None
+    k = _ARGS_KEY.match(raw, m.end())
+    return name, (k.end() if k else None)
+
+
+def _json_value_end(s: str) -> int | None:
+    """Length of the JSON value at the start of ``s`` (a scalar ends at its first delimiter); None while it is
+    unfinished. Only brackets and strings are tracked: the text is assumed to be a JSON value's prefix."""
+    depth, in_str, esc = 0, False, False
+    for j, c in enumerate(s):
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+                if depth == 0:
+                    return j + 1
+        elif c == '"':
+            in_str = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth <= 0:
+                return j + 1 if depth == 0 else j
+        elif depth == 0 and c in ", \t\r\n" and j > 0:
+            return j
+    return None
+
+
+def _partial_call(raw: str) -> dict | None:
+    """An unfinished call's JSON -> {"name", "arguments": the arguments' text so far}, or None before its name
+    is complete."""
+    head = _call_head(raw)
+    if head is None:
+        return None
+    name, at = head
+    if at is None:
+        return {"name": name, "arguments": ""}
+    args = raw[at:]
+    end = _json_value_end(args)
+    return {"name": name, "arguments": args if end is None else args[:end]}
 
 
 def _call(raw: str, args_key: str) -> dict | None:
@@ -151,8 +232,9 @@ def render_messages(messages: list[dict], tools: list[dict] | None, parser: str,
 @dataclass
 class StreamParser:
     """Streamed text -> OpenAI chat deltas: plain ``content`` until a call opens, then per call one delta with
-    ``id``/``name`` and ``arguments`` fragments as the call's JSON completes. Text that might be the start of
-    a call tag is held back until it is decided."""
+    ``id``/``name`` as soon as its name is complete and ``arguments`` fragments as they are generated (a call
+    whose JSON does not start with its name is sent once it closes). Text that might be the start of a call tag
+    is held back until it is decided."""
 
     parser: ToolParser
     buf: str = ""
@@ -160,17 +242,22 @@ class StreamParser:
     calls_sent: int = 0
     in_call: bool = False
     ids: list[str] = field(default_factory=list)
+    named: bool = False  # the open call's id and name are sent
+    args_at: int | None = None  # buf index where the open call's arguments start (None: not yet written)
+    args_sent: int = 0  # buf index up to which the open call's arguments are sent
 
-    def feed(self, delta: str, final: bool = False) -> list[dict]:
+    def feed(self, delta: str, final: bool = False, cut: bool = False) -> list[dict]:
+        """The deltas ``delta`` completes; ``final``: the output ended (``cut``: by max_tokens, so an unfinished
+        call is a partial call and its markup is never content)."""
         self.buf += delta
         out: list[dict] = []
         if not self.parser.start:  # bare JSON: decided at the end
             if final:
-                content, calls = self.parser.parse(self.buf)
+                content, calls = (self.parser.parse_cut if cut else self.parser.parse)(self.buf)
                 if calls:
                     out += self._call_deltas(calls)
-                elif self.buf:
-                    out.append({"content": self.buf})
+                elif content:
+                    out.append({"content": content})
             return out
         while True:
             if not self.in_call:
@@ -187,18 +274,50 @@ class StreamParser:
                     if text.strip():
                         out.append({"content": text})
                 self.sent_content = i
-                self.in_call = True
-            j = self.buf.find(self.parser.end, self.sent_content)
+                self.in_call, self.named, self.args_at = True, False, None
+            body_at = self.sent_content + len(self.parser.start)
+            j = self.buf.find(self.parser.end, body_at)
             if j < 0:
-                if final:  # an unterminated call: pass the text on as content
-                    out.append({"content": self.buf[self.sent_content:]})
+                out += self._open_call_deltas(body_at, len(self.buf))
+                if final:
+                    if not self.named and not cut:  # an unterminated call: pass the text on as content
+                        out.append({"content": self.buf[self.sent_content:]})
                     self.sent_content = len(self.buf)
                 return out
-            block = self.buf[self.sent_content: j + len(self.parser.end)]
-            _, calls = self.parser.parse(block)
-            out += self._call_deltas(calls) if calls else [{"content": block}]
+            if self.named:  # the rest of its arguments
+                out += self._open_call_deltas(body_at, j)
+            else:
+                block = self.buf[self.sent_content: j + len(self.parser.end)]
+                _, calls = self.parser.parse(block)
+                out += self._call_deltas(calls) if calls else [{"content": block}]
             self.sent_content = j + len(self.parser.end)
             self.in_call = False
+
+    def _open_call_deltas(self, body_at: int, upto: int) -> list[dict]:
+        """Deltas of the open call's JSON ``buf[body_at:upto]`` not sent yet: its id and name once the name is
+        complete, then its arguments' new text (up to the end of their JSON value)."""
+        head = _call_head(self.buf[body_at:upto])
+        if head is None:
+            return []
+        out = []
+        if not self.named:
+            cid = "call_" + uuid.uuid4().hex[:24]
+            self.ids.append(cid)
+            self.calls_sent += 1
+            self.named = True
+            out.append({"tool_calls": [{"index": self.calls_sent - 1, "id": cid, "type": "function",
+                                        "function": {"name": head[0], "arguments": ""}}]})
+        if self.args_at is None and head[1] is not None:
+            self.args_at = self.args_sent = body_at + head[1]
+        if self.args_at is None:
+            return out
+        end = _json_value_end(self.buf[self.args_at: upto])
+        stop = upto if end is None else self.args_at + end
+        if stop > self.args_sent:
+            out.append({"tool_calls": [{"index": self.calls_sent - 1,
+                                        "function": {"arguments": self.buf[self.args_sent: stop]}}]})
+            self.args_sent = stop
+        return out
 
     def _call_deltas(self, calls: list[dict]) -> list[dict]:
         out = []

@@ -25,6 +25,7 @@ from pdruntime.server.metrics import Metrics
 from pdruntime.server.openai.events import TokenEvent
 from pdruntime.server.openai.schemas import (MAX_BODY_BYTES, ApiError, ChatCompletionRequest, CompletionRequest,
                                              error_body, openapi_components, parse_body, validate)
+from pdruntime.server.router.admission import MAX_PENDING, MAX_QUEUED, WAIT_S, Admission
 from pdruntime.server.router.auth import (admin_token, bearer, client_identity, client_request_id, is_loopback,
                                           key_name, match_api_key, same_secret)
 from pdruntime.server.router.health_probe import HealthProber
@@ -48,6 +49,9 @@ class RouterConfig:
     breaker_threshold: int = 3
     breaker_cooldown_s: float = 5.0
     breaker_trial_timeout_s: float = 30.0  # a half-open trial unresolved this long lets another through
+    max_pending_per_pair: int = MAX_PENDING  # requests a pair holds before their first token (admission.py)
+    admission_wait_s: float = WAIT_S  # seconds a request may wait in the router for a pair with room
+    max_queued_requests: int = MAX_QUEUED  # requests waiting in the router at once
     topology_poll_s: float = 1.0
     body_timeout_s: float = 30.0  # seconds to receive a request body (slow-drip bodies get 408)
     max_body_bytes: int = MAX_BODY_BYTES
@@ -67,6 +71,7 @@ class Router:
         self.metrics = Metrics("router")
         self.picker = PairPicker(self.cfg.breaker_threshold, self.cfg.breaker_cooldown_s, self.cfg.breaker_trial_timeout_s,
                                  self.cfg.routing)
+        self.admission = Admission(self.cfg.max_pending_per_pair, self.cfg.admission_wait_s, self.cfg.max_queued_requests)
         self.live: dict[str, LiveRequest] = {}
         self.models: dict[str, dict] = {}  # model id -> /get_model_info of a worker
         self.client: httpx.AsyncClient | None = None
@@ -180,8 +185,7 @@ class Router:
         prompt = routing_text(out.body) if self.picker.tree is not None and pinned is None else None
         while len(tried) < (MAX_ATTEMPTS if pinned is None else 1):  # a pinned request is never retried elsewhere
             now = time.monotonic()
-            state = self.picker.choose(now, live.conversation, exclude=tried | self.stale_pairs(), group=pinned,
-                                       prompt=prompt)
+            state = await self._admit(live, tried | self.stale_pairs(), now, prompt)
             if state is None:
                 break
             if tried:
@@ -191,6 +195,7 @@ class Router:
             live.attempts += 1
             live.advance("waiting_first_token")
             state.outstanding += 1
+            self.admission.dispatched(state.pair.index)
             trial = state.breaker.on_dispatch(now)
             self.metrics.pair_outstanding.labels(state.pair.key).set(state.outstanding)
             outcome = Outcome.NEUTRAL  # client gone, 4xx, deadline, unexpected error: says nothing about the pair
@@ -202,6 +207,8 @@ class Router:
             except LegError as exc:
                 if exc.busy:  # at capacity, not failing: neutral for the breaker; another pair may have room
                     busy.append(exc)
+                    if exc.leg == "decode":  # its pool is full (prefill's 429 is about this request's deadline)
+                        self.admission.busy(state.pair.index, state.outstanding - 1, exc.retry_after, time.monotonic())
                     continue
                 last = exc
                 if not exc.retryable:
@@ -211,10 +218,11 @@ class Router:
                 self.metrics.pair_failures.labels(state.pair.key, exc.leg).inc()
                 log.warning("rid=%s pair=%d %s leg failed: %s", live.rid, state.pair.index, exc.leg, exc.message)
             finally:
+                self.admission.first_token(state.pair.index)
                 state.breaker.record(outcome, time.monotonic(), trial=trial)
                 self.metrics.circuit_open.labels(state.pair.key).set(int(state.breaker.state(time.monotonic()) != "closed"))
                 if outcome is not Outcome.SUCCESS:
-                    self.release(state)
+                    self.release(state, served=False)
         if busy and last is None:
             wait = min(e.retry_after or 1 for e in busy)
             self.metrics.refused.labels("router", "pairs_busy").inc()
@@ -231,6 +239,36 @@ class Router:
             raise ApiError(503, f"group {pinned} (X-PDStack-Pair) is not routable: {reason}", type="server_error",
                            code="pinned_group_unavailable")
         raise self._no_pair_error()
+
+    async def _admit(self, live: LiveRequest, exclude: set[int], now: float,
+                     prompt: str | None = None) -> PairState | None:
+        """The pair for the next attempt, once one has room (admission.py): a request that finds every eligible pair
+        at its bound waits in the router's queue until ``admission.wait_s`` after its arrival, then gets a 429."""
+        while True:
+            load = {i: st.outstanding for i, st in self.picker.states.items()}
+            blocked = self.admission.blocked(now, load)
+            state = self.picker.choose(now, live.conversation, exclude=exclude | blocked, group=live.pinned,
+                                       prompt=prompt)
+            if state is not None or not blocked:
+                return state
+            if not any(st.pair.index in blocked for st in self.picker.eligible(now, exclude, live.pinned)):
+                return None
+            left = live.started + self.admission.wait_s - now
+            if left <= 0 or not self.admission.can_queue():
+                wait = self.admission.retry_after(now)
+                reason = "queue_full" if left > 0 else "pairs_busy"
+                self.metrics.refused.labels("router", reason).inc()
+                what = (f"{self.admission.queued} requests already wait in the router (--max-queued-requests "
+                        f"{self.admission.max_queued})" if reason == "queue_full" else
+                        f"none had room within {self.admission.wait_s:g}s of its arrival")
+                raise ApiError(429, f"every PD pair is at capacity ({len(blocked)} at their bound: requests before their "
+                               f"first token, or KV pages); {what}; retry after {wait}s", type="server_overloaded",
+                               code="pairs_busy" if reason == "pairs_busy" else "router_queue_full",
+                               headers={"Retry-After": str(wait)})
+            self.metrics.router_queue.set(self.admission.queued + 1)
+            await self.admission.wait(left)
+            self.metrics.router_queue.set(self.admission.queued)
+            now = time.monotonic()
 
     def _no_pair_error(self) -> ApiError:
         now = time.monotonic()
@@ -274,8 +312,9 @@ class Router:
         self.release(state)
         self.live.pop(live.rid, None)
 
-    def release(self, state: PairState) -> None:
+    def release(self, state: PairState, *, served: bool = True) -> None:
         state.outstanding = max(0, state.outstanding - 1)
+        self.admission.release(state.pair.index if served else None)
         self.metrics.pair_outstanding.labels(state.pair.key).set(state.outstanding)
 
     def authenticate(self, request: Request) -> str:

@@ -17,10 +17,17 @@ import httpx
 from pdruntime.server.openai.events import TokenEvent
 from pdruntime.server.router.topology import Pair
 from pdruntime.util.aio import within
+from pdruntime.util.headers import DEADLINE_HEADER
 from pdruntime.util.sse import DONE, aiter_sse
 
 ABORT_TIMEOUT_S = 2.0  # seconds for the best-effort /abort_request calls
 PREFILL_VERDICT_WAIT_S = 1.0  # seconds a failed decode leg waits for prefill's answer (it may name a 4xx cause)
+
+
+#: seconds to open a connection to a worker. A worker on a live host completes the handshake in the kernel even
+#: when its process is frozen (the health prober catches those in 5 s), so this only has to outlast the router's
+#: own event loop being starved on a saturated host, where a 3-s limit failed healthy workers as unreachable
+CONNECT_TIMEOUT_S = 10.0
 
 
 class LegError(Exception):
@@ -112,8 +119,9 @@ class Legs:
     # ---- prefill leg ---------------------------------------------------------------------------
     async def _prefill(self) -> None:
         try:
+            headers = {**self.headers, DEADLINE_HEADER: f"{self.remaining():.3f}"}  # prefill's admission reads it
             resp = await self.client.post(self.pair.prefill_url + "/generate", json=self.prefill_body,
-                                          headers=self.headers, timeout=httpx.Timeout(self.remaining() + 1.0, connect=3.0))
+                                          headers=headers, timeout=httpx.Timeout(self.remaining() + 1.0, connect=CONNECT_TIMEOUT_S))
         except httpx.HTTPError as exc:
             raise LegError(502, f"prefill worker {self.pair.prefill_url} unreachable: {type(exc).__name__} {exc}",
                            leg="prefill", retryable=True) from None
@@ -134,7 +142,7 @@ class Legs:
     # ---- decode leg ----------------------------------------------------------------------------
     async def _open_decode(self) -> TokenEvent:
         req = self.client.build_request("POST", self.pair.decode_url + "/generate", json=self.decode_body,
-                                        headers=self.headers, timeout=httpx.Timeout(self.remaining() + 1.0, connect=3.0))
+                                        headers=self.headers, timeout=httpx.Timeout(self.remaining() + 1.0, connect=CONNECT_TIMEOUT_S))
         try:
             self.decode_resp = await self.client.send(req, stream=True)
         except httpx.HTTPError as exc:

@@ -151,7 +151,7 @@ class Reply:
         except LegError as exc:
             self.outcome = "failed"
             yield sse(error_body(exc.status, f"generation failed after the first token: {exc.message}",
-                                 type="server_error", code=exc.code))
+                                 type=_error_type(exc.status), code=exc.code))
             return
         yield SSE_DONE
 
@@ -171,8 +171,8 @@ class Reply:
             completed = True
         except LegError as exc:
             self.outcome = "failed"
-            raise ApiError(exc.status if exc.status != 499 else 502, f"generation failed: {exc.message}",
-                           type="server_error", code=exc.code) from None
+            status = exc.status if exc.status != 499 else 502
+            raise ApiError(status, f"generation failed: {exc.message}", type=_error_type(status), code=exc.code) from None
         finally:
             await self.finish(completed)
         want_lps = self.req.body.logprobs_n() is not None
@@ -181,3 +181,8 @@ class Reply:
         return JSONResponse(self.shape.response(
             [self.shape.choice(i, texts[i], lasts[i], logprobs=lps[i] if want_lps else None) for i in range(n)],
             self.choices.usage()))
+
+
+def _error_type(status: int) -> str:
+    """OpenAI's error type of a failure's HTTP status: the request's fault (a 4xx but 429) or the server's."""
+    return "invalid_request_error" if 400 <= status < 500 and status != 429 else "server_error"

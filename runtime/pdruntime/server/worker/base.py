@@ -96,7 +96,7 @@ class WorkerBase:
         self.ready = False
         await self.stop_role()
         for _, req in self.queues.items():
-            self._fail(req, "server shutting down", cause="shutdown")
+            self._fail(req, "server shutting down", cause="shutdown", code="shutting_down")
         await self.watchdog.stop()
         if self.runner is not None:
             await asyncio.to_thread(self.runner.stop)
@@ -105,17 +105,18 @@ class WorkerBase:
 
     async def stop_role(self) -> None: ...
 
-    def _on_engine_error(self, rid: str, message: str, status: int) -> None:
-        """The engine failed one request (alone, or with its whole step): the client gets ``status``."""
+    def _on_engine_error(self, rid: str, message: str, status: int, code: str | None = None) -> None:
+        """The engine failed one request (alone, or with its whole step): the client gets ``status`` and ``code``
+        (the request's own cause, e.g. ``unsatisfiable_schema``; None: ``engine_error``)."""
         req = self.queues.get(rid)
         if req is not None:
-            self._fail(req, message, cause="engine_error", status=status)
+            self._fail(req, message, cause="engine_error", status=status, code=code or "engine_error")
 
     def _on_engine_fatal(self, reason: str) -> None:
         """Too many failing steps: /health turns 503 and every live request fails now (the process exits soon)."""
         self.metrics.engine_healthy.labels(self.role).set(0)
         for _, req in list(self.queues.items()):
-            self._fail(req, f"worker unhealthy: {reason}", cause="engine_error", status=503)
+            self._fail(req, f"worker unhealthy: {reason}", cause="engine_error", status=503, code="engine_unhealthy")
 
     def _on_step(self, stats: dict, batch: int) -> None:
         self.metrics.running_batch.labels(self.role).set(stats.get("num_running", 0))
@@ -203,17 +204,17 @@ class WorkerBase:
     def _fail_unexpected(self, req: Any, exc: Exception, what: str) -> None:
         """An exception no specific handler claimed: the engine's InvalidRequest is the client's 400, else a 500."""
         if isinstance(exc, InvalidRequest):
-            self._fail(req, f"engine rejected the request: {exc}", status=400)
+            self._fail(req, f"engine rejected the request: {exc}", status=400, code=exc.code)
         else:
             log_unexpected(f"{what} of rid={req.rid}", exc)  # type and frames only: messages can quote the prompt
-            self._fail(req, f"internal error ({type(exc).__name__}) in {what}", status=500)
+            self._fail(req, f"internal error ({type(exc).__name__}) in {what}", status=500, code="internal_error")
 
     async def abort(self, rid: str, cause: str) -> bool:
         """Fail a live request (HTTP 499 to its handler) and free what it holds; False if unknown."""
         req = self.queues.get(rid)
         if req is None:
             return False
-        self._fail(req, f"aborted ({cause})", cause=cause, status=499)
+        self._fail(req, f"aborted ({cause})", cause=cause, status=499, code="aborted")
         return True
 
     # ---- app -------------------------------------------------------------------------------

@@ -84,8 +84,8 @@ class DecodeWorker(WorkerBase):
         return {"completion_tokens": req.completion_tokens, "prefill_tokens": req.prefill_tokens, **forks,
                 **(req.kv_stats.row() if req.kv_stats is not None else {})}
 
-    def _on_engine_error(self, rid: str, message: str, status: int) -> None:
-        super()._on_engine_error(self.fork_owner.get(rid, rid), message, status)  # a fork fails its whole request
+    def _on_engine_error(self, rid: str, message: str, status: int, code: str | None = None) -> None:
+        super()._on_engine_error(self.fork_owner.get(rid, rid), message, status, code)  # a fork fails its whole request
 
     def busy_retry_after(self) -> int:
         """Seconds a refused request should wait: half the recent mean request time (pages come free as requests
@@ -102,7 +102,7 @@ class DecodeWorker(WorkerBase):
 
     # ---- failure and cleanup (idempotent) ----------------------------------------------------
     def _fail(self, req: DecodeRequest, reason: str, *, cause: str = "peer_failure", status: int = 502,
-              retry_after: int | None = None) -> None:
+              retry_after: int | None = None, code: str | None = None) -> None:
         if req.failure is not None or req.rid not in self.queues:
             return
         req.failure = reason
@@ -133,7 +133,7 @@ class DecodeWorker(WorkerBase):
             free_pages()
         if cause in ("client_disconnect", "abort_request", "watchdog"):
             self.metrics.aborts.labels(self.role, cause).inc()
-        req.outputs.put_nowait(DecodeFailed(reason, status, retry_after=retry_after))
+        req.outputs.put_nowait(DecodeFailed(reason, status, retry_after=retry_after, code=code))
         (log.info if status == 429 else log.warning)("decode request %s: rid=%s room=%s reason=%s",
                                                      "refused" if status == 429 else "failed", req.rid, req.room, reason)
 
@@ -234,9 +234,9 @@ class DecodeWorker(WorkerBase):
         except DecodeFailed as exc:
             self._fail(req, exc.reason, status=exc.status, retry_after=exc.retry_after)
         except WireError as exc:
-            status = _request_failed_status(exc.reason)
-            if status is not None:  # prefill failed the request itself: its error, not the pair's
-                self._fail(req, exc.message, cause="engine_error", status=status)
+            status, code = _request_failed(exc.reason)
+            if status is not None:  # prefill failed the request itself: its error (and code), not the pair's
+                self._fail(req, exc.message, cause="engine_error", status=status, code=code)
             else:
                 self._fail(req, f"KV transfer failed: {exc}", status=502)
         except (asyncio.IncompleteReadError, ConnectionError, OSError, asyncio.TimeoutError) as exc:
@@ -351,11 +351,14 @@ class DecodeWorker(WorkerBase):
         app.post("/generate")(self.generate)
 
 
-def _request_failed_status(reason: str) -> int | None:
-    """The 4xx of a KV-wire ERROR "request_failed:<status>" (prefill failed the request itself), else None."""
-    kind, _, code = reason.partition(":")
+def _request_failed(reason: str) -> tuple[int | None, str | None]:
+    """(the 4xx, the API code or None) of a KV-wire ERROR "request_failed:<status>[:<code>]" (prefill failed the
+    request itself), else (None, None)."""
+    kind, _, rest = reason.partition(":")
     if kind != "request_failed":
-        return None
-    return int(code) if code.isdigit() and 400 <= int(code) < 500 and int(code) != 499 else 422
+        return None, None
+    st, _, code = rest.partition(":")
+    status = int(st) if st.isdigit() and 400 <= int(st) < 500 and int(st) != 499 else 422
+    return status, (code if code.replace("_", "").isalnum() else None)
 
 

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 
 from pdruntime.disagg.decode_queues import DecodeRequest
 from pdruntime.server.openai.events import TokenEvent
-from pdruntime.server.openai.format import Choices, OpenAIShape, logprob_entries
+from pdruntime.server.openai.format import Choices, OpenAIShape, logprob_entries, prompt_logprob_entries
 from pdruntime.server.openai.schemas import error_body
 from pdruntime.util.sse import SSE_DONE, sse
 
@@ -22,18 +22,21 @@ class DecodeFailed(Exception):
     """A decode request ends with an error: ``status`` (the HTTP status), and for a busy worker (429) the
     ``retry_after`` seconds it suggests and the code ``decode_busy``."""
 
-    def __init__(self, reason: str, status: int = 502, *, retry_after: int | None = None) -> None:
+    def __init__(self, reason: str, status: int = 502, *, retry_after: int | None = None,
+                 code: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
         self.retry_after = retry_after
+        self._code = code  # the cause's name (e.g. unsatisfiable_schema), else decode_busy / decode_failed
 
     @property
     def code(self) -> str:
-        return "decode_busy" if self.status == 429 else "decode_failed"
+        return self._code or ("decode_busy" if self.status == 429 else "decode_failed")
 
     def body(self) -> dict:
-        err = error_body(self.status, self.reason, type="server_error", code=self.code)
+        kind = "invalid_request_error" if 400 <= self.status < 500 and self.status != 429 else "server_error"
+        err = error_body(self.status, self.reason, type=kind, code=self.code)
         if self.retry_after is not None:
             err["error"]["retry_after"] = self.retry_after
         return err
@@ -83,7 +86,7 @@ class _Worker(Protocol):
     loaded: Any  # the model: its tokenizer renders logprobs
 
     def _fail(self, req: DecodeRequest, reason: str, *, cause: str = ..., status: int = ...,
-              retry_after: int | None = ...) -> None: ...
+              retry_after: int | None = ..., code: str | None = ...) -> None: ...
 
 
 class DecodeStream:
@@ -140,7 +143,7 @@ class DecodeStream:
         req, ids = self.req, list(item.new_token_ids)
         prompt_lps = None
         if getattr(item, "prompt_logprobs", None) is not None:  # monolithic runs (PD: prefill reports them)
-            prompt_lps = [None] + logprob_entries(self.tokenizer, req.prompt_ids[1:], item.prompt_logprobs)
+            prompt_lps = prompt_logprob_entries(self.tokenizer, req.prompt_ids, item.prompt_logprobs)
         lps = None
         if req.params.logprobs is not None:  # PD: the first token's entry is None here (prefill reports it)
             lps = logprob_entries(self.tokenizer, ids, getattr(item, "logprobs", None))

@@ -96,7 +96,7 @@ def isolation_verdict(num_suspects: int, num_culprits: int, parts_ok: int, oom: 
 class EngineRunner:
     def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, *, on_step: Callable[[dict, int], None] | None = None,
                  policy: FailurePolicy | None = None,
-                 on_request_error: Callable[[str, str, int], None] | None = None,
+                 on_request_error: Callable[[str, str, int, str | None], None] | None = None,
                  on_step_error: Callable[[str], None] | None = None,
                  on_fatal: Callable[[str], None] | None = None) -> None:
         self.engine = engine
@@ -105,7 +105,7 @@ class EngineRunner:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[Any], None]] = {}  # rid -> callback(StepOutput), loop thread only
         self._on_step = on_step  # (engine stats, batch size) -> None, called in the loop thread
-        self._on_request_error = on_request_error  # (rid, message, HTTP status), loop thread
+        self._on_request_error = on_request_error  # (rid, message, HTTP status, API code or None), loop thread
         self._on_step_error = on_step_error  # (verdict) per failing round, loop thread
         self._on_fatal = on_fatal  # (reason), loop thread, once
         self.step_delay_s = 0.0  # test hook: sleep after each step (slows decode so tests can observe it)
@@ -177,12 +177,15 @@ class EngineRunner:
         for out in outputs:
             if getattr(out, "finish_reason", None) == "error":
                 status = self._error_status.pop(out.request_id, REQUEST_ERROR_STATUS)
-                if status == REQUEST_ERROR_STATUS and out.request_id not in self._counted and self._on_step_error:
+                code = getattr(out, "error_code", None)  # the request's own cause (its grammar): a 400, not the engine's
+                if code is not None:
+                    status = 400
+                elif status == REQUEST_ERROR_STATUS and out.request_id not in self._counted and self._on_step_error:
                     self._on_step_error("request")  # failed alone inside the engine (its own sampling)
                 self._counted.discard(out.request_id)
                 self.drop_sink(out.request_id)
                 if self._on_request_error is not None:
-                    self._on_request_error(out.request_id, out.error or "engine error", status)
+                    self._on_request_error(out.request_id, out.error or "engine error", status, code)
                 continue
             sink = self._sinks.get(out.request_id)
             if sink is not None:

@@ -24,29 +24,44 @@ from fastapi.responses import JSONResponse
 
 from pdruntime.disagg import transfer, wire
 from pdruntime.disagg.prefill_queues import PrefillQueues, PrefillRequest
+from pdruntime.disagg.prefill_rate import PrefillRate, verdict
 from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import WireError
 from pdruntime.server.openai.events import TokenEvent
-from pdruntime.server.openai.format import OpenAIShape, logprob_entries
+from pdruntime.server.openai.format import OpenAIShape, logprob_entries, prompt_logprob_entries
 from pdruntime.server.openai.schemas import ApiError, GenerateRequest, error_body
 from pdruntime.server.worker.base import WorkerBase
 from pdruntime.server.worker.engine_commands import Abort, AddRequest, GatherPages, Pages, Release, RequestGone
 from pdruntime.server.worker.prompts import client_of, read_generate, request_id
+from pdruntime.util.headers import DEADLINE_HEADER
 from pdruntime.util.periodic import PeriodicTask
 
 log = logging.getLogger("pdruntime.prefill")
 
 REJECT_LOG_INTERVAL_S = 10.0  # seconds between WARNING lines about rejected KV pulls (the rest are counted)
 PROGRESS_INTERVAL_S = 1.0  # seconds between PROGRESS reports to a waiting decode (its stall limit is far longer)
-# KV-wire ERROR reason "request_failed:<status>": prefill failed the request itself (a 4xx), not the pair
+# KV-wire ERROR reason "request_failed:<status>:<code>": prefill failed the request itself (a 4xx), not the pair
 REQUEST_FAILED = "request_failed"
 
 
+def _seconds_left(raw: str | None) -> float | None:
+    """The router's X-PDStack-Deadline-S; None when absent or unreadable (then nothing is refused for time)."""
+    try:
+        v = float(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return v if v is not None and v >= 0 else None
+
+
 class TransferFailed(Exception):
-    def __init__(self, reason: str, status: int = 503) -> None:
+    """A prefill request failed: ``status`` (HTTP) and ``code``, the cause's name (``transfer_failed`` for the KV
+    transfer and its watchdogs; the engine's or the request's own otherwise, e.g. ``unsatisfiable_schema``)."""
+
+    def __init__(self, reason: str, status: int = 503, code: str = "transfer_failed") -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
+        self.code = code
 
 
 class PrefillWorker(WorkerBase):
@@ -57,6 +72,7 @@ class PrefillWorker(WorkerBase):
         self.bootstrap_host = bootstrap_host
         self.bootstrap_port = bootstrap_port
         self.queues = PrefillQueues()
+        self.rate = PrefillRate()  # prompt tokens/s computed, measured under backlog: admission by deadline
         self._server: transfer.BootstrapServer | None = None
         self.layout: wire.KVLayout | None = None
         self.reject_log = transfer.LogLimiter(REJECT_LOG_INTERVAL_S)
@@ -85,14 +101,30 @@ class PrefillWorker(WorkerBase):
         a long one that advances. A frozen process sends nothing, which is the point."""
         progress = self.runner.last_stats.get("prefill_progress", {}) if self.runner is not None else {}
         steps = self.runner.steps if self.runner is not None else 0
+        now = self.clock.now()
         for stage, req in self.queues.items():
+            done = progress.get(req.rid, 0)
+            if done > req.computed_tokens:  # this worker's own rows show it too (the operator's stall sweep)
+                req.computed_tokens, req.computed_at = done, now
             conn = req.writer
             if stage != "waiting" or conn is None or conn.closed or req.kv_ready is None or req.kv_ready.done():
                 continue
             if req.progress_send is not None and not req.progress_send.done():
                 continue  # the previous report is still being written
             req.progress_send = asyncio.get_running_loop().create_task(
-                _quietly(transfer.send_progress(conn, progress.get(req.rid, 0), steps)))
+                _quietly(transfer.send_progress(conn, done, steps)))
+        if self.runner is not None:
+            self.rate.observe(now, int(self.runner.last_stats.get("num_prefill_tokens", 0)), sum(self.backlog()))
+
+    def backlog(self) -> list[int]:
+        """Prompt tokens each request before its KV is ready still has to compute (cache hits counted in: high)."""
+        return [max(0, len(r.prompt_ids) - r.computed_tokens) for stage, r in self.queues.items()
+                if stage in ("bootstrap", "waiting")]
+
+    def progress(self, req: PrefillRequest) -> tuple[int, float]:
+        """A long prompt whose chunks advance is progressing: its last advance counts as much as a stage change."""
+        at = super().progress(req)[1]
+        return 0, max(at, req.computed_at or at)
 
     def role_config(self) -> dict:
         return {"bootstrap": {"host": self.bootstrap_host, "port": self.bootstrap_port},
@@ -103,7 +135,8 @@ class PrefillWorker(WorkerBase):
         return req.kv_stats.row() if req.kv_stats is not None else {}
 
     # ---- failure and cleanup (idempotent) ----------------------------------------------------
-    def _fail(self, req: PrefillRequest, reason: str, *, cause: str = "peer_failure", status: int = 503) -> None:
+    def _fail(self, req: PrefillRequest, reason: str, *, cause: str = "peer_failure", status: int = 503,
+              code: str = "transfer_failed") -> None:
         if not req.status.fail(self.clock.now(), reason):
             return
         self.watchdog.disarm(req.rid)
@@ -111,7 +144,8 @@ class PrefillWorker(WorkerBase):
             if 400 <= status < 500 and status != 499:
                 # a request error (e.g. the engine failed it alone): tell decode why, so its leg fails as this
                 # request's error and not as a lost peer (which a router counts against the pair)
-                asyncio.get_running_loop().create_task(transfer.send_error(req.writer, f"{REQUEST_FAILED}:{status}", reason))
+                asyncio.get_running_loop().create_task(
+                    transfer.send_error(req.writer, f"{REQUEST_FAILED}:{status}:{code}", reason))
             else:
                 req.writer.close()
         if req.in_engine and self.runner is not None:
@@ -126,7 +160,7 @@ class PrefillWorker(WorkerBase):
         if cause in ("client_disconnect", "abort_request", "watchdog"):
             self.metrics.aborts.labels(self.role, cause).inc()
         if not req.done.done():
-            req.done.set_exception(TransferFailed(reason, status))
+            req.done.set_exception(TransferFailed(reason, status, code))
         log.warning("prefill request failed: rid=%s room=%s reason=%s", req.rid, req.room, reason)
 
     def _on_watchdog(self, req: PrefillRequest, phase: str) -> None:
@@ -139,17 +173,25 @@ class PrefillWorker(WorkerBase):
 
     # ---- HTTP side ---------------------------------------------------------------------------
     async def generate(self, request: Request) -> JSONResponse:
-        return await self.run_generate(await read_generate(request), client_of(request))
+        return await self.run_generate(await read_generate(request), client_of(request),
+                                       seconds_left=_seconds_left(request.headers.get(DEADLINE_HEADER)))
 
     async def run_generate(self, greq: GenerateRequest, client: str, shape: OpenAIShape | None = None,
-                           include_usage: bool = False) -> JSONResponse:
+                           include_usage: bool = False, *, seconds_left: float | None = None) -> JSONResponse:
         """Prefill one PD request; answers once decode has the KV (OpenAI-shaped with ``shape``: the /v1 routes,
-        whose body SGLang's router sends to both legs; it answers the client from decode's)."""
+        whose body SGLang's router sends to both legs; it answers the client from decode's). ``seconds_left``: of
+        the request's deadline, as pdrt's router sends it; a request that cannot make it is refused now."""
         if greq.bootstrap_room is None:
             raise ApiError(400, "a prefill worker serves only PD requests; accepted: a body with bootstrap_room "
                            "(and bootstrap_host/bootstrap_port) as sent by a PD router", param="bootstrap_room")
         prompt = self.prompts.prompt_ids(greq)
         params = self.prompts.sampling(greq, len(prompt))
+        refusal = verdict(self.rate.tokens_per_s, len(prompt), self.backlog(), seconds_left)
+        if refusal is not None:
+            self.metrics.refused.labels(self.role, refusal.code).inc()
+            raise ApiError(refusal.status, refusal.message, code=refusal.code,
+                           type="server_overloaded" if refusal.retry_after else "invalid_request_error",
+                           headers={"Retry-After": str(refusal.retry_after)} if refusal.retry_after else None)
         loop = asyncio.get_running_loop()
         req = PrefillRequest(rid=request_id(greq), room=int(greq.bootstrap_room), client=client,
                              prompt_ids=prompt, params=params, created_at=self.clock.now(),
@@ -165,11 +207,12 @@ class PrefillWorker(WorkerBase):
             await req.done
         except TransferFailed as exc:
             outcome = "failed"
+            kind = "invalid_request_error" if 400 <= exc.status < 500 else "server_error"
             return JSONResponse(error_body(exc.status, f"prefill of request {req.rid} failed: {exc.reason}",
-                                           type="server_error", code="transfer_failed"), status_code=exc.status)
+                                           type=kind, code=exc.code), status_code=exc.status)
         except asyncio.CancelledError:  # the router (or client) went away
             outcome = "aborted"
-            self._fail(req, "client disconnected", cause="client_disconnect", status=499)
+            self._fail(req, "client disconnected", cause="client_disconnect", status=499, code="aborted")
             raise
         finally:
             self.metrics.requests.labels(self.role, self.metrics.clients.label(req.client), outcome).inc()
@@ -183,8 +226,8 @@ class PrefillWorker(WorkerBase):
             result["meta_info"]["output_token_logprobs"] = logprob_entries(self.loaded.tokenizer, [first],
                                                                            [req.first_logprobs])
         if params.prompt_logprobs is not None:  # echo: the prompt's, first token None (nothing predicts it)
-            result["meta_info"]["input_token_logprobs"] = [None] + logprob_entries(
-                self.loaded.tokenizer, prompt[1:], getattr(req, "prompt_logprobs", None))
+            result["meta_info"]["input_token_logprobs"] = prompt_logprob_entries(
+                self.loaded.tokenizer, prompt, getattr(req, "prompt_logprobs", None))
         return JSONResponse(result if shape is None else shape.final(text, TokenEvent.from_json(result)))
 
     def add_routes(self, app: FastAPI) -> None:
@@ -298,7 +341,7 @@ class PrefillWorker(WorkerBase):
                 req.prompt_logprobs = out.prompt_logprobs
                 req.kv_ready.set_result(out.new_token_ids[0])
         elif out.finished:
-            self._fail(req, f"engine finished the prefill with {out.finish_reason!r}")
+            self._fail(req, f"engine finished the prefill with {out.finish_reason!r}", code="engine_error")
 
 
 async def _quietly(aw) -> None:

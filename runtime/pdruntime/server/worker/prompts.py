@@ -100,10 +100,12 @@ class PromptBuilder:
             bias[int(k)] = v
         grammar = sp.grammar
         if grammar is None and (req.response_format is not None or req.tools):
-            from pdruntime.server.openai.structured import chat_grammar
+            from pdruntime.server.openai.structured import GrammarError, chat_grammar
 
             try:
                 grammar = chat_grammar(req, self.tool_parser)
+            except GrammarError as exc:
+                raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
             except ValueError as exc:
                 raise ApiError(400, f"response_format: {exc}", param="response_format", code="invalid_value") from None
         try:
@@ -116,4 +118,4 @@ class PromptBuilder:
                                   stop_token_ids=tuple(sp.stop_token_ids or ()),
                                   grammar=grammar, seed=sp.seed, stop=stop, ignore_eos=sp.ignore_eos)
         except InvalidRequest as exc:
-            raise ApiError(400, str(exc), code="invalid_value") from None
+            raise ApiError(400, str(exc), code=exc.code) from None
