@@ -97,6 +97,9 @@ _DELETE = object()
     ("spec.rollout.maxUnavailablePairs", 0, "spec.rollout.maxUnavailablePairs: 0 is less than the minimum of 1"),
     ("spec.watchdog.transferTimeoutSeconds", 0, "spec.watchdog.transferTimeoutSeconds: 0 is less than the minimum"),
     ("spec.router.resources.gpus", 1, "spec.router.resources.gpus: 1 is greater than the maximum of 0"),
+    ("spec.router.routing.policy", "cache_aware", "spec.router.routing.policy: 'cache_aware' is not one of "
+     "['least-load', 'round-robin', 'prefix']"),
+    ("spec.router.routing.cacheThreshold", 2, "spec.router.routing.cacheThreshold: 2 is greater than the maximum"),
     ("spec.pair", 2, "spec: Additional properties are not allowed ('pair' was unexpected)"),
 ])
 def test_schema_rejects_bad_manifest_with_a_useful_message(dotted, value, expected):
@@ -108,3 +111,4 @@ def test_schema_rejects_bad_manifest_with_a_useful_message(dotted, value, expect
 def test_good_manifest_passes_and_quantities_accept_int_or_string():
     m = _set(good(), "spec.prefill.resources.limits", {"cpu": 8, "memory": "32Gi"})
     assert errors(m) == []
+    assert errors(_set(good(), "spec.router.routing", {"policy": "prefix", "balanceAbsThreshold": 4})) == []

@@ -16,7 +16,8 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from .spec import BOOTSTRAP_PORT, GPU_RESOURCE, GROUP, HTTP_PORT, KIND, VERSION, PDSpec, PodTemplate, RoleSpec
+from .spec import (BOOTSTRAP_PORT, GPU_RESOURCE, GROUP, HTTP_PORT, KIND, VERSION, PDSpec, PodTemplate, RoleSpec,
+                   RoutingSpec, default_of)
 
 LABEL_DEPLOYMENT = "pdstack.io/deployment"
 LABEL_PAIR = "pdstack.io/pair"
@@ -172,7 +173,23 @@ def router_command(spec: PDSpec, owner: Owner) -> list[str]:
         return cmd + ["--host", "0.0.0.0", "--port", str(HTTP_PORT)] + list(spec.router.args)
     return ["pdrt", "serve", "--role", "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
             "--topology-file", f"{TOPOLOGY_DIR}/{TOPOLOGY_KEY}",
-            "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_KEY}"] + list(spec.router.args)
+            "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_KEY}"] + routing_args(spec.routing) + list(spec.router.args)
+
+
+ROUTING_FLAGS = {"policy": "--routing-policy", "balance_abs_threshold": "--balance-abs-threshold",
+                 "balance_rel_threshold": "--balance-rel-threshold", "cache_threshold": "--cache-threshold",
+                 "prefix_tree_max_chars": "--prefix-tree-max-chars"}
+
+
+def routing_args(routing: RoutingSpec) -> list[str]:
+    """pdrt router flags for spec.router.routing: only the fields that differ from their defaults (the router's
+    own), so a spec without routing renders the router it always did."""
+    out: list[str] = []
+    for attr, flag in ROUTING_FLAGS.items():
+        value = getattr(routing, attr)
+        if value != default_of(RoutingSpec, attr):
+            out += [flag, str(value)]
+    return out
 
 
 def worker_env(spec: PDSpec, role: str) -> list[dict[str, str]]:

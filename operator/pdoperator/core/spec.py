@@ -39,6 +39,7 @@ ENGINES = ("pdrt", "sglang")
 CO_RESTART_POLICIES = ("Pair", "Never")
 DRIFT_POLICIES = ("Report", "Revert")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")  # mirrors pdruntime.env.ATTENTION_BACKENDS
+ROUTING_POLICIES = ("least-load", "round-robin", "prefix")  # mirrors pdruntime.server.router.policy
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # mirrors pdruntime.engine.device.DTYPE_CHOICES
 GPU_RESOURCE = "nvidia.com/gpu"
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -312,6 +313,22 @@ class StallSpec:
 
 
 @dataclass(frozen=True)
+class RoutingSpec:
+    """spec.router.routing: how pdrt's router picks a pair for normal traffic (its --routing-policy and
+    thresholds; the defaults are the router's own, and only values that differ are rendered). Not part of a
+    revision: changing it restarts the router, never a pair."""
+
+    policy: str = knob("policy", "least-load", choices=ROUTING_POLICIES)
+    # prefix: the load bound (then least-load decides): busiest - idlest > abs and busiest > rel x idlest
+    balance_abs_threshold: int = knob("balanceAbsThreshold", 8, lo=0, hi=1 << 16)
+    balance_rel_threshold: float = knob("balanceRelThreshold", 1.5, lo=1, hi=1000)
+    # prefix: share of the prompt a pair must hold to win on its prefix
+    cache_threshold: float = knob("cacheThreshold", 0.3, lo=0, hi=1)
+    # prefix: prompt characters the router remembers per pair (LRU)
+    prefix_tree_max_chars: int = knob("prefixTreeMaxChars", 1 << 20, lo=32, hi=1 << 30)
+
+
+@dataclass(frozen=True)
 class PDSpec:
     image: str
     engine: str = knob("engine", "pdrt", choices=ENGINES)
@@ -334,6 +351,7 @@ class PDSpec:
     sglang: SglangSpec = section("sglang", SglangSpec)
     rollout: RolloutSpec = section("rollout", RolloutSpec)
     stall: StallSpec = section("stall", StallSpec)
+    routing: RoutingSpec = section("router.routing", RoutingSpec)  # spec.router.routing (the router's policy)
 
     def router_image(self) -> str:
         """spec.router.image, else spec.image. Never an image the user did not name: a hard-coded registry tag
@@ -418,7 +436,8 @@ class _Reader:
     def num(self, raw: Mapping[str, Any], key: str, path: str, default: float, lo: float, hi: float) -> float:
         value = raw.get(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-            self.fail(f"{path}.{key}", value, f"a number of seconds in [{lo}, {hi}]")
+            what = "a number of seconds" if key.lower().endswith("seconds") else "a number"
+            self.fail(f"{path}.{key}", value, f"{what} in [{lo}, {hi}]")
             return default
         return float(value)
 
@@ -709,6 +728,17 @@ def _rollout(r: _Reader, ro: Mapping[str, Any]) -> RolloutSpec:
     )
 
 
+def _routing(r: _Reader, d: Mapping[str, Any], engine: str) -> RoutingSpec:
+    router = d.get("router")  # not an object: _role has said so
+    ro = r.obj(router.get("routing") if isinstance(router, Mapping) else None, "spec.router.routing")
+    routing = RoutingSpec(**{a: r.take(ro, "spec.router.routing", RoutingSpec, a)
+                             for a in RoutingSpec.__dataclass_fields__})
+    if ro and engine == "sglang":
+        r.problems.append("spec.router.routing is pdrt's router's; accepted with engine 'sglang': sglang-router's "
+                          "own flags in spec.router.args (e.g. --policy cache_aware)")
+    return routing
+
+
 def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
     """Validate and default a PDDeployment ``spec``; raise :class:`SpecError` with every problem."""
     r = _Reader()
@@ -761,6 +791,7 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
     rollout = _rollout(r, ro)
     st = r.obj(d.get("stall"), "spec.stall")
     stall = StallSpec(seconds=r.take(st, "spec.stall", StallSpec, "seconds"))
+    routing = _routing(r, d, engine)
     spec = PDSpec(
         image=image,
         engine=engine,
@@ -781,6 +812,7 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
         sglang=sglang,
         rollout=rollout,
         stall=stall,
+        routing=routing,
     )
     if r.problems:
         raise SpecError(r.problems)

@@ -79,6 +79,70 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: a number in [0, 1]")
+    return v
+
+
+def _ratio(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not v >= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: a number >= 1")
+    return v
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: an integer >= 0")
+    return int(text)
+
+
+def _routing_flags(p: argparse.ArgumentParser) -> None:
+    from pdruntime.server.router.policy import ROUTING_POLICIES, RoutingConfig
+
+    d = RoutingConfig()
+    g = p.add_argument_group("router: routing policy")
+    g.add_argument("--routing-policy", choices=ROUTING_POLICIES, default=d.policy,
+                   help="least-load: sticky by conversation, else the least outstanding pair; round-robin: each pair "
+                        "in turn; prefix: the pair that holds the longest prefix of the prompt, within the load bound")
+    g.add_argument("--balance-abs-threshold", type=_count, default=d.balance_abs_threshold,
+                   help="prefix: the load bound holds when the busiest pair has more than this many outstanding "
+                        "requests above the idlest ...")
+    g.add_argument("--balance-rel-threshold", type=_ratio, default=d.balance_rel_threshold,
+                   help="... and more than this many times its load; then least-load decides")
+    g.add_argument("--cache-threshold", type=_fraction, default=d.cache_threshold,
+                   help="prefix: share of the prompt a pair must hold to win on its prefix (else least-load)")
+    g.add_argument("--prefix-tree-max-chars", type=_positive_int, default=d.tree_max_chars,
+                   help="prefix: prompt characters remembered per pair (LRU)")
+
+
+def routing_config(args: argparse.Namespace):
+    """The router's RoutingConfig from its flags (ValueError naming the flag when a value is refused)."""
+    from pdruntime.server.router.policy import RoutingConfig
+
+    try:
+        return RoutingConfig(args.routing_policy, args.balance_abs_threshold, args.balance_rel_threshold,
+                             args.cache_threshold, args.prefix_tree_max_chars)
+    except ValueError as exc:
+        raise ValueError(f"router routing flags: {exc}") from None
+
+
+def _router_args(args: argparse.Namespace) -> list[str]:
+    """`pdrt up`'s routing flags, checked here, for its router's `pdrt serve --role router`."""
+    r = routing_config(args)
+    return ["--routing-policy", r.policy, "--balance-abs-threshold", str(r.balance_abs_threshold),
+            "--balance-rel-threshold", str(r.balance_rel_threshold), "--cache-threshold", str(r.cache_threshold),
+            "--prefix-tree-max-chars", str(r.tree_max_chars)]
+
+
 def register(subparsers: Any) -> None:
     serve = subparsers.add_parser("serve", help="run one server: prefill worker, decode worker or router")
     serve.add_argument("--role", choices=ROLES, required=True)
@@ -113,6 +177,7 @@ def register(subparsers: Any) -> None:
                        default=connections.MAX_CONNECTIONS_PER_CLIENT,
                        help="open connections per client address; beyond it that client's oldest idle one is closed")
     serve.add_argument("--log-level", default="info")
+    _routing_flags(serve)
     _engine_flags(serve)
     serve.set_defaults(func=cmd_serve, handler=cmd_serve)
 
@@ -125,6 +190,7 @@ def register(subparsers: Any) -> None:
     up.add_argument("--base-port", type=int, default=8100, help="first worker port (3 per pair)")
     up.add_argument("--model", default=None)
     up.add_argument("--ready-timeout-s", type=float, default=600.0)
+    _routing_flags(up)
     _engine_flags(up)
     up.set_defaults(func=cmd_up, handler=cmd_up)
 
@@ -209,7 +275,7 @@ def build_server(args: argparse.Namespace, env=None):
         cfg = RouterConfig(request_timeout_s=args.request_timeout_s, body_timeout_s=args.body_timeout_s,
                            breaker_cooldown_s=args.breaker_cooldown_s, api_keys=keys, admin_token=admin,
                            max_pending_per_pair=args.max_pending_per_pair, admission_wait_s=args.admission_wait_s,
-                           max_queued_requests=args.max_queued_requests)
+                           max_queued_requests=args.max_queued_requests, routing=routing_config(args))
         router = Router(env, topology=topo, topology_file=args.topology_file, config=cfg, host=args.host, port=args.port)
         return router.build_app(), router
     from pdruntime.engine import Engine, load_for
@@ -273,7 +339,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # health polls
     try:
         stack = LocalStack(pairs=args.pairs, prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
-                           base_port=args.base_port, model=args.model, worker_args=_worker_args(args))
+                           base_port=args.base_port, model=args.model, worker_args=_worker_args(args),
+                           router_args=_router_args(args))
     except ValueError as exc:
         print(f"pdrt up: {exc}", file=sys.stderr)
         return 2

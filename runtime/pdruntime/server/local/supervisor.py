@@ -227,6 +227,7 @@ class StackSpec:
     base_port: int = 8100
     model: str | None = None
     worker_args: tuple[str, ...] | list[str] = ()  # passed to every `pdrt serve` worker
+    router_args: tuple[str, ...] | list[str] = ()  # passed to the router's `pdrt serve` (routing policy flags)
     extra_env: dict[str, str] | None = None
     log_dir: str | None = None  # None: the stack's temporary work dir
     backoff_base_s: float = BACKOFF_BASE_S
@@ -247,6 +248,7 @@ class LocalStack:
         self.host, self.port = host, port
         self.model = model
         self.worker_args = list(sp.worker_args or ())
+        self.router_args = list(sp.router_args or ())
         self.workdir = tempfile.mkdtemp(prefix="pdrt-up-")
         self.log_dir = sp.log_dir or self.workdir
         self.topology_path = os.path.join(self.workdir, "topology.yaml")
@@ -323,7 +325,7 @@ class LocalStack:
     def _start_router(self) -> None:
         self.router, self.router_instance = self._spawn(
             "router", ["--role", "router", "--host", self.host, "--port", str(self.port),
-                       "--topology-file", self.topology_path])
+                       "--topology-file", self.topology_path, *self.router_args])
         self.router_healthy_since = None
 
     @staticmethod

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
@@ -30,7 +30,8 @@ from pdruntime.server.router.auth import (admin_token, bearer, client_identity, 
                                           key_name, match_api_key, same_secret)
 from pdruntime.server.router.health_probe import HealthProber
 from pdruntime.server.router.legs import LegError, Legs, Outbound
-from pdruntime.server.router.policy import Outcome, PairPicker, PairState
+from pdruntime.server.router.policy import Outcome, PairPicker, PairState, RoutingConfig
+from pdruntime.server.router.prefix_tree import routing_text
 from pdruntime.server.router.reply import Dispatched, EdgeRequest, LiveRequest, Reply
 from pdruntime.server.router.topology import Topology, TopologyWatcher
 from pdruntime.server.router.topology_source import TopologySource
@@ -56,6 +57,7 @@ class RouterConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     api_keys: dict[str, str] = field(default_factory=dict, repr=False)  # key -> client name; empty: no auth
     admin_token: str | None = field(default=None, repr=False)  # /config, /debug/*: None = loopback clients only
+    routing: RoutingConfig = field(default_factory=RoutingConfig)  # --routing-policy and its thresholds
 
 
 class Router:
@@ -67,7 +69,8 @@ class Router:
         self.topology_file = topology_file
         self.host, self.port = host, port
         self.metrics = Metrics("router")
-        self.picker = PairPicker(self.cfg.breaker_threshold, self.cfg.breaker_cooldown_s, self.cfg.breaker_trial_timeout_s)
+        self.picker = PairPicker(self.cfg.breaker_threshold, self.cfg.breaker_cooldown_s, self.cfg.breaker_trial_timeout_s,
+                                 self.cfg.routing)
         self.admission = Admission(self.cfg.max_pending_per_pair, self.cfg.admission_wait_s, self.cfg.max_queued_requests)
         self.live: dict[str, LiveRequest] = {}
         self.models: dict[str, dict] = {}  # model id -> /get_model_info of a worker
@@ -179,9 +182,10 @@ class Router:
         last: LegError | None = None
         busy: list[LegError] = []
         pinned = live.pinned
+        prompt = routing_text(out.body) if self.picker.tree is not None and pinned is None else None
         while len(tried) < (MAX_ATTEMPTS if pinned is None else 1):  # a pinned request is never retried elsewhere
             now = time.monotonic()
-            state = await self._admit(live, tried | self.stale_pairs(), now)
+            state = await self._admit(live, tried | self.stale_pairs(), now, prompt)
             if state is None:
                 break
             if tried:
@@ -236,13 +240,15 @@ class Router:
                            code="pinned_group_unavailable")
         raise self._no_pair_error()
 
-    async def _admit(self, live: LiveRequest, exclude: set[int], now: float) -> PairState | None:
+    async def _admit(self, live: LiveRequest, exclude: set[int], now: float,
+                     prompt: str | None = None) -> PairState | None:
         """The pair for the next attempt, once one has room (admission.py): a request that finds every eligible pair
         at its bound waits in the router's queue until ``admission.wait_s`` after its arrival, then gets a 429."""
         while True:
             load = {i: st.outstanding for i, st in self.picker.states.items()}
             blocked = self.admission.blocked(now, load)
-            state = self.picker.choose(now, live.conversation, exclude=exclude | blocked, group=live.pinned)
+            state = self.picker.choose(now, live.conversation, exclude=exclude | blocked, group=live.pinned,
+                                       prompt=prompt)
             if state is not None or not blocked:
                 return state
             if not any(st.pair.index in blocked for st in self.picker.eligible(now, exclude, live.pinned)):
@@ -475,7 +481,8 @@ class Router:
                            "breaker_trial_timeout_s": self.cfg.breaker_trial_timeout_s, "max_attempts": MAX_ATTEMPTS,
                            "body_timeout_s": self.cfg.body_timeout_s, "max_body_bytes": self.cfg.max_body_bytes,
                            "api_keys": {"enabled": bool(self.cfg.api_keys), "clients": sorted(set(self.cfg.api_keys.values()))},
-                           "admin": "token" if self.cfg.admin_token is not None else "loopback-only"},
+                           "admin": "token" if self.cfg.admin_token is not None else "loopback-only",
+                           "routing": {**asdict(self.cfg.routing), "decisions": dict(self.picker.decisions)}},
                 "models": sorted(self.models),
                 "worker_health": self.prober.snapshot() if self.prober is not None else []}
 

@@ -1,5 +1,7 @@
-"""Pure routing decisions: pair choice (least outstanding, sticky by conversation), pinning to one group
-(``X-PDStack-Pair``: canary probes), and circuit breakers. Canary pairs take pinned requests only."""
+"""Pure routing decisions: pair choice by policy (least outstanding and sticky by conversation, round-robin, or
+prefix-aware within a load bound), pinning to one group (``X-PDStack-Pair``: canary probes), and circuit
+breakers. Whatever the policy, it chooses among :meth:`PairPicker.eligible` pairs only: never a draining, not
+ready, breaker-open or stale pair, and never a canary pair for normal traffic."""
 
 from __future__ import annotations
 
@@ -7,9 +9,59 @@ import enum
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from pdruntime.server.router.prefix_tree import CHUNK_CHARS, PrefixTree, chunk_names
 from pdruntime.server.router.topology import Pair
 
 STICKY_CAPACITY = 65536  # conversation keys remembered (LRU)
+ROUTING_POLICIES = ("least-load", "round-robin", "prefix")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How normal traffic picks a pair (``pdrt serve --role router --routing-policy ...``; CRD spec.router.routing).
+
+    ``prefix``: the pair holding the longest prefix of the prompt (the prefix tree's record of what was sent
+    where), if it holds at least ``cache_threshold`` of the prompt; else the least loaded pair (ties: the one
+    holding the least, so new prefixes spread). Load bound: when the busiest eligible pair has more than
+    ``balance_abs_threshold`` outstanding requests above the idlest and more than ``balance_rel_threshold`` times
+    its load, the request goes to the least loaded pair whatever it holds (and that pair learns the prefix), so
+    one hot prefix cannot pin every request to one pair."""
+
+    policy: str = "least-load"
+    balance_abs_threshold: int = 8  # outstanding requests on a pair's busier worker
+    balance_rel_threshold: float = 1.5  # busiest / idlest load ratio
+    cache_threshold: float = 0.3  # share of the prompt's characters a pair must hold to win on its prefix
+    tree_max_chars: int = 1 << 20  # prompt characters remembered per pair (LRU), about 12 MB of router memory
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.policy not in ROUTING_POLICIES:
+            problems.append(f"routing policy {self.policy!r} is invalid; accepted: {' | '.join(ROUTING_POLICIES)}")
+        if isinstance(self.balance_abs_threshold, bool) or not isinstance(self.balance_abs_threshold, int) \
+                or self.balance_abs_threshold < 0:
+            problems.append(f"balance_abs_threshold={self.balance_abs_threshold!r} is invalid; accepted: an integer "
+                            ">= 0 (outstanding requests)")
+        if not isinstance(self.balance_rel_threshold, (int, float)) or not self.balance_rel_threshold >= 1:
+            problems.append(f"balance_rel_threshold={self.balance_rel_threshold!r} is invalid; accepted: a number "
+                            ">= 1 (busiest / idlest load)")
+        if not isinstance(self.cache_threshold, (int, float)) or not 0 <= self.cache_threshold <= 1:
+            problems.append(f"cache_threshold={self.cache_threshold!r} is invalid; accepted: a number in [0, 1] "
+                            "(share of the prompt held)")
+        if isinstance(self.tree_max_chars, bool) or not isinstance(self.tree_max_chars, int) \
+                or self.tree_max_chars < CHUNK_CHARS:
+            problems.append(f"tree_max_chars={self.tree_max_chars!r} is invalid; accepted: an integer >= "
+                            f"{CHUNK_CHARS} (prompt characters remembered per pair)")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def tree_max_chunks(self) -> int:
+        return self.tree_max_chars // CHUNK_CHARS
+
+    def imbalanced(self, loads: list[int]) -> bool:
+        """The load bound: True when prefix affinity must yield to least-load."""
+        lo, hi = min(loads), max(loads)
+        return hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo
 
 
 class Outcome(enum.Enum):
@@ -102,15 +154,21 @@ class PairState:
 
 
 class PairPicker:
-    """Chooses a pair per request. Sticky by conversation key so a multi-round agent keeps its pair
-    (its prefix stays warm and its requests stay ordered); otherwise least outstanding requests."""
+    """Chooses a pair per request, by ``routing.policy``. ``least-load`` (the default): sticky by conversation key
+    so a multi-round agent keeps its pair (its prefix stays warm and its requests stay ordered), otherwise least
+    outstanding requests. ``round-robin``: the next eligible pair in turn. ``prefix``: see :class:`RoutingConfig`."""
 
-    def __init__(self, threshold: int = 3, cooldown_s: float = 5.0, trial_timeout_s: float = 30.0) -> None:
+    def __init__(self, threshold: int = 3, cooldown_s: float = 5.0, trial_timeout_s: float = 30.0,
+                 routing: RoutingConfig | None = None) -> None:
         self.states: dict[int, PairState] = {}
         self.sticky: OrderedDict[str, int] = OrderedDict()
         self.threshold = threshold
         self.cooldown_s = cooldown_s
         self.trial_timeout_s = trial_timeout_s
+        self.routing = routing or RoutingConfig()
+        self.tree = PrefixTree(self.routing.tree_max_chunks) if self.routing.policy == "prefix" else None
+        self.turn = 0  # round-robin position
+        self.decisions = {"prefix_hit": 0, "least_load": 0, "load_bound": 0}  # prefix policy's choices, by reason
 
     def set_pairs(self, pairs: tuple[Pair, ...]) -> None:
         """Install a new topology; keeps outstanding counts and breakers of pairs whose endpoints are unchanged."""
@@ -125,6 +183,10 @@ class PairPicker:
                 new[p.index] = PairState(p, 0, CircuitBreaker(self.threshold, self.cooldown_s, self.trial_timeout_s))
                 if old is not None:
                     new[p.index].outstanding = old.outstanding
+        if self.tree is not None:  # a pair that left, or whose workers changed, holds nothing we sent
+            for idx in self.tree.pairs():
+                if idx not in new or new[idx] is not self.states.get(idx):
+                    self.tree.forget(idx)
         self.states = new
 
     def worker_loads(self) -> dict[str, int]:
@@ -166,16 +228,23 @@ class PairPicker:
         return f"group {group}'s circuit breaker is open after failures"
 
     def choose(self, now: float, key: str | None, exclude: set[int] = frozenset(),
-               group: int | None = None) -> PairState | None:
-        """Normal traffic: sticky by ``key``, else least loaded, never a canary pair. ``group``: only that group's
-        pairs (pinned requests), least loaded, and the sticky table is left alone."""
+               group: int | None = None, prompt: str | None = None) -> PairState | None:
+        """Normal traffic: by ``routing.policy`` among the eligible pairs, never a canary pair (``key``: the
+        conversation, for least-load's stickiness; ``prompt``: the routing text, for the prefix policy).
+        ``group``: only that group's pairs (pinned requests), least loaded, whatever the policy; the sticky table
+        and the prefix tree are left alone."""
         cands = self.eligible(now, exclude, group)
         if not cands:
             return None
+        load = self.worker_loads()
         if group is not None:
-            load = self.worker_loads()
-            return min(cands, key=lambda s: (load[s.pair.prefill_url] + load[s.pair.decode_url], s.outstanding,
-                                             s.pair.index))
+            return self._least_loaded(cands, load)
+        if self.routing.policy == "round-robin":
+            cands.sort(key=lambda s: s.pair.index)
+            self.turn += 1
+            return cands[(self.turn - 1) % len(cands)]
+        if self.tree is not None:
+            return self._choose_by_prefix(cands, load, prompt)
         if key is not None:
             idx = self.sticky.get(key)
             if idx is not None:
@@ -183,12 +252,39 @@ class PairPicker:
                     if s.pair.index == idx:
                         self.sticky.move_to_end(key)
                         return s
-        load = self.worker_loads()
-        best = min(cands, key=lambda s: (load[s.pair.prefill_url] + load[s.pair.decode_url], s.outstanding,
-                                         s.pair.index))
+        best = self._least_loaded(cands, load)
         if key is not None:
             self.sticky[key] = best.pair.index
             self.sticky.move_to_end(key)
             while len(self.sticky) > STICKY_CAPACITY:
                 self.sticky.popitem(last=False)
+        return best
+
+    @staticmethod
+    def _least_loaded(cands: list[PairState], load: dict[str, int], held: dict[int, int] | None = None) -> PairState:
+        """Lowest prefill + decode worker load, then fewest own outstanding, then (``held``) the pair holding the
+        least prefix-tree nodes, then the lowest index."""
+        return min(cands, key=lambda s: (load[s.pair.prefill_url] + load[s.pair.decode_url], s.outstanding,
+                                         held.get(s.pair.index, 0) if held else 0, s.pair.index))
+
+    def _choose_by_prefix(self, cands: list[PairState], load: dict[str, int], prompt: str | None) -> PairState:
+        """The prefix policy: the longest held prefix (at least ``cache_threshold`` of the prompt), unless the
+        load bound says least-load; the chosen pair then holds the prompt."""
+        names = chunk_names(prompt or "")
+        sizes = {s.pair.index: self.tree.size(s.pair.index) for s in cands}
+        # a pair's load for the bound: requests in flight on its busier worker (in a P:D group, over its entries)
+        loads = {s.pair.index: max(load[s.pair.prefill_url], load[s.pair.decode_url]) for s in cands}
+        if self.routing.imbalanced(list(loads.values())):
+            best, reason = self._least_loaded(cands, load, sizes), "load_bound"
+        else:
+            matched = self.tree.match(names, set(sizes))
+            top = max(matched.values(), default=0)
+            if top and top * CHUNK_CHARS >= self.routing.cache_threshold * len(prompt or ""):
+                best = min((s for s in cands if matched[s.pair.index] == top),
+                           key=lambda s: (loads[s.pair.index], s.outstanding, s.pair.index))
+                reason = "prefix_hit"
+            else:
+                best, reason = self._least_loaded(cands, load, sizes), "least_load"
+        self.decisions[reason] += 1
+        self.tree.record(best.pair.index, names)
         return best
