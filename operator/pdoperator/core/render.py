@@ -147,6 +147,8 @@ def worker_command(spec: PDSpec, owner: Owner, role: str) -> list[str]:
             cmd += ["--disaggregation-ib-device", spec.sglang.ib_device]
         if r.tp_size > 1:
             cmd += ["--tp-size", str(r.tp_size)]
+        if not spec.prefix_cache.enabled:
+            cmd += ["--disable-radix-cache"]
         return cmd + list(r.args)
     cmd = ["pdrt", "serve", "--role", role, "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
     if role == "prefill":
@@ -156,6 +158,10 @@ def worker_command(spec: PDSpec, owner: Owner, role: str) -> list[str]:
     if spec.model.served_name:
         cmd += ["--served-model-name", spec.model.served_name]
     cmd += ["--device", r.device, "--dtype", spec.model.dtype, "--tensor-parallel-size", str(r.tp_size)]
+    if not spec.prefix_cache.enabled:
+        cmd += ["--no-prefix-cache"]
+    elif spec.prefix_cache.max_pages is not None:
+        cmd += ["--prefix-cache-max-pages", str(spec.prefix_cache.max_pages)]
     return cmd + list(r.args)
 
 

@@ -313,6 +313,16 @@ class StallSpec:
 
 
 @dataclass(frozen=True)
+class PrefixCacheSpec:
+    """spec.prefixCache: the workers' prefix cache (KV pages kept by their token prefix and reused by later
+    requests; decode keeps what it generated, and the KV wire sends only what decode lacks). On by default, as in
+    the runtime; only a value that differs from the default is rendered, so existing revisions keep their hash."""
+
+    enabled: bool = knob("enabled", True)  # pdrt: --no-prefix-cache when false; sglang: --disable-radix-cache
+    max_pages: int | None = knob("maxPages", None, kind="integer", lo=1, hi=1 << 30)  # pdrt: --prefix-cache-max-pages
+
+
+@dataclass(frozen=True)
 class RoutingSpec:
     """spec.router.routing: how pdrt's router picks a pair for normal traffic (its --routing-policy and
     thresholds; the defaults are the router's own, and only values that differ are rendered). Not part of a
@@ -351,6 +361,7 @@ class PDSpec:
     sglang: SglangSpec = section("sglang", SglangSpec)
     rollout: RolloutSpec = section("rollout", RolloutSpec)
     stall: StallSpec = section("stall", StallSpec)
+    prefix_cache: PrefixCacheSpec = section("prefixCache", PrefixCacheSpec)
     routing: RoutingSpec = section("router.routing", RoutingSpec)  # spec.router.routing (the router's policy)
 
     def router_image(self) -> str:
@@ -728,6 +739,16 @@ def _rollout(r: _Reader, ro: Mapping[str, Any]) -> RolloutSpec:
     )
 
 
+def _prefix_cache(r: _Reader, d: Mapping[str, Any], engine: str) -> PrefixCacheSpec:
+    pc = r.obj(d.get("prefixCache"), "spec.prefixCache")
+    out = PrefixCacheSpec(**{a: r.take(pc, "spec.prefixCache", PrefixCacheSpec, a)
+                             for a in PrefixCacheSpec.__dataclass_fields__})
+    if out.max_pages is not None and engine == "sglang":
+        r.problems.append("spec.prefixCache.maxPages is pdrt's --prefix-cache-max-pages; accepted with engine "
+                          "'sglang': enabled only (SGLang sizes its radix cache from its KV pool)")
+    return out
+
+
 def _routing(r: _Reader, d: Mapping[str, Any], engine: str) -> RoutingSpec:
     router = d.get("router")  # not an object: _role has said so
     ro = r.obj(router.get("routing") if isinstance(router, Mapping) else None, "spec.router.routing")
@@ -792,6 +813,7 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
     st = r.obj(d.get("stall"), "spec.stall")
     stall = StallSpec(seconds=r.take(st, "spec.stall", StallSpec, "seconds"))
     routing = _routing(r, d, engine)
+    prefix_cache = _prefix_cache(r, d, engine)
     spec = PDSpec(
         image=image,
         engine=engine,
@@ -813,6 +835,7 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
         rollout=rollout,
         stall=stall,
         routing=routing,
+        prefix_cache=prefix_cache,
     )
     if r.problems:
         raise SpecError(r.problems)
