@@ -296,7 +296,7 @@ def _page_bytes(tiny) -> int:
     return 2 * cfg.num_layers * KVLayout("float32", 16, 1, cfg.num_kv_heads, cfg.head_dim).page_bytes
 
 
-def test_round_k_plus_1_sends_only_what_decode_lacks_and_a_restarted_decode_gets_everything(pd, tiny, cache_off):
+def test_round_k_plus_1_sends_only_the_pages_decode_lacks_and_equals_a_cache_off_run(pd, tiny, cache_off):
     page = _page_bytes(tiny)
     made: list[list[int]] = []
     prompts: list[list[int]] = []
@@ -308,16 +308,9 @@ def test_round_k_plus_1_sends_only_what_decode_lacks_and_a_restarted_decode_gets
         assert d["sent"] == d["received"] == (pages - r["held"] // 16) * page, (k, d)
         assert d["hit_d"] == r["held"]
         assert r["usage"]["prompt_tokens_details"] == {"cached_tokens": r["prefill_held"]}
-        if k:  # decode holds the conversation so far (its own completion's pages among them): a real delta
-            assert r["held"] >= 32 and d["sent"] < d["saved_d"] * 2
+        if k:  # decode holds at least the previous prompt's full pages: only the rest crosses the wire
+            assert r["held"] >= len(prompts[-2]) // 16 * 16 >= 64
         prompt = prompt + r["text"] + extra
-
-    _restart_decode(pd)
-    r = _round(pd, tiny, cache_off, prompt, [], prompts)  # a fresh decode holds nothing
-    d, pages = r["delta"], -(-len(r["ids"]) // 16)
-    assert d["saved_p"] == d["saved_d"] == 0 and d["hit_d"] == 0
-    assert d["sent"] == d["received"] == pages * page
-    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == r["prefill_held"] > 0  # prefill's cache lives on
 
 
 def _restart_decode(s) -> None:
@@ -370,3 +363,22 @@ def test_debug_requests_rows_show_cached_and_held_tokens(pd, tiny):
     n = len(tiny.tokenizer.encode(prompt))
     assert row["kv_held_tokens"] == n // 16 * 16 > 0  # decode holds the whole prompt's full pages
     assert row["cached_tokens"] == (n - 1) // 16 * 16  # prefill recomputed only the rest
+
+
+@pytest.mark.slow  # restarts a worker process: ~20 s on 2 shared cores
+def test_after_decode_restarts_the_next_round_sends_everything_and_stays_correct(pd, tiny, cache_off):
+    page = _page_bytes(tiny)
+    made: list[list[int]] = []
+    prompts: list[list[int]] = []
+    prompt = "system: restart drill. user: list the rivers of the valley and the bridges across each of them."
+    r = _round(pd, tiny, cache_off, prompt, made, prompts)
+    prompt = prompt + r["text"] + ROUND_TEXT[0]
+    _restart_decode(pd)
+    r = _round(pd, tiny, cache_off, prompt, [], prompts)  # a fresh decode holds nothing
+    d, pages = r["delta"], -(-len(r["ids"]) // 16)
+    assert d["saved_p"] == d["saved_d"] == 0 and d["hit_d"] == 0
+    assert d["sent"] == d["received"] == pages * page
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == r["prefill_held"] > 0  # prefill's cache lives on
+    r = _round(pd, tiny, cache_off, prompt + r["text"] + ROUND_TEXT[1], [r["ids"] + cache_off(r["ids"])[0][:-1]],
+               prompts)
+    assert r["delta"]["saved_d"] == r["held"] // 16 * page > 0  # and the new decode warms up again
