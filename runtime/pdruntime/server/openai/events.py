@@ -1,8 +1,9 @@
 """The token events a decode worker streams to the router (SGLang ``/generate`` shape on the wire), typed.
 
 On the wire one event is ``{"text", "delta", "token_ids", "meta_info": {"id", "prompt_tokens",
-"completion_tokens", "cached_tokens", "finish_reason": {"type": ...} | None}}``, plus ``"index"`` (its choice, 0..n-1) when
-``n`` > 1, ``"prompt_logprobs"`` and ``"logprobs"`` when asked for. :meth:`TokenEvent.to_json` writes that
+"completion_tokens", "finish_reason": {"type": ...} | None}}``, plus ``"index"`` (its choice, 0..n-1) when
+``n`` > 1, ``"prompt_logprobs"`` and ``"logprobs"`` when asked for, and ``meta_info.cached_tokens`` (SGLang's
+name: prompt tokens prefill did not recompute) when known. :meth:`TokenEvent.to_json` writes that
 shape (the decode worker), :meth:`TokenEvent.from_json` is the one place it is parsed (the router's decode leg).
 """
 
@@ -70,8 +71,9 @@ class TokenEvent:
         out: dict[str, Any] = {"text": self.text, "delta": self.delta, "token_ids": list(self.token_ids),
                                "meta_info": {"id": self.rid, "prompt_tokens": self.prompt_tokens,
                                              "completion_tokens": self.completion_tokens,
-                                             "cached_tokens": self.cached_tokens,
                                              "finish_reason": None if self.finish is None else {"type": self.finish}}}
+        if self.cached_tokens is not None:
+            out["meta_info"]["cached_tokens"] = self.cached_tokens
         if self.index is not None:
             out["index"] = self.index
         if self.prompt_logprobs is not None:
