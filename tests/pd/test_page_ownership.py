@@ -26,12 +26,15 @@ class _Engine:
         self.total = self.free = total
         self.held: dict[str, int] = {}
 
-    def reserve(self, rid: str, n: int, forks) -> list[int]:
+    def reserve(self, rid: str, n: int, forks, prompt_token_ids=None) -> list[int]:
         if n > self.free:
             raise OutOfBlocks(f"need {n} KV blocks, {self.free} of {self.total} free")
         self.free -= n
         self.held[rid] = self.held.get(rid, 0) + n
         return list(range(n))
+
+    def pages(self, rid: str) -> tuple[list[int], int]:
+        return list(range(self.held[rid])), 0  # no prefix cache: nothing held before the transfer
 
     def abort(self, rid: str) -> bool:
         self.free += self.held.pop(rid, 0)

@@ -85,3 +85,8 @@ def test_token_event_wire_shape_round_trips():
     assert TokenEvent.from_json({"delta": "x", "meta_info": {"finish_reason": "eos"}}).finish_reason == "stop"
     with pytest.raises(ValueError, match="index"):
         TokenEvent.from_json(wire, 1)
+    cached = TokenEvent(rid="r", prompt_tokens=40, completion_tokens=2, cached_tokens=32)
+    assert cached.to_json()["meta_info"]["cached_tokens"] == 32 and TokenEvent.from_json(cached.to_json()) == cached
+    assert cached.usage() == {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42,
+                              "prompt_tokens_details": {"cached_tokens": 32}}
+    assert "prompt_tokens_details" not in ev.usage()  # not reported: not claimed

@@ -80,6 +80,26 @@ def test_tp2_pair_serves_the_same_greedy_text_as_tp1(cluster):
     assert _metric(kv2, "pdrt_kv_transfer_bytes_total") == _metric(kv1, "pdrt_kv_transfer_bytes_total") > 0
 
 
+def test_tp2_pair_sends_only_the_pages_decode_lacks_and_keeps_the_text(cluster):
+    """The same chat again: each decode holds the prompt's full pages (its prefix cache), so both pairs leave them
+    off the wire - TP=2 one shard per rank - and the text stays the TP=1 pair's."""
+    def counters(url: str) -> tuple[float, float]:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        return _metric(text, "pdrt_kv_transfer_bytes_total"), _metric(text, "pdrt_kv_transfer_saved_bytes_total")
+
+    moved = {}
+    for pair, prefill in (("r11", "p1"), ("r22", "p2")):
+        sent0, saved0 = counters(cluster[prefill])
+        r = _chat(cluster[pair])
+        assert r.status_code == 200, r.text
+        moved[pair] = r.json()["choices"][0]["message"]["content"]
+        sent1, saved1 = counters(cluster[prefill])
+        moved[pair, "sent"], moved[pair, "saved"] = sent1 - sent0, saved1 - saved0
+    assert moved["r22"] == moved["r11"]
+    assert moved["r22", "saved"] == moved["r11", "saved"] > 0  # the same pages held, in two shards of half the heads
+    assert moved["r22", "sent"] == moved["r11", "sent"]  # the pages after the held ones
+
+
 def test_tp_size_mismatch_is_refused_with_both_sizes_named(cluster):
     r = _chat(cluster["r21"])
     assert r.status_code >= 500, r.text

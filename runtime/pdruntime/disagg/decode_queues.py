@@ -48,6 +48,8 @@ class DecodeRequest:
     forks: list = field(default_factory=list)
     open_ids: set = field(default_factory=set)  # engine ids of the choices still generating
     page_refs: list | None = None  # at the fork: holders of each of the prompt's pages (shared: n)
+    held_tokens: int = 0  # leading prompt tokens whose KV decode held at reserve (its prefix cache): not transferred
+    cached_tokens: int | None = None  # prompt tokens whose KV prefill did not recompute (usage.cached_tokens)
 
     @property
     def n(self) -> int:

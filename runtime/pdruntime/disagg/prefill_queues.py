@@ -39,6 +39,8 @@ class PrefillRequest:
     first_logprobs: Any = None  # (logprob, top-n) of the first token when the request asked for logprobs
     prompt_logprobs: Any = None  # per prompt token after the first, when the request asked (echo + logprobs)
     bytes_sent: int = 0
+    cached_tokens: int | None = None  # prompt tokens this prefill's own prefix cache held (not recomputed)
+    skipped_tokens: int = 0  # leading prompt tokens whose KV decode held: left off the wire
     kv_stats: Any = None  # transfer.TransferStats of the bulk phase (live; /debug/requests)
     progress_send: asyncio.Task | None = None  # the PROGRESS report being written to decode, if any
     computed_tokens: int = 0  # prompt tokens the engine has computed so far (its last report)

@@ -11,15 +11,19 @@ Prefill side (bootstrap server)::
     server = await BootstrapServer.start(host, port, handler)        # handler(conn: KVConn) coroutine
     att = await accept_attach(conn, token)                            # WireError: auth / protocol
     # refuse wire.tp_mismatch(my_tp_size, att.tp_size) here, before any prefill work
-    header = make_header(room, rid, num_tokens, first_token_id, prompt_crc, model_sha256, [layout...])
-    stats = await send_kv(conn, header, [ShardSource(kv, block_ids, layout), ...])   # -> TransferStats
+    skip, why = wire.delta_skip_pages(att, page_size, my_cache_namespace)       # decode's held prefix, or 0
+    header = replace(make_header(room, rid, num_tokens, first_token_id, prompt_crc, model_sha256, [layout...]),
+                     skip_pages=skip, cached_tokens=...)                # dataclasses.replace
+    stats = await send_kv(conn, header, [ShardSource(kv, block_ids[skip:header.num_pages], layout), ...])
 
 Decode side::
 
-    conn = await open_attach(host, port, token, Attach(room, rid, n, prompt_crc, tp_size, tp_ranks))
+    conn = await open_attach(host, port, token, Attach(room, rid, n, prompt_crc, tp_size, tp_ranks, held_tokens=h,
+                                                       cache_namespace=ns))
     header = await recv_header(conn)                                  # prefill's KV is ready
     check_header(header, att, [my_layout...], model_sha256)           # WireError('mismatch') naming both values
-    stats = await recv_kv(conn, header, [ShardSink(kv, block_ids, layout), ...])
+    # header.skip_pages is h // page_size (the delta) or 0 (a full transfer: give the shared pages up first)
+    stats = await recv_kv(conn, header, [ShardSink(kv, block_ids[header.skip_pages:header.num_pages], layout), ...])
     # on any WireError: await send_error(conn, exc.reason, exc.message) (prefill fails with that message)
 
 Every failure is a WireError; ``conn.close()`` from the event loop (a watchdog) wakes any blocked step.
@@ -110,7 +114,8 @@ class LogLimiter:
 
 def make_header(room: int, rid: str, num_tokens: int, first_token_id: int, prompt_crc: int, model_sha256: str,
                 shards: Sequence[KVLayout], checksums: Sequence[str] = ("crc32",)) -> KVHeader:
-    """The HEADER for a request; ``checksums`` is what decode offered (``Attach.checksums``)."""
+    """The HEADER of a full transfer for a request; ``checksums`` is what decode offered (``Attach.checksums``).
+    The delta is ``dataclasses.replace(header, skip_pages=..., cached_tokens=...)``."""
     page = shards[0].page_size
     return KVHeader(room=room, rid=rid, num_tokens=num_tokens, num_pages=-(-num_tokens // page),
                     first_token_id=int(first_token_id), prompt_crc=prompt_crc, model_sha256=model_sha256,
@@ -409,7 +414,7 @@ def _send_body(fs: FrameSocket, header: KVHeader, sources: Sequence[ShardSource]
     try:
         for si, src in enumerate(sources):
             per_chunk = wire.chunk_pages_for(src.layout.page_bytes)
-            for layer, kind, p0, n, bufs in src.chunks(header.num_pages, per_chunk):
+            for layer, kind, p0, n, bufs in src.chunks(header.sent_pages, per_chunk):
                 # fault injection: one byte flipped "in flight", after the digest saw it
                 stats.bytes += fs.send_chunk(ChunkHead(si, layer, kind, p0, n), bufs, header.checksum, corrupt_first_chunk)
                 corrupt_first_chunk = False
@@ -509,6 +514,10 @@ def check_header(h: KVHeader, att: Attach, expected: Sequence[KVLayout], model_s
     if model_sha256 and h.model_sha256 and h.model_sha256 != model_sha256:
         raise WireError("mismatch", f"prefill and decode run different model weights (sha256 "
                                     f"{h.model_sha256[:12]} vs {model_sha256[:12]})")
+    held_pages = att.held_tokens // h.shards[0].page_size
+    if h.skip_pages not in (0, held_pages):  # 0 is the full-transfer fallback; anything else would leave a hole
+        raise WireError("mismatch", f"prefill leaves out {h.skip_pages} leading pages, decode holds {held_pages}; "
+                                    f"accepted: {held_pages} (the delta) or 0 (a full transfer)")
 
 
 def _recv_body(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], stats: TransferStats) -> None:
@@ -522,7 +531,7 @@ def _recv_body(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], st
 def _recv_chunks(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], stats: TransferStats) -> None:
     fs.send_control(FrameType.READY, {"room": header.room})
     stats.start()
-    P = header.num_pages
+    P = header.sent_pages  # the sinks hold exactly the pages sent (after decode's held ones)
     index = 0
     for si, (layout, sink) in enumerate(zip(header.shards, sinks)):
         pb = layout.page_bytes

@@ -11,14 +11,21 @@ Grammar::
     frame      := u8 type, u32 length (big-endian), payload[length]   (length <= MAX_FRAME_BYTES)
 
     prefill -> decode   CHALLENGE {nonce}                     right after the preamble
-    decode  -> prefill  ATTACH {room, rid, num_tokens, prompt_crc, tp_size, tp_ranks, checksums, mac}
+    decode  -> prefill  ATTACH {room, rid, num_tokens, prompt_crc, tp_size, tp_ranks, checksums, mac,
+                                held_tokens, cache_namespace}
                         mac = HMAC-SHA256(token, nonce ":" room) (hex); the token never crosses the wire.
                         Prefill refuses (ERROR) a bad mac (auth), an unknown room (unknown_room), and a
                         tp_size or prompt that differs from its own (mismatch) - before any prefill work.
+                        held_tokens: leading prompt tokens whose KV decode already holds (its prefix cache);
+                        cache_namespace: what keys decode's cache (model, weights, dtype, page size, TP).
     prefill -> decode   PROGRESS {tokens, steps}*                while prefill computes: prompt tokens whose KV is
                         computed, prefill engine steps taken (each tick; decode's stall watchdog reads them)
     prefill -> decode   HEADER {version, room, rid, num_tokens, num_pages, first_token_id, prompt_crc,
-                                model_sha256, chunk_bytes, checksum, shards: [LAYOUT, ...]}  (KV is ready)
+                                model_sha256, chunk_bytes, checksum, shards: [LAYOUT, ...],
+                                skip_pages, cached_tokens}  (KV is ready)
+                        skip_pages: leading pages not sent (decode holds them): held_tokens / page_size when
+                        prefill accepts the delta (:func:`delta_skip_pages`), else 0 (a full transfer);
+                        cached_tokens: prompt tokens prefill did not recompute (its own prefix cache)
                         LAYOUT = {dtype, page_size, num_layers, num_kv_heads, head_dim, tp_rank, tp_size}
                         (num_kv_heads is per TP rank; one LAYOUT per shard carried, in tp_ranks order)
     decode  -> prefill  READY {room}                          decode checked HEADER against its own layout
@@ -32,7 +39,9 @@ Grammar::
                         prefill supports.
                         Order is fixed: for shard: for layer: K pages then V pages, page_start ascending,
                         contiguous; a chunk may run on into the next (layer, kind) (never the next shard):
-                        (layer, kind, page_start) is its first page.
+                        (layer, kind, page_start) is its first page. Each (layer, kind) run holds the
+                        num_pages - skip_pages pages after the skipped ones; page_start counts from the
+                        first page sent.
     prefill -> decode   END {bytes, chunks}
     decode  -> prefill  ACK {room}                            receipt verified: closes the transfer phase
     either              ERROR {reason, message}               reason: auth | unknown_room | mismatch | ...
@@ -40,16 +49,23 @@ Grammar::
 Pages, not tokens, cross the wire: the request's last page is sent whole (its tail is the cache's own
 content, masked by attention), so gather and scatter are one index over page ids per run.
 
+Compatibility (the delta is an extension of version 2, not a new version): a peer that does not know it omits
+held_tokens / cache_namespace (ATTACH) and skip_pages / cached_tokens (HEADER), read as 0 and "": an old decode
+holds nothing and gets a full transfer; an old prefill sends everything, and a decode that reserved shared pages
+gives them up first (never writes into a shared page).
+
 Python API (blocking layer here; the asyncio API a worker calls is in :mod:`transfer`)::
 
     KVLayout(dtype, page_size, num_layers, num_kv_heads, head_dim, tp_rank=0, tp_size=1)
         .page_bytes  .run_bytes(num_pages)  .shard_bytes(num_pages)  .describe()
     layout_mismatch(expected: KVLayout, got: KVLayout) -> str | None      (pure; names field + both values)
     tp_mismatch(prefill_tp_size, decode_tp_size) -> str | None; rank_mismatch(served, asked) -> str | None
-    Attach(room, rid, num_tokens, prompt_crc, tp_size=1, tp_ranks=(0,), checksums=CHECKSUMS)
+    Attach(room, rid, num_tokens, prompt_crc, tp_size=1, tp_ranks=(0,), checksums=CHECKSUMS, held_tokens=0,
+           cache_namespace="")
+    delta_skip_pages(att, page_size, cache_namespace) -> (pages, fallback reason | None)   (pure)
     KVHeader(room, rid, num_tokens, num_pages, first_token_id, prompt_crc, model_sha256, chunk_bytes, shards,
-             checksum="crc32")
-        .total_bytes;  header_to_json / header_from_json (typed rejection of any bad field)
+             checksum="crc32", skip_pages=0, cached_tokens=0)
+        .sent_pages  .total_bytes  .saved_bytes;  header_to_json / header_from_json (typed rejection of any bad field)
     ChunkHead(shard, layer, kind, page_start, page_count) .pack() / ChunkHead.unpack(bytes); Digest(algo); pieces(views)
     CHECKSUMS; pick_checksum(offered) -> str; chunk_digest(algo, bufs) -> int   (xxh3_64 | crc32)
     FrameSocket(sock, timeout_s): send_frame, send_control, send_chunk(head, bufs, algo) (sendmsg, zero-copy),
@@ -219,17 +235,21 @@ class Attach:
     tp_size: int = 1
     tp_ranks: tuple[int, ...] = (0,)
     checksums: tuple[str, ...] = CHECKSUMS  # what decode can verify, preferred first
+    held_tokens: int = 0  # leading prompt tokens whose KV decode holds already (page-aligned; 0: send everything)
+    cache_namespace: str = ""  # decode's prefix-cache namespace: its held KV is prefill's only if the two agree
 
     def to_json(self, mac: str) -> dict:
         return {"room": self.room, "rid": self.rid, "num_tokens": self.num_tokens, "prompt_crc": self.prompt_crc,
-                "tp_size": self.tp_size, "tp_ranks": list(self.tp_ranks), "checksums": list(self.checksums), "mac": mac}
+                "tp_size": self.tp_size, "tp_ranks": list(self.tp_ranks), "checksums": list(self.checksums), "mac": mac,
+                "held_tokens": self.held_tokens, "cache_namespace": self.cache_namespace}
 
     @classmethod
     def from_json(cls, obj: dict) -> "Attach":
         try:
             att = cls(room=obj["room"], rid=obj["rid"], num_tokens=obj["num_tokens"], prompt_crc=obj["prompt_crc"],
                       tp_size=obj.get("tp_size", 1), tp_ranks=tuple(obj.get("tp_ranks", (0,))),
-                      checksums=tuple(obj.get("checksums", ("crc32",))))
+                      checksums=tuple(obj.get("checksums", ("crc32",))), held_tokens=obj.get("held_tokens", 0),
+                      cache_namespace=obj.get("cache_namespace", ""))
         except (KeyError, TypeError) as exc:
             raise WireError("protocol", f"ATTACH needs room, rid, num_tokens, prompt_crc, tp_size, tp_ranks and mac: "
                                         f"{exc}") from None
@@ -245,7 +265,28 @@ class Attach:
             _check_int("ATTACH", "tp_ranks[]", r, 0, att.tp_size - 1)
         if len(att.checksums) > 8 or not all(isinstance(c, str) for c in att.checksums):
             raise WireError("protocol", "ATTACH.checksums must be a short list of names")
+        _check_int("ATTACH", "held_tokens", att.held_tokens, 0, 1 << 31)
+        if not isinstance(att.cache_namespace, str) or len(att.cache_namespace) > 1024:
+            raise WireError("protocol", "ATTACH.cache_namespace must be a string of at most 1024 characters")
         return att
+
+
+def delta_skip_pages(att: Attach, page_size: int, cache_namespace: str) -> tuple[int, str | None]:
+    """Pure. Prefill's decision on the delta: (leading pages it may leave out because decode holds them, None),
+    or (0, why a full transfer) - decode holds nothing, its cache is keyed differently (another model, weights
+    format, KV dtype, page size or TP size: its held KV is not the KV this prefill computes), or the held count
+    is not whole pages of this prefill or is longer than the prompt. Never a partial page: decode's held pages
+    are full and read-only."""
+    held = att.held_tokens
+    if held == 0:
+        return 0, None
+    if not att.cache_namespace or att.cache_namespace != cache_namespace:
+        return 0, "namespace"
+    if held % page_size:
+        return 0, "unaligned"
+    if held > att.num_tokens:
+        return 0, "too_long"
+    return held // page_size, None
 
 
 @dataclass(frozen=True)
@@ -263,10 +304,22 @@ class KVHeader:
     shards: tuple[KVLayout, ...] = field(default_factory=tuple)
     checksum: str = "crc32"  # chunk digest algorithm, picked by prefill from ATTACH.checksums
     version: int = VERSION
+    skip_pages: int = 0  # leading pages of each run not sent: decode holds them (0: a full transfer)
+    cached_tokens: int = 0  # prompt tokens whose KV prefill took from its own prefix cache (usage.cached_tokens)
+
+    @property
+    def sent_pages(self) -> int:
+        """Pages per (layer, kind) run on the wire: the prompt's pages after the skipped ones."""
+        return self.num_pages - self.skip_pages
 
     @property
     def total_bytes(self) -> int:
-        return sum(s.shard_bytes(self.num_pages) for s in self.shards)
+        return sum(s.shard_bytes(self.sent_pages) for s in self.shards)
+
+    @property
+    def saved_bytes(self) -> int:
+        """KV bytes the skip left off the wire (what a full transfer would have sent more)."""
+        return sum(s.shard_bytes(self.skip_pages) for s in self.shards)
 
 
 def header_to_json(h: KVHeader) -> dict:
@@ -285,7 +338,8 @@ def header_from_json(obj: dict) -> KVHeader:
         h = KVHeader(room=obj["room"], rid=obj["rid"], num_tokens=obj["num_tokens"], num_pages=obj["num_pages"],
                      first_token_id=obj["first_token_id"], prompt_crc=obj["prompt_crc"],
                      model_sha256=obj["model_sha256"], chunk_bytes=obj["chunk_bytes"], shards=layouts,
-                     checksum=obj["checksum"], version=obj["version"])
+                     checksum=obj["checksum"], version=obj["version"], skip_pages=obj.get("skip_pages", 0),
+                     cached_tokens=obj.get("cached_tokens", 0))
     except (KeyError, TypeError) as exc:
         raise WireError("protocol", f"HEADER is missing or has bad fields: {exc!r}") from None
     if h.version != VERSION:
@@ -300,6 +354,8 @@ def header_from_json(obj: dict) -> KVHeader:
     if h.num_pages != need:
         raise WireError("protocol", f"HEADER.num_pages={h.num_pages!r} does not cover {h.num_tokens} tokens in "
                                     f"pages of {page}; expected {need}")
+    _check_int("HEADER", "skip_pages", h.skip_pages, 0, h.num_pages)
+    _check_int("HEADER", "cached_tokens", h.cached_tokens, 0, h.num_tokens)
     if h.checksum not in CHECKSUMS:
         raise WireError("protocol", f"HEADER.checksum={h.checksum!r} is not supported; accepted: {', '.join(CHECKSUMS)}")
     if not isinstance(h.rid, str) or not isinstance(h.model_sha256, str):

@@ -298,6 +298,31 @@ class Engine:
         res.num_cached, res.num_published, res.cached_tokens = held, len(hit), held
         return list(blocks[:n])
 
+    def unshare(self, request_id: str) -> list[int]:
+        """Decode side of PD, when prefill sends the whole prompt after all (its delta check fell back): the
+        reservation gives up the cached pages reserve() shared and holds fresh ones in their place, which the
+        transfer then writes (a shared page is never written). All or nothing (OutOfBlocks). -> the prompt's pages."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status is not Status.RESERVED:
+            state = "unknown" if seq is None else seq.status.value
+            raise InvalidRequest(f"request {request_id!r} is {state}; unshare needs a reserve()d request")
+        k = seq.num_published  # the held pages: reserve() shared exactly these
+        if k:
+            if not self.pool.can_allocate(k):
+                raise OutOfBlocks(f"need {k} KV blocks to receive the whole prompt, {self.pool.num_free} of "
+                                  f"{self.pool.num_total} free")
+            fresh = self.pool.allocate(k)
+            self.pool.free(seq.blocks[:k])
+            seq.blocks[:k] = fresh
+            seq.num_cached = seq.num_published = seq.cached_tokens = 0
+            seq.page_keys = []
+        return list(seq.blocks)
+
+    @property
+    def kv_namespace(self) -> str:
+        """What keys this engine's KV pages (see _cache_namespace); the PD delta compares it across workers."""
+        return self._cache_namespace()
+
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
                       params: SamplingParams, first_logprobs: Any = None,
                       forks: list[tuple[str, SamplingParams]] = ()) -> None:

@@ -127,6 +127,28 @@ class Metrics:
                                         "(ok, error)", ["outcome"], registry=r)
         self.topology_pairs = Gauge("pdrt_router_pairs", "Pairs in the topology, by readiness", ["ready"],
                                     registry=r)
+        self._init_prefix_cache()
+
+    def _init_prefix_cache(self) -> None:
+        """The prefix cache's and the PD delta's metrics."""
+        r = self.registry
+        self.transfer_saved_bytes = Counter("pdrt_kv_transfer_saved_bytes_total", "KV bytes successful transfers "
+                                            "left off the wire because decode held those leading pages already (the "
+                                            "prefix-cache delta; a full transfer would have moved them too)", ["role"],
+                                            registry=r)
+        self.kv_delta_fallbacks = Counter("pdrt_kv_delta_fallbacks_total", "Transfers sent whole although decode held "
+                                          "a prefix, by reason (prefill: namespace, unaligned, too_long; decode: "
+                                          "prefill_sent_all)", ["role", "reason"], registry=r)
+        self.prefix_hit_tokens = Counter("pdrt_prefix_cache_hit_tokens_total", "Prompt tokens whose KV the prefix "
+                                         "cache held at admission (prefill, monolithic) or reserve (decode)", ["role"],
+                                         registry=r)
+        self.prefix_miss_tokens = Counter("pdrt_prefix_cache_miss_tokens_total", "Prompt tokens the prefix cache did "
+                                          "not hold (computed, or transferred to decode)", ["role"], registry=r)
+        self.prefix_pages = Gauge("pdrt_prefix_cache_pages", "KV pages the prefix cache indexes (held by a request "
+                                  "or evictable)", ["role"], registry=r)
+        self.prefix_evictions = Counter("pdrt_prefix_cache_evictions_total", "Cached KV pages evicted (LRU, under "
+                                        "memory pressure or the page limit)", ["role"], registry=r)
+        self._engine_totals: dict[str, int] = {}  # the engine's cumulative counts at the last update
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -144,3 +166,17 @@ class Metrics:
             self.pool_blocks.labels(self.role, "total").set(total)
             self.pool_blocks.labels(self.role, "free").set(free)
             self.pool_blocks.labels(self.role, "used").set(total - free)
+        self._update_prefix_cache(stats)
+
+    def _update_prefix_cache(self, stats: dict) -> None:
+        """The engine's cumulative prefix-cache counts -> the counters (by what they grew since the last update)."""
+        if not stats.get("prefix_cache"):
+            return
+        self.prefix_pages.labels(self.role).set(stats.get("blocks_cached", 0))
+        for key, counter in (("cache_hit_tokens", self.prefix_hit_tokens), ("cache_miss_tokens", self.prefix_miss_tokens),
+                             ("cache_evictions", self.prefix_evictions)):
+            now = int(stats.get(key, 0))
+            grew = now - self._engine_totals.get(key, 0)
+            if grew > 0:
+                counter.labels(self.role).inc(grew)
+            self._engine_totals[key] = now

@@ -2,7 +2,8 @@
 
 On the wire one event is ``{"text", "delta", "token_ids", "meta_info": {"id", "prompt_tokens",
 "completion_tokens", "finish_reason": {"type": ...} | None}}``, plus ``"index"`` (its choice, 0..n-1) when
-``n`` > 1, ``"prompt_logprobs"`` and ``"logprobs"`` when asked for. :meth:`TokenEvent.to_json` writes that
+``n`` > 1, ``"prompt_logprobs"`` and ``"logprobs"`` when asked for, and ``meta_info.cached_tokens`` (SGLang's
+name: prompt tokens prefill did not recompute) when known. :meth:`TokenEvent.to_json` writes that
 shape (the decode worker), :meth:`TokenEvent.from_json` is the one place it is parsed (the router's decode leg).
 """
 
@@ -27,6 +28,14 @@ def _finish_type(raw: Any) -> str | None:
     return str((raw.get("type") if isinstance(raw, dict) else raw) or "")
 
 
+def usage_dict(prompt: int, completion: int, cached: int | None) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` when the cached count is known."""
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """One decode event of one choice. Counts are that choice's; ``text`` is its whole text so far."""
@@ -41,6 +50,7 @@ class TokenEvent:
     index: int | None = None  # the choice, when n > 1 (None: not on the wire, choice 0)
     logprobs: list | None = None  # one entry per token of token_ids (None entries: reported by prefill)
     prompt_logprobs: list | None = None
+    cached_tokens: int | None = None  # prompt tokens whose KV prefill did not recompute (its prefix cache); None: not reported
 
     @property
     def choice(self) -> int:
@@ -55,13 +65,15 @@ class TokenEvent:
 
     def usage(self) -> dict:
         p, c = self.prompt_tokens or 0, self.completion_tokens or 0
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return usage_dict(p, c, self.cached_tokens)
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {"text": self.text, "delta": self.delta, "token_ids": list(self.token_ids),
                                "meta_info": {"id": self.rid, "prompt_tokens": self.prompt_tokens,
                                              "completion_tokens": self.completion_tokens,
                                              "finish_reason": None if self.finish is None else {"type": self.finish}}}
+        if self.cached_tokens is not None:
+            out["meta_info"]["cached_tokens"] = self.cached_tokens
         if self.index is not None:
             out["index"] = self.index
         if self.prompt_logprobs is not None:
@@ -78,8 +90,9 @@ class TokenEvent:
         index = ev.get("index")
         if n is not None:
             choice_index(index, n)
-        pt, ct = mi.get("prompt_tokens"), mi.get("completion_tokens")
+        pt, ct, cached = mi.get("prompt_tokens"), mi.get("completion_tokens"), mi.get("cached_tokens")
         return cls(delta=ev.get("delta", ""), token_ids=list(ev.get("token_ids") or ()), text=ev.get("text", ""),
                    rid=mi.get("id"), prompt_tokens=None if pt is None else int(pt),
                    completion_tokens=None if ct is None else int(ct), finish=_finish_type(mi.get("finish_reason")),
-                   index=index, logprobs=ev.get("logprobs"), prompt_logprobs=ev.get("prompt_logprobs"))
+                   index=index, logprobs=ev.get("logprobs"), prompt_logprobs=ev.get("prompt_logprobs"),
+                   cached_tokens=None if cached is None else int(cached))

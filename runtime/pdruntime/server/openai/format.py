@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pdruntime.server.openai.events import TokenEvent, choice_index
+from pdruntime.server.openai.events import TokenEvent, choice_index, usage_dict
 
 
 def _tok(tokenizer: Any, tid: int, lp: float) -> dict:
@@ -62,6 +62,7 @@ class Choices:
 
     n: int = 1
     prompt_tokens: int = 0
+    cached_tokens: int | None = None  # prompt tokens prefill did not recompute (None: not reported)
     tokens: list[int] = field(default_factory=list)  # completion tokens per choice, so far
     started: list[bool] = field(default_factory=list)
     finished: list[bool] = field(default_factory=list)
@@ -74,6 +75,8 @@ class Choices:
         i = choice_index(ev.index, self.n)
         if ev.prompt_tokens is not None:
             self.prompt_tokens = ev.prompt_tokens
+        if ev.cached_tokens is not None:
+            self.cached_tokens = ev.cached_tokens
         if ev.completion_tokens is not None:
             self.tokens[i] = ev.completion_tokens
         first, self.started[i] = not self.started[i], True
@@ -86,8 +89,7 @@ class Choices:
         return all(self.finished)
 
     def usage(self) -> dict:
-        c = sum(self.tokens)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": c, "total_tokens": self.prompt_tokens + c}
+        return usage_dict(self.prompt_tokens, sum(self.tokens), self.cached_tokens)
 
 
 @dataclass(frozen=True)

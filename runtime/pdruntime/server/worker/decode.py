@@ -35,7 +35,7 @@ from pdruntime.server.openai.schemas import ApiError, GenerateRequest
 from pdruntime.server.worker.base import WorkerBase
 from pdruntime.server.worker.decode_stream import DecodeFailed, DecodeStream, EarlyToken
 from pdruntime.server.worker.engine_commands import (Abort, AddRequest, AdmitPrefilled, RequestGone, Reserve,
-                                                     ScatterPages)
+                                                     ScatterPages, Unshare)
 from pdruntime.server.worker.faults import STALL_THIS_REQUEST, ConnectionStall, connection_of
 from pdruntime.server.worker.prompts import client_of, read_generate, request_id
 from pdruntime.util.aio import within
@@ -68,6 +68,8 @@ class DecodeWorker(WorkerBase):
         self.layouts = [transfer.layout_of(self.engine.kv, r, tp) for r in range(tp)]
         self.layout = self.layouts[0]
         self.pages_freed = asyncio.Event()
+        # what keys the KV this decode holds: prefill leaves out the pages decode holds only when its own agrees
+        self.cache_namespace = self.engine.kv_namespace if self.engine.prefix_cache is not None else ""
 
     def role_config(self) -> dict:
         return {"watchdog": {"decode_transfer_timeout_s": self.env.decode_transfer_timeout_s,
@@ -82,6 +84,7 @@ class DecodeWorker(WorkerBase):
     def debug_extra(self, req: DecodeRequest) -> dict:
         forks = {"n": req.n, "choices_open": len(req.open_ids), "prompt_page_refs": req.page_refs} if req.forks else {}
         return {"completion_tokens": req.completion_tokens, "prefill_tokens": req.prefill_tokens, **forks,
+                "cached_tokens": req.cached_tokens, "kv_held_tokens": req.held_tokens,
                 **(req.kv_stats.row() if req.kv_stats is not None else {})}
 
     def _on_engine_error(self, rid: str, message: str, status: int, code: str | None = None) -> None:
@@ -142,7 +145,7 @@ class DecodeWorker(WorkerBase):
         self.pages_freed = asyncio.Event()
 
     # ---- transfer ------------------------------------------------------------------------------
-    async def _reserve(self, req: DecodeRequest) -> list[int]:
+    async def _reserve(self, req: DecodeRequest) -> tuple[list[int], int]:
         from pdruntime.engine import OutOfBlocks
 
         deadline = time.monotonic() + BUSY_GRACE_S
@@ -164,14 +167,15 @@ class DecodeWorker(WorkerBase):
 
     async def _pull(self, req: DecodeRequest) -> None:
         try:
-            blocks = await self._reserve(req)
+            blocks, req.held_tokens = await self._reserve(req)
             req.reserved = True
             self.queues.move(req.rid, "transfer")
             t0 = self.clock.now()
             self._arm_prefill_stall(req)  # until the KV is ready: fires only if prefill stops advancing
             expected = self.layouts  # one shard per TP rank this connection carries
             att = wire.Attach(req.room, req.rid, len(req.prompt_ids), wire.prompt_crc(req.prompt_ids),
-                              tp_size=self.layout.tp_size, tp_ranks=tuple(lay.tp_rank for lay in expected))
+                              tp_size=self.layout.tp_size, tp_ranks=tuple(lay.tp_rank for lay in expected),
+                              held_tokens=req.held_tokens, cache_namespace=self.cache_namespace)
             conn = req.writer = await transfer.open_attach(req.bootstrap_host, req.bootstrap_port, self.kv_token, att)
             req.kv_stats = conn.stats
             req.status.advance(TransferState.WAITING_FOR_INPUT, self.clock.now())
@@ -189,17 +193,19 @@ class DecodeWorker(WorkerBase):
                 await asyncio.Event().wait()
             try:
                 transfer.check_header(header, att, expected, self.model_sha)  # mismatch: both sides fail + free
+                blocks = await self._take_delta(req, header, blocks)
                 req.status.advance(TransferState.TRANSFERRING, self.clock.now())
+                dest = blocks[header.skip_pages:header.num_pages]  # the pages sent; the ones before are held
                 if self.engine.tp_size > 1:  # host staging per rank, then rank 0 scatters to its peers
                     if header.num_pages > len(blocks):
                         raise WireError("mismatch", f"prefill sends {header.num_pages} pages, decode reserved {len(blocks)}")
-                    staged = self.engine.empty_pages(header.num_pages)
-                    sinks = [transfer.ShardSink(kv, range(header.num_pages), lay) for kv, lay in zip(staged, expected)]
+                    staged = self.engine.empty_pages(header.sent_pages)
+                    sinks = [transfer.ShardSink(kv, range(header.sent_pages), lay) for kv, lay in zip(staged, expected)]
                 else:
-                    sinks = [transfer.ShardSink(self.engine.kv, blocks, self.layout)]
+                    sinks = [transfer.ShardSink(self.engine.kv, dest, self.layout)]
                 stats = await transfer.recv_kv(conn, header, sinks)
                 if self.engine.tp_size > 1:
-                    await self.runner.call(ScatterPages(tuple(blocks[:header.num_pages]), staged))
+                    await self.runner.call(ScatterPages(tuple(dest), staged))
             except WireError as exc:
                 if exc.reason not in ("closed", "timeout"):
                     await transfer.send_error(conn, exc.reason, exc.message)  # prefill fails with the same reason
@@ -214,6 +220,7 @@ class DecodeWorker(WorkerBase):
             self.metrics.transfer_seconds.labels(self.role).observe(self.clock.now() - t0)
             self.metrics.transfer_bytes.labels(self.role).observe(nbytes)
             self.metrics.transfer_bytes_total.labels(self.role).inc(nbytes)
+            self.metrics.transfer_saved_bytes.labels(self.role).inc(header.saved_bytes)
             self.metrics.transfer_wire_seconds.labels(self.role).observe(stats.seconds)
             if STALL_THIS_REQUEST.get():  # test-only fault knob: KV held, no token ever, no watchdog armed
                 self.queues.move(req.rid, "running")
@@ -244,6 +251,24 @@ class DecodeWorker(WorkerBase):
                        status=502)
         except Exception as exc:
             self._fail_unexpected(req, exc, "decode transfer")
+
+    async def _take_delta(self, req: DecodeRequest, header: wire.KVHeader, blocks: list[int]) -> list[int]:
+        """The pages to receive into, after prefill's HEADER said what it sends: the delta (``skip_pages`` = the
+        held pages; check_header allows nothing else but 0), or the whole prompt (prefill fell back, or does not
+        know the delta): then the reservation gives its shared pages up first, since a shared page is never
+        written. -> the reservation's pages."""
+        req.cached_tokens = header.cached_tokens
+        if header.skip_pages or not req.held_tokens:
+            return blocks
+        from pdruntime.engine import OutOfBlocks
+
+        self.metrics.kv_delta_fallbacks.labels(self.role, "prefill_sent_all").inc()
+        try:
+            blocks = await self.runner.call(Unshare(req))
+        except OutOfBlocks as exc:
+            raise DecodeFailed(f"decode is at capacity: no room to receive the whole prompt ({exc})", 503) from None
+        req.held_tokens = 0
+        return blocks
 
     def _arm_prefill_stall(self, req: DecodeRequest) -> None:
         s = self.env.prefill_stall_s
@@ -296,6 +321,8 @@ class DecodeWorker(WorkerBase):
             self._fail_unexpected(req, exc, "monolithic admission")
 
     def _on_output(self, req: DecodeRequest, out: Any) -> None:
+        if req.cached_tokens is None and getattr(out, "cached_tokens", None) is not None:
+            req.cached_tokens = out.cached_tokens  # monolithic: this engine's own hits (PD: prefill's, from HEADER)
         req.outputs.put_nowait(out)
         if out.finished:
             self.runner.drop_sink(out.request_id)

@@ -150,7 +150,7 @@ class DecodeStream:
         return TokenEvent(delta=item.text_delta, token_ids=ids, text=text, rid=req.rid,
                           prompt_tokens=len(req.prompt_ids), completion_tokens=tokens,
                           finish=item.finish_reason if item.finished else None, index=i if req.forks else None,
-                          logprobs=lps, prompt_logprobs=prompt_lps)
+                          logprobs=lps, prompt_logprobs=prompt_lps, cached_tokens=req.cached_tokens)
 
     async def on_close(self, completed: bool) -> None:
         req = self.req

@@ -23,13 +23,27 @@ def _alive(req: Any) -> None:
 
 @dataclass(frozen=True)
 class Reserve:
-    """Decode: reserve pages for ``req``'s prompt and its forks' copied pages -> the prompt's block ids."""
+    """Decode: reserve pages for ``req``'s prompt and its forks' copied pages -> (the prompt's block ids, leading
+    prompt tokens whose KV the reservation already holds: shared from the prefix cache, page-aligned, 0 without)."""
+
+    req: Any  # DecodeRequest
+
+    def __call__(self, engine: Any) -> tuple[list[int], int]:
+        r = self.req
+        _alive(r)  # on the engine thread, after every command queued before it: race-free
+        blocks = engine.reserve(r.rid, len(r.prompt_ids), [fid for fid, _ in r.forks], prompt_token_ids=r.prompt_ids)
+        return blocks, engine.pages(r.rid)[1]
+
+
+@dataclass(frozen=True)
+class Unshare:
+    """Decode: prefill sends the whole prompt after all -> the reservation's pages, none of them shared."""
 
     req: Any  # DecodeRequest
 
     def __call__(self, engine: Any) -> list[int]:
-        _alive(self.req)  # on the engine thread, after every command queued before it: race-free
-        return engine.reserve(self.req.rid, len(self.req.prompt_ids), [fid for fid, _ in self.req.forks])
+        _alive(self.req)
+        return engine.unshare(self.req.rid)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -82,6 +83,7 @@ class PrefillWorker(WorkerBase):
         tp = self.engine.tp_size  # one wire shard per tensor-parallel rank; every rank's cache has rank 0's shape
         self.layouts = [transfer.layout_of(self.engine.kv, r, tp) for r in range(tp)]
         self.layout = self.layouts[0]
+        self.cache_namespace = self.engine.kv_namespace  # decode's held KV is this prefill's only if theirs agrees
         self._server = await transfer.BootstrapServer.start(self.bootstrap_host, self.bootstrap_port, self._on_connection)
         self.bootstrap_port = self._server.port
         self._progress = PeriodicTask(self._report_progress, PROGRESS_INTERVAL_S, name="prefill-progress")
@@ -132,7 +134,8 @@ class PrefillWorker(WorkerBase):
                              "transfer_timeout_s": self.env.transfer_timeout_s, "tick_s": self.env.watchdog_tick_s}}
 
     def debug_extra(self, req: PrefillRequest) -> dict:
-        return req.kv_stats.row() if req.kv_stats is not None else {}
+        return {"cached_tokens": req.cached_tokens, "kv_skipped_tokens": req.skipped_tokens,
+                **(req.kv_stats.row() if req.kv_stats is not None else {})}
 
     # ---- failure and cleanup (idempotent) ----------------------------------------------------
     def _fail(self, req: PrefillRequest, reason: str, *, cause: str = "peer_failure", status: int = 503,
@@ -220,7 +223,8 @@ class PrefillWorker(WorkerBase):
         first = req.first_token_id
         text = self.loaded.tokenizer.decode([first]) if first is not None else ""
         result = {"text": text, "meta_info": {"id": req.rid, "prompt_tokens": len(prompt), "completion_tokens": 1,
-                                              "kv_bytes": req.bytes_sent, "finish_reason": {"type": "prefill_done"}}}
+                                              "cached_tokens": req.cached_tokens, "kv_bytes": req.bytes_sent,
+                                              "finish_reason": {"type": "prefill_done"}}}
         if params.logprobs is not None:  # the router puts these on decode's first token
             result["meta_info"]["first_token_id"] = first
             result["meta_info"]["output_token_logprobs"] = logprob_entries(self.loaded.tokenizer, [first],
@@ -298,13 +302,13 @@ class PrefillWorker(WorkerBase):
             t0 = self.clock.now()
             self.watchdog.arm(req.rid, "transfer", self.env.transfer_timeout_s,
                               lambda d, r=req: self._on_watchdog(r, "transfer"), ids=f"rid={req.rid} room={req.room}")
-            header = transfer.make_header(req.room, req.rid, ntok, first, wire.prompt_crc(req.prompt_ids),
-                                          self.model_sha, self.layouts, conn.attach.checksums)
+            header = self._header(req, conn.attach, ntok, first)
+            sent = blocks[header.skip_pages:header.num_pages]  # decode holds the pages before these
             if self.engine.tp_size > 1:  # rank 0 gathers every rank's pages (a collective, on the engine thread)
-                shards = await self.runner.call(GatherPages(tuple(blocks[:header.num_pages])))
-                sources = [transfer.ShardSource(kv, range(header.num_pages), lay) for kv, lay in zip(shards, self.layouts)]
+                shards = await self.runner.call(GatherPages(tuple(sent)))
+                sources = [transfer.ShardSource(kv, range(len(sent)), lay) for kv, lay in zip(shards, self.layouts)]
             else:
-                sources = [transfer.ShardSource(self.engine.kv, blocks, self.layout)]
+                sources = [transfer.ShardSource(self.engine.kv, sent, self.layout)]
             stats = await transfer.send_kv(conn, header, sources, corrupt_first_chunk=self.hooks.take("corrupt_kv_chunk"))
             req.bytes_sent = stats.bytes
             if req.status.state.terminal:
@@ -319,6 +323,7 @@ class PrefillWorker(WorkerBase):
             self.metrics.transfer_seconds.labels(self.role).observe(self.clock.now() - t0)
             self.metrics.transfer_bytes.labels(self.role).observe(req.bytes_sent)
             self.metrics.transfer_bytes_total.labels(self.role).inc(req.bytes_sent)
+            self.metrics.transfer_saved_bytes.labels(self.role).inc(header.saved_bytes)
             self.metrics.transfer_wire_seconds.labels(self.role).observe(stats.seconds)
             if not req.done.done():
                 req.done.set_result(None)
@@ -334,8 +339,22 @@ class PrefillWorker(WorkerBase):
         except Exception as exc:
             self._fail_unexpected(req, exc, "prefill transfer")
 
+    def _header(self, req: PrefillRequest, att: wire.Attach, ntok: int, first: int) -> wire.KVHeader:
+        """The HEADER of a request whose KV is ready: the pages decode lacks (the delta), or all of them when the
+        delta does not apply (counted by reason)."""
+        skip, why = wire.delta_skip_pages(att, self.layout.page_size, self.cache_namespace)
+        if why is not None:
+            self.metrics.kv_delta_fallbacks.labels(self.role, why).inc()
+            log.info("KV delta not used for rid=%s room=%s (%s): decode holds %d tokens; sending all %d", req.rid,
+                     req.room, why, att.held_tokens, ntok)
+        req.skipped_tokens = skip * self.layout.page_size
+        header = transfer.make_header(req.room, req.rid, ntok, first, wire.prompt_crc(req.prompt_ids), self.model_sha,
+                                      self.layouts, att.checksums)
+        return replace(header, skip_pages=skip, cached_tokens=min(req.cached_tokens or 0, ntok))
+
     def _on_output(self, req: PrefillRequest, out: Any) -> None:
         if out.finish_reason == "prefill_done":
+            req.cached_tokens = out.cached_tokens or 0
             if req.kv_ready is not None and not req.kv_ready.done():
                 req.first_logprobs = (out.logprobs or [None])[0]  # the first token's logprobs: prefill's to report
                 req.prompt_logprobs = out.prompt_logprobs
