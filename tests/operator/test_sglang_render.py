@@ -53,6 +53,14 @@ def test_every_worker_line_is_parsed_by_sglangs_own_argparse():
             assert a.mem_fraction_static == 0.85
 
 
+def test_a_disabled_prefix_cache_is_sglangs_own_disable_radix_cache():
+    doc = {**EXAMPLE, "spec": {**EXAMPLE["spec"], "prefixCache": {"enabled": False}}}
+    pods = [o for o in _children(doc) if o["kind"] == "Pod"]
+    assert pods and all(_sglang_parse(p["spec"]["containers"][0]["command"]).disable_radix_cache for p in pods)
+    assert not any(_sglang_parse(p["spec"]["containers"][0]["command"]).disable_radix_cache
+                   for p in _children() if p["kind"] == "Pod")  # the default leaves SGLang's radix cache on
+
+
 def test_the_router_line_is_parsed_by_sglang_routers_own_argparse_with_every_member():
     dep = next(o for o in _children() if o["kind"] == "Deployment")
     cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
