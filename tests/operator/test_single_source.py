@@ -400,7 +400,8 @@ def doc_default_disagreements(text: str, knobs: Iterable[KnobAt]) -> list[str]:
         if k is None:
             continue
         same = str(k.default) == value or (k.knob.kind == "number" and re.fullmatch(r"[0-9.]+", value)
-                                           and float(value) == k.default)
+                                           and float(value) == k.default) \
+            or (k.knob.kind == "boolean" and value == str(k.default).lower())  # JSON's spelling: true/false
         if not same:
             out.append(f"{k.path}: default {value} in docs/crd.md, {k.default!r} in the model")
     return out
