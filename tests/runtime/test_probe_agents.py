@@ -194,7 +194,10 @@ def test_debug_rows_and_the_oldest_age_gauge_follow_a_live_request(stack):
             mine = [r for r in doc["requests"] if r["client_request_id"] == "slow-1"]
             dec = [r for w in doc["workers"] if w["role"] == "decode" for r in w.get("requests", ())
                    if mine and r["id"] == mine[0]["id"]]
-            return (mine[0], dec[0]) if mine and dec and dec[0]["tokens"] >= 2 else None
+            # the router's row turns "streaming" when its loop has handled the first event, which on a loaded host
+            # may come after decode made its second token: wait for both
+            return (mine[0], dec[0]) if mine and dec and dec[0]["tokens"] >= 2 and mine[0]["stage"] == "streaming" \
+                else None
 
         router_row, decode_row = wait_for(rows, 60, "the slow request streaming")
         for row in (router_row, decode_row):
