@@ -43,6 +43,7 @@ KUBECTL = str(ROOT / ".tools" / "bin" / "kubectl")
 CHILDREN = (("secrets", "-kv-auth"), ("secrets", "-router-admin"), ("services", "-workers"), ("services", "-router"),
             ("deployments", "-router"), ("configmaps", "-topology"), ("networkpolicies", "-workers"),
             ("poddisruptionbudgets", "-workers"))
+GROUPS = {"deployments": "apps", "networkpolicies": "networking.k8s.io", "poddisruptionbudgets": "policy"}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -110,25 +111,21 @@ def run(n: int, log_dir: Path) -> dict[str, float]:
             names = [f"s{i:03d}" for i in range(n)]
 
             def missing() -> list[str]:
-                def scan() -> list[str]:
-                    api = tc.api
-                    out = []
-                    for name in names:
-                        for plural, suffix in CHILDREN:
-                            group = {"deployments": "apps", "networkpolicies": "networking.k8s.io",
-                                     "poddisruptionbudgets": "policy"}.get(plural, "")
-                            if api.read(R(group, "v1", plural), NS, name + suffix) is None:
-                                out.append(f"{plural}/{name}{suffix}")
-                        roles = {p["metadata"]["labels"].get("pdstack.io/role")
-                                 for p in api.select(PODS, NS, f"pdstack.io/deployment={name}")}
-                        out += [f"pods/{name} {r}" for r in ("prefill", "decode") if r not in roles]
-                    return out
+                def scan() -> list[str]:  # one pass per resource: the scan runs on the API server's loop
+                    have: dict[str, set[str]] = {}
+                    for plural in {pl for pl, _ in CHILDREN}:
+                        have[plural] = {o["metadata"]["name"] for o in tc.api.select(R(GROUPS.get(plural, ""), "v1",
+                                                                                        plural), NS)}
+                    roles = {(p["metadata"]["labels"].get("pdstack.io/deployment"),
+                              p["metadata"]["labels"].get("pdstack.io/role")) for p in tc.api.select(PODS, NS)}
+                    return [f"{pl}/{n}{sfx}" for n in names for pl, sfx in CHILDREN if n + sfx not in have[pl]] + [
+                        f"pods/{n} {r}" for n in names for r in ("prefill", "decode") if (n, r) not in roles]
                 return call_in_loop(tc, scan)
 
             kubectl(admin, "apply", "-f", "-", stdin=json.dumps(
                 {"apiVersion": "v1", "kind": "List", "items": [manifest(i) for i in range(n)]}))
             applied = time.monotonic()
-            t_children = wait(lambda: not missing(), 600, f"children of {n} PDDeployments")
+            t_children = wait(lambda: not missing(), 600, f"children of {n} PDDeployments", interval=0.25)
             after_create = reaction(tc, names[n // 2])
             t_idle = wait(lambda: idle(tc, names), 600, f"{n} PDDeployments Ready")
             settled = reaction(tc, names[-1])

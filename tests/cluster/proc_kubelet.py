@@ -11,6 +11,11 @@ What a node's kubelet and container runtime do, on one host and loopback:
   program is looked up on the image's PATH, here the project's virtual environment (``pdrt``, ``python``);
 * **volumes**: Secret and ConfigMap volumes are written once at start under the pod's directory, emptyDirs are
   empty directories; every argument or env value under a ``mountPath`` is rewritten to that directory;
+* **NetworkPolicy**: every pod process carries the test cluster's CNI (``cni/sitecustomize.py``): each TCP
+  connect into the pod network asks :meth:`_verdict` (``netpol.connection_check`` over the stored policies,
+  the pod's IP as source) and a denied one is dropped as an enforcing CNI drops it (the client's connect
+  timeout fires); ``connections`` records every verdict. The kubelet's own probes are node traffic (always
+  allowed); the API server's pods/proxy is not checked;
 * **DNS**: a Service name with its port in an argument or env value is resolved when the container starts;
 * **env**: ``value``, ``valueFrom`` fieldRef (metadata.name/namespace, status.podIP, spec.nodeName,
   spec.serviceAccountName), secretKeyRef and configMapKeyRef; the service account's credentials are a
@@ -47,6 +52,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import aiohttp.web
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,6 +61,7 @@ if str(ROOT / "tests" / "operator") not in sys.path:
 
 from pdop_k8s_emulator import PODS, PDEmulator, R, _now  # noqa: E402  (before emu_kubelet: it imports that)
 from emu_kubelet import DEPLOYMENTS, Kubelet, image_ref  # noqa: E402
+import netpol  # noqa: E402
 
 SECRETS = R("", "v1", "secrets")
 CONFIGMAPS = R("", "v1", "configmaps")
@@ -65,6 +72,7 @@ PROBE_INTERVAL_S = 0.5
 VOLUME_SYNC_S = 1.0  # a real kubelet's sync period plus cache TTL is up to about a minute; here one second
 SERVICE_DNS = re.compile(r"(?P<name>[a-z0-9-]+)\.(?P<ns>[a-z0-9-]+)\.svc(?:\.cluster\.local)?:(?P<port>\d+)")
 ROOT = Path(__file__).resolve().parents[2]
+CNI_DIR = Path(__file__).resolve().parent / "cni"  # its sitecustomize.py checks each connect (module docstring)
 IMAGE_PYTHONPATH = f"{ROOT / 'runtime'}:{ROOT / 'operator'}"  # what both images install: this checkout's packages
 
 
@@ -90,7 +98,8 @@ class ProcessKubelet(Kubelet):
     """
 
     def __init__(self, api: PDEmulator, *, images: Mapping[str, tuple[list[str], list[str]]], net: int,
-                 workdir: Path, credentials: Callable[[str, str], Path], extra_env: Mapping[str, str] | None = None):
+                 workdir: Path, credentials: Callable[[str, str], Path], extra_env: Mapping[str, str] | None = None,
+                 network_policy: bool = True):
         super().__init__(api, images=images, tick=0.1)
         self.entrypoints = {k: v for k, v in images.items()}
         self.net, self.workdir, self.credentials = net, Path(workdir), credentials
@@ -102,6 +111,12 @@ class ProcessKubelet(Kubelet):
         self._projected: dict[tuple[tuple[str, str], Path], tuple[Any, str]] = {}  # (pod, dir) -> (kind, name)
         self._synced_at = 0.0
         self.errors = 0  # ticks that raised (see kubelet.log)
+        # the CNI (cni/sitecustomize.py in every pod process): connections checked against stored NetworkPolicies
+        self.network_policy = network_policy
+        self.check = netpol.connection_check(api)
+        self.connections: list[tuple[str, str, int, bool, str]] = []  # (src, dst, port, allowed, reason), in order
+        self.cni_url = ""
+        self._cni: aiohttp.web.AppRunner | None = None
         api.pod_log = self.read_log
 
     # -- network
@@ -244,6 +259,9 @@ class ProcessKubelet(Kubelet):
         env = {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "HOME": str(root), "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1",
                "OMP_NUM_THREADS": "1", "TMPDIR": str(mounts.get("/tmp", root)), "PYTHONPATH": IMAGE_PYTHONPATH,
                **self.extra_env}
+        if self.cni_url:
+            env.update(PYTHONPATH=f"{CNI_DIR}:{IMAGE_PYTHONPATH}", PDSTACK_CNI_URL=self.cni_url,
+                       PDSTACK_CNI_POD_IP=ip, PDSTACK_CNI_POD_CIDR=f"127.0.{self.net}.0/24")
         if pod["spec"].get("automountServiceAccountToken", True):
             env["KUBECONFIG"] = str(self.credentials(meta["namespace"],
                                                      pod["spec"].get("serviceAccountName") or "default"))
@@ -387,8 +405,29 @@ class ProcessKubelet(Kubelet):
                "spec": template["spec"]}
         self.api._create(PODS, meta["namespace"], pod, manager="kube-controller-manager")
 
+    async def __aenter__(self) -> "ProcessKubelet":
+        if self.network_policy:
+            app = aiohttp.web.Application()
+            app.router.add_get("/v1/verdict", self._verdict)
+            self._cni = aiohttp.web.AppRunner(app, access_log=None)
+            await self._cni.setup()
+            site = aiohttp.web.TCPSite(self._cni, "127.0.0.1", 0)
+            await site.start()
+            self.cni_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        await super().__aenter__()
+        return self
+
+    async def _verdict(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        """The CNI's question from a pod process: may ``src`` open ``dst:port`` (TCP)? Recorded in ``connections``."""
+        src, dst, port = request.query["src"], request.query["dst"], int(request.query["port"])
+        verdict = self.check(src, dst, port)
+        self.connections.append((src, dst, port, verdict.allowed, verdict.reason))
+        return aiohttp.web.json_response({"allowed": verdict.allowed, "reason": verdict.reason})
+
     async def __aexit__(self, *exc: Any) -> None:
         await super().__aexit__(*exc)
+        if self._cni is not None:
+            await self._cni.cleanup()
         for probe in self._probes.values():
             probe.cancel()
         self.stop_all()
