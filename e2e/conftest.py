@@ -96,12 +96,11 @@ def testcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The test cluster with its process kubelet, both images "loaded" (``kind load``), each with the ENTRYPOINT
     and CMD of its Dockerfile (images/*/Dockerfile)."""
     sys.path.insert(0, str(ROOT / "tests" / "cluster"))
-    from proc_kubelet import ProcessKubelet
-    from testcluster import threaded
+    from testcluster import threaded  # (first: it puts the emulator's modules on sys.path)
+    from proc_kubelet import DEV_IMAGES, ProcessKubelet
 
     tag = os.environ.get("TAG", "dev")
-    images = {f"pdstack-operator:{tag}": (["python", "-m", "pdoperator"], ["--standalone"]),
-              f"pdstack-runtime:{tag}": ([], ["pdrt", "up", "--host", "0.0.0.0"])}
+    images = {ref.replace(":dev", f":{tag}"): cmd for ref, cmd in DEV_IMAGES.items()}
     work = tmp_path_factory.mktemp("test-cluster")
     net = random.randint(100, 250)  # a loopback /24 of this run's own: pods are 127.0.<net>.<n>
 

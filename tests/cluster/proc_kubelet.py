@@ -72,6 +72,9 @@ PROBE_INTERVAL_S = 0.5
 VOLUME_SYNC_S = 1.0  # a real kubelet's sync period plus cache TTL is up to about a minute; here one second
 SERVICE_DNS = re.compile(r"(?P<name>[a-z0-9-]+)\.(?P<ns>[a-z0-9-]+)\.svc(?:\.cluster\.local)?:(?P<port>\d+)")
 ROOT = Path(__file__).resolve().parents[2]
+# the two images as images/*/Dockerfile build them: reference -> (ENTRYPOINT, CMD)
+DEV_IMAGES = {"pdstack-operator:dev": (["python", "-m", "pdoperator"], ["--standalone"]),
+              "pdstack-runtime:dev": ([], ["pdrt", "up", "--host", "0.0.0.0"])}
 CNI_DIR = Path(__file__).resolve().parent / "cni"  # its sitecustomize.py checks each connect (module docstring)
 IMAGE_PYTHONPATH = f"{ROOT / 'runtime'}:{ROOT / 'operator'}"  # what both images install: this checkout's packages
 

@@ -186,15 +186,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=os.environ.get("PDSTACK_TEST_CLUSTER_DIR",
                                                     os.path.join(tempfile.gettempdir(), "pdstack-test-cluster")),
                     help="where the kubeconfig is written")
+    ap.add_argument("--processes", action="store_true",
+                    help="run every pod as a local process (proc_kubelet.py: the operator from the chart, the router "
+                         "and workers from their pods), with pdstack-operator:dev and pdstack-runtime:dev loaded")
     args = ap.parse_args(argv)
+    kubelet = None
+    if args.processes:
+        import random
+
+        from proc_kubelet import DEV_IMAGES, ProcessKubelet
+
+        def kubelet(c: TestCluster) -> Kubelet:
+            return ProcessKubelet(c.api, images=DEV_IMAGES, net=random.randint(100, 250), workdir=c.dir,
+                                  credentials=c.service_account_kubeconfig)
 
     async def serve() -> None:
-        async with TestCluster(args.dir, port=args.port) as c:
+        async with TestCluster(args.dir, port=args.port, kubelet=kubelet) as c:
             print(f"test cluster at {c.url}", flush=True)
             print(f"kubeconfig: {c.kubeconfig}", flush=True)
             print(f"  export KUBECONFIG={c.kubeconfig}", flush=True)
             print("  helm install pdstack charts/pdstack -n pdstack --create-namespace", flush=True)
             print("  kubectl apply -f examples/cpu-demo.yaml && kubectl get pdd -o wide", flush=True)
+            if args.processes:
+                print(f"  pods run as processes; their output: {c.dir / 'pods'} (and kubectl logs)", flush=True)
             print("Ctrl-C stops it.", flush=True)
             await asyncio.Event().wait()
 
