@@ -20,6 +20,7 @@ Environment:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -27,6 +28,7 @@ import subprocess
 import urllib.request
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -136,12 +138,10 @@ def kube(kubeconfig: Path, request: pytest.FixtureRequest) -> Iterator[Kubectl]:
 @pytest.fixture
 def router_url(kube: Kubectl, request: pytest.FixtureRequest) -> Iterator[str]:
     """kubectl port-forward to the router Service (the Service, not a pod: what clients use); on the test
-    cluster, the address the Service resolves to (a Ready router pod's process)."""
+    cluster, a kube-proxy for it: each connection goes to a Ready router pod as the Service resolves then."""
     if backend() == "testcluster":
-        resolve = request.getfixturevalue("service_address")
-        addr = eventually(lambda: resolve(f"{DEMO}-router", 8000), timeout=60, interval=1, what="the router Service")
-        url = f"http://{addr}"
-        eventually(lambda: _get_json(url + "/v1/models"), timeout=60, interval=1, what="the router")
+        url = request.getfixturevalue("router_proxy")
+        eventually(lambda: _get_json(url + "/v1/models"), timeout=120, interval=1, what="the router")
         yield url
         return
     port = free_port()
@@ -154,6 +154,47 @@ def router_url(kube: Kubectl, request: pytest.FixtureRequest) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def router_proxy(service_address: Any) -> Iterator[str]:
+    """http://127.0.0.1:PORT in front of the router Service, on a loop of its own thread (kube-proxy's part:
+    a router rollout moves new connections to the new pod, as the Service's endpoints do)."""
+    loop = asyncio.new_event_loop()
+
+    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            w.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        addr = await loop.run_in_executor(None, service_address, f"{DEMO}-router", 8000)
+        if addr is None:  # no Ready endpoint: the connection is refused
+            writer.close()
+            return
+        host, port = addr.rsplit(":", 1)
+        try:
+            up_r, up_w = await asyncio.open_connection(host, int(port))
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+    port = server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True, name="router-proxy")
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        loop.call_soon_threadsafe(server.close)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
 
 
 def _get_json(url: str) -> Any:

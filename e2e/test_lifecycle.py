@@ -40,8 +40,11 @@ def test_the_network_policy_admits_the_operators_reads_which_the_old_one_dropped
     from testcluster import call_in_loop
     tc = request.getfixturevalue("testcluster")
 
+    kube("rollout", "status", f"deployment/{DEMO}-router", "--timeout=180s", timeout=200)  # one router pod
+
     def ip(selector: str) -> str:
-        (pod,) = [p for p in kube.json("get", "pods", "-l", selector)["items"] if _ready(p)]
+        (pod,) = [p for p in kube.json("get", "pods", "-l", selector)["items"]
+                  if _ready(p) and not p["metadata"].get("deletionTimestamp")]
         return pod["status"]["podIP"]
     op, router = ip(OPERATOR), ip(f"pdstack.io/deployment={DEMO},pdstack.io/component=router")
     workers = {p["status"]["podIP"] for p in _pair_pods(kube, 0).values()}
