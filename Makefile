@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup tools run test test-cluster test-slow test-all test-shipping images e2e bench bench-gpu gpu-check \
+.PHONY: setup tools run test test-cluster test-slow test-all test-shipping images e2e e2e-testcluster bench bench-gpu gpu-check \
 	lint clean
 
 setup: $(STAMP)
@@ -97,9 +97,16 @@ test-shipping: setup tools
 images: setup
 	images/build.sh
 
-# end-to-end on kind (needs docker, kind, helm; skips with the reason otherwise)
+# end-to-end: on kind when docker + kind answer, else on the test cluster (PDSTACK_E2E_BACKEND=kind|testcluster
+# chooses; kind without its tools skips with the reason)
 e2e: setup tools
 	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest e2e -q -rs
+
+# the same e2e suite on the test cluster, real processes (operator from the chart's Deployment, router and
+# workers from their rendered pods); no Docker. Under 10 minutes on 2 cores (docs/benchmarks.md)
+e2e-testcluster: setup tools
+	PDSTACK_E2E_BACKEND=testcluster PYTHONPATH=runtime:operator PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" \
+		$(PY) -m pytest e2e -q -rs -p no:cacheprovider
 
 # ruff with the rule set in pyproject.toml [tool.ruff]: real defects (pyflakes, call/mutable defaults), not style
 lint: setup

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -15,6 +17,8 @@ REQUIRED = ("docker", "kind", "kubectl", "helm")
 NAMESPACE = "pdstack-system"  # the release namespace, also the one the example PDDeployment lives in
 RELEASE = "pd"
 DEMO = "demo"  # charts/pdstack/ci/kind-values.yaml: example.name
+BACKENDS = ("kind", "testcluster")
+VENV_BIN = Path(sys.executable).parent  # kubectl-pd (the kubectl plugin) is installed here
 
 
 def which(name: str) -> str | None:
@@ -32,6 +36,16 @@ def missing_reason() -> str | None:
     if info.returncode != 0:
         return f"docker is installed but its daemon does not answer: {info.stderr.strip()[:200]}"
     return None
+
+
+def backend() -> str:
+    """PDSTACK_E2E_BACKEND, or kind where its tools answer, else the test cluster."""
+    chosen = os.environ.get("PDSTACK_E2E_BACKEND")
+    if chosen:
+        if chosen not in BACKENDS:
+            raise SystemExit(f"PDSTACK_E2E_BACKEND={chosen!r} is invalid; accepted: {', '.join(BACKENDS)}")
+        return chosen
+    return "kind" if missing_reason() is None else "testcluster"
 
 
 def sh(*cmd: str, check: bool = True, timeout: float = 600, env: dict[str, str] | None = None,
@@ -60,8 +74,10 @@ def eventually(check: Callable[[], Any], *, timeout: float, what: str, interval:
 
 class Kubectl:
     def __init__(self, kubeconfig: Path, namespace: str):
-        self.env = {"KUBECONFIG": str(kubeconfig), "PATH": f"{TOOLS_BIN}:/usr/local/bin:/usr/bin:/bin",
+        self.env = {"KUBECONFIG": str(kubeconfig), "PATH": f"{TOOLS_BIN}:/usr/local/bin:/usr/bin:/bin:{VENV_BIN}",
                     "HOME": str(kubeconfig.parent)}
+        if os.environ.get("PYTHONPATH"):  # kubectl-pd from this checkout
+            self.env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         self.namespace = namespace
 
     def __call__(self, *args: str, check: bool = True, timeout: float = 300, input: str | None = None) -> str:
@@ -73,3 +89,8 @@ class Kubectl:
 
     def helm(self, *args: str, timeout: float = 900) -> str:
         return sh("helm", "-n", self.namespace, *args, timeout=timeout, env=self.env).stdout
+
+    def helm_status(self) -> dict[str, Any] | None:
+        """The release's ``helm status -o json``, or None when it is not installed."""
+        out = sh("helm", "-n", self.namespace, "status", RELEASE, "-o", "json", check=False, env=self.env)
+        return json.loads(out.stdout) if out.returncode == 0 else None

@@ -3,31 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import urllib.request
-from typing import Any, Iterator
-
-import pytest
-
-from kube import DEMO, RELEASE, Kubectl, eventually, which
-from pdruntime.util.ports import free_port as _free_port
+from typing import Any
 
 
-
-
-@pytest.fixture
-def router_url(kube: Kubectl) -> Iterator[str]:
-    """kubectl port-forward to the router Service (the Service, not a pod: what clients use)."""
-    port = _free_port()
-    proc = subprocess.Popen([which("kubectl"), "-n", kube.namespace, "port-forward", f"svc/{DEMO}-router",
-                             f"{port}:8000"], env=kube.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        eventually(lambda: _get(url + "/v1/models"), timeout=60, interval=1, what="port-forward to the router")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
+from kube import DEMO, RELEASE, Kubectl, eventually
 
 
 def _get(url: str) -> Any:
@@ -38,10 +18,10 @@ def _get(url: str) -> Any:
         return None
 
 
-def _chat(url: str, content: str, client: str = "e2e") -> dict[str, Any]:
+def _chat(url: str, content: str, client: str = "e2e", max_tokens: int = 16) -> dict[str, Any]:
     model = _get(url + "/v1/models")["data"][0]["id"]
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}],
-                       "max_tokens": 16, "temperature": 0}).encode()
+                       "max_tokens": max_tokens, "temperature": 0}).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json", "X-Client-Id": client})
     with urllib.request.urlopen(req, timeout=300) as r:
@@ -109,16 +89,19 @@ def test_deleting_the_decode_pod_co_restarts_its_pair(kube: Kubectl, router_url:
     assert _chat(router_url, "Still there?")["choices"][0]["message"]["content"].strip()
 
 
-def test_patched_env_is_reported_as_drift(kube: Kubectl) -> None:
+def test_a_hand_edit_of_a_declared_field_is_reported_as_drift(kube: Kubectl) -> None:
+    """Drift is a field the operator applied now owned by another manager (managedFields): ``kubectl set
+    resources`` takes the router's cpu request. (An env var the operator never declared is no drift: the router's
+    ``env: []`` claims no entry, so ``kubectl set env`` of a new one owns only what it added.)"""
     assert _condition(kube, "ConfigDrift").get("status") == "False"
-    kube("set", "env", f"deployment/{DEMO}-router", "PDRT_E2E_DRIFT=1")
+    kube("set", "resources", f"deployment/{DEMO}-router", "--requests=cpu=150m")
     try:
         cond = eventually(lambda: (c := _condition(kube, "ConfigDrift")).get("status") == "True" and c,
-                          timeout=300, what="ConfigDrift=True after patching the router's env")
+                          timeout=300, what="ConfigDrift=True after editing the router's cpu request")
         assert cond["reason"] == "Drifted"
-        assert f"Deployment/{DEMO}-router" in cond["message"] and "env" in cond["message"], cond
+        assert f"Deployment/{DEMO}-router" in cond["message"] and "resources.requests.cpu" in cond["message"], cond
     finally:
-        kube("set", "env", f"deployment/{DEMO}-router", "PDRT_E2E_DRIFT-")
+        kube("set", "resources", f"deployment/{DEMO}-router", "--requests=cpu=100m")
 
 
 def test_the_chart_rbac_is_enough(kube: Kubectl) -> None:

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -75,14 +75,17 @@ class TestCluster:
 
     __test__ = False  # not a pytest class
 
-    def __init__(self, workdir: str | Path | None = None, *, port: int = 0, crds: tuple[Any, ...] = ()):
+    def __init__(self, workdir: str | Path | None = None, *, port: int = 0, crds: tuple[Any, ...] = (),
+                 kubelet: Callable[["TestCluster"], Kubelet] | None = None):
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="pdstack-test-cluster-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port
         self.admin_token = secrets.token_hex(16)
         self.api = PDEmulator(crds=crds, tokens={self.admin_token: ADMIN}, stored_rbac=True, validate_status=True,
                               groups={ADMIN: ("system:masters",)})
-        self.kubelet = Kubelet(self.api)
+        # ``kubelet``: another node agent (proc_kubelet.ProcessKubelet runs every pod as a local process)
+        self.kubelet = kubelet(self) if kubelet else Kubelet(self.api)
+        self._sa_kubeconfigs: dict[tuple[str, str], Path] = {}
         self.url = ""
         self._server: Any = None
 
@@ -103,10 +106,14 @@ class TestCluster:
 
     def service_account_kubeconfig(self, namespace: str, name: str) -> Path:
         """A kubeconfig with a token of ``system:serviceaccount:NAMESPACE:NAME`` (as a projected token)."""
+        if (namespace, name) in self._sa_kubeconfigs:
+            return self._sa_kubeconfigs[(namespace, name)]
         token = secrets.token_hex(16)
         assert self.api.tokens is not None
         self.api.tokens[token] = f"system:serviceaccount:{namespace}:{name}"
-        return self._write_kubeconfig(self.dir / f"kubeconfig-{namespace}-{name}", name, token, namespace)
+        path = self._write_kubeconfig(self.dir / f"kubeconfig-{namespace}-{name}", name, token, namespace)
+        self._sa_kubeconfigs[(namespace, name)] = path
+        return path
 
     async def __aenter__(self) -> "TestCluster":
         make_pki(self.dir)
@@ -130,10 +137,11 @@ class TestCluster:
 
 
 @contextlib.contextmanager
-def threaded(workdir: str | Path | None = None) -> Iterator[TestCluster]:
-    """A running :class:`TestCluster` on an event loop of its own thread (for sync tests and subprocesses)."""
+def threaded(workdir: str | Path | None = None, **kw: Any) -> Iterator[TestCluster]:
+    """A running :class:`TestCluster` (``kw``: its options) on an event loop of its own thread (for sync tests
+    and subprocesses)."""
     loop = asyncio.new_event_loop()
-    cluster = TestCluster(workdir)
+    cluster = TestCluster(workdir, **kw)
     started = threading.Event()
     stop: asyncio.Event | None = None
     errors: list[BaseException] = []
@@ -178,15 +186,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=os.environ.get("PDSTACK_TEST_CLUSTER_DIR",
                                                     os.path.join(tempfile.gettempdir(), "pdstack-test-cluster")),
                     help="where the kubeconfig is written")
+    ap.add_argument("--processes", action="store_true",
+                    help="run every pod as a local process (proc_kubelet.py: the operator from the chart, the router "
+                         "and workers from their pods), with pdstack-operator:dev and pdstack-runtime:dev loaded")
     args = ap.parse_args(argv)
+    kubelet = None
+    if args.processes:
+        import random
+
+        from proc_kubelet import DEV_IMAGES, ProcessKubelet
+
+        def kubelet(c: TestCluster) -> Kubelet:
+            return ProcessKubelet(c.api, images=DEV_IMAGES, net=random.randint(100, 250), workdir=c.dir,
+                                  credentials=c.service_account_kubeconfig)
 
     async def serve() -> None:
-        async with TestCluster(args.dir, port=args.port) as c:
+        async with TestCluster(args.dir, port=args.port, kubelet=kubelet) as c:
             print(f"test cluster at {c.url}", flush=True)
             print(f"kubeconfig: {c.kubeconfig}", flush=True)
             print(f"  export KUBECONFIG={c.kubeconfig}", flush=True)
             print("  helm install pdstack charts/pdstack -n pdstack --create-namespace", flush=True)
             print("  kubectl apply -f examples/cpu-demo.yaml && kubectl get pdd -o wide", flush=True)
+            if args.processes:
+                print(f"  pods run as processes; their output: {c.dir / 'pods'} (and kubectl logs)", flush=True)
             print("Ctrl-C stops it.", flush=True)
             await asyncio.Event().wait()
 

@@ -164,7 +164,7 @@ class Kubelet:
                 continue
             if not p["spec"].get("nodeName"):
                 self._schedule(p, nodes, used)
-            elif _owned_by_deployment(p):
+            elif not self.runs_pod(p):
                 continue  # the ReplicaSet's part: _deployment_pods
             elif p.get("status", {}).get("phase", "Pending") == "Pending":
                 if not self._pull_backoff(p):
@@ -173,6 +173,14 @@ class Kubelet:
                 want = self.auto_ready and p["metadata"]["name"] not in self.not_ready
                 if self._is_ready(p) != want:
                     self._set_ready(p, want)
+        self.step_deployments()
+
+    def runs_pod(self, pod: Mapping[str, Any]) -> bool:
+        """Whether :meth:`step` starts ``pod`` and keeps its readiness (Deployments' pods: :meth:`step_deployments`)."""
+        return not _owned_by_deployment(pod)
+
+    def step_deployments(self) -> None:
+        """The Deployment controller's part of a step: status (and, with ``router_ip``, pods) per Deployment."""
         for d in self.api.select(DEPLOYMENTS):
             n = d.get("spec", {}).get("replicas", 1)
             if self.router_ip:
