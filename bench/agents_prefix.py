@@ -45,14 +45,14 @@ WORDS = ("cache", "page", "token", "decode", "prefill", "router", "kernel", "ten
 
 
 def tool_result(agent: int, rnd: int, tokens: int) -> str:
-    """~``tokens`` tokens of tool output (grep-like lines; SmolLM2's tokenizer: ~1.3 tokens a word here)."""
+    """~``tokens`` tokens of tool output (grep-like lines)."""
     rng = random.Random(agent * 1000 + rnd)
     lines, n = [], 0
     while n < tokens:
         line = f"src/{rng.choice(WORDS)}_{rng.randint(0, 99)}.py:{rng.randint(1, 900)}: " + " ".join(
             rng.choice(WORDS) for _ in range(8))
         lines.append(line)
-        n += 16
+        n += 24  # measured: ~24 SmolLM2 tokens a line
     return "\n".join(lines)
 
 
@@ -124,8 +124,9 @@ async def one_round(client: httpx.AsyncClient, model: str, messages: list[dict],
 
 async def run_system(sys_: System, model: str, args) -> dict:
     convs = [[{"role": "system", "content": "You are a coding agent. Call tools, read their output, then answer."},
-              {"role": "user", "content": f"Task {a}: find where the KV cache pages are freed and fix the leak."}]
-             for a in range(args.agents)]
+              {"role": "user", "content": f"Task {a}: find where the KV cache pages are freed and fix the leak. "
+                                          f"Repository listing:\n{tool_result(a, -1, args.tool_tokens)}"}]
+             for a in range(args.agents)]  # round 1 carries a tool result too: every round adds ~TOOL_TOKENS
     rounds = []
     limits = httpx.Limits(max_connections=args.agents, max_keepalive_connections=args.agents)
     async with httpx.AsyncClient(base_url=sys_.url, timeout=600, limits=limits) as client:
