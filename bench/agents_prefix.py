@@ -119,7 +119,7 @@ async def one_round(client: httpx.AsyncClient, model: str, messages: list[dict],
                 reply += text or ""
             usage = ev.get("usage") or usage
     cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
-    return (ttft if ttft is not None else time.monotonic() - t0), reply, usage.get("prompt_tokens", 0), cached
+    return (ttft if ttft is not None else time.monotonic() - t0), reply, usage.get("prompt_tokens"), cached
 
 
 async def run_system(sys_: System, model: str, args) -> dict:
@@ -140,7 +140,7 @@ async def run_system(sys_: System, model: str, args) -> dict:
                 convs[a].append({"role": "assistant", "content": reply})
                 convs[a].append({"role": "user", "content": "Tool result:\n" + tool_result(a, r, args.tool_tokens)})
             rounds.append({"round": r + 1, "ttft_s": sum(x[0] for x in res) / len(res),
-                           "prompt_tokens": sum(x[2] for x in res) / len(res),
+                           "prompt_tokens": None if res[0][2] is None else sum(x[2] for x in res) / len(res),
                            "cached_tokens": sum(x[3] for x in res) / len(res),
                            "kv_bytes": None if b0 is None else (b1 - b0) / args.agents})
         wall = time.monotonic() - t0
@@ -176,8 +176,8 @@ def report(results: list[dict]) -> str:
         out.append("|---:|---:|---:|---:|---:|")
         for r in res["rounds"]:
             kv = "-" if r["kv_bytes"] is None else f"{r['kv_bytes'] / 1024:.0f} KiB"
-            out.append(f"| {r['round']} | {r['ttft_s']:.3f} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} "
-                       f"| {kv} |")
+            pt = "-" if r["prompt_tokens"] is None else f"{r['prompt_tokens']:.0f}"  # llama.cpp streams no usage
+            out.append(f"| {r['round']} | {r['ttft_s']:.3f} | {pt} | {r['cached_tokens']:.0f} | {kv} |")
     by = {r["system"]: r for r in results}
     on, off = by.get("pdstack, prefix cache on"), by.get("pdstack, prefix cache off")
     llama = by.get("llama.cpp server, prompt cache on")
