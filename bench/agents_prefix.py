@@ -104,20 +104,26 @@ async def one_round(client: httpx.AsyncClient, model: str, messages: list[dict],
             "stream_options": {"include_usage": True}}
     if pdstack:
         body["ignore_eos"] = True
-    t0 = time.monotonic()
+    t0 = time.monotonic()  # TTFT counts from the first attempt: a refusal's wait is part of it
     ttft, reply, usage = None, "", {}
-    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for ev in aiter_sse(resp.aiter_lines()):
-            if ev == DONE:
-                break
-            for ch in ev.get("choices") or ():
-                text = (ch.get("delta") or {}).get("content")
-                if text and ttft is None:
-                    ttft = time.monotonic() - t0
-                reply += text or ""
-            usage = ev.get("usage") or usage
+    for _ in range(30):
+        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            if resp.status_code in (429, 503) and resp.headers.get("retry-after"):
+                await resp.aread()
+                await asyncio.sleep(min(float(resp.headers["retry-after"]), 5.0))
+                continue
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+            async for ev in aiter_sse(resp.aiter_lines()):
+                if ev == DONE:
+                    break
+                for ch in ev.get("choices") or ():
+                    text = (ch.get("delta") or {}).get("content")
+                    if text and ttft is None:
+                        ttft = time.monotonic() - t0
+                    reply += text or ""
+                usage = ev.get("usage") or usage
+            break
     cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
     return (ttft if ttft is not None else time.monotonic() - t0), reply, usage.get("prompt_tokens"), cached
 
@@ -158,6 +164,7 @@ def systems(args, log_dir: str) -> list[System]:
             base = free_port_block(3)
             argv = [os.path.join(os.path.dirname(sys.executable), "pdrt"), "up", "--pairs", "1", "--port", str(port),
                     "--base-port", str(base), "--model", gguf, "--threads", "1", "--max-model-len", "8192",
+                    "--kv-cache-mib", "2048",
                     "--prefix-cache" if which == "on" else "--no-prefix-cache"]
             out.append(System(f"pdstack, prefix cache {which}", argv, port, log_dir, f"http://127.0.0.1:{base}"))
         else:

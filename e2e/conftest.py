@@ -11,8 +11,8 @@ the CRD comes from crds/ and the example is applied with kubectl, not installed 
 then ``kubectl apply`` of examples/cpu-demo.yaml (namespace, image and pull policy set to the loaded ones).
 
 Environment:
-  PDSTACK_E2E_BACKEND   kind | testcluster (default: kind when docker, kind, kubectl and helm are usable,
-                        else testcluster)
+  PDSTACK_E2E_BACKEND   kind | testcluster (default: kind, which skips saying what is missing without
+                        docker and kind; `make e2e-testcluster` sets testcluster)
   PDSTACK_E2E_CLUSTER   kind cluster name (default pdstack-e2e); reused when it exists
   PDSTACK_E2E_KEEP=1    keep the cluster afterwards (default: delete the cluster this run created)
   TAG                   image tag to load (default dev; built by images/build.sh --no-smoke when absent)

@@ -47,62 +47,27 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="model id clients send (default: the GGUF file name without its quant tag, or the HF dir name)")
 
 
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = float("nan")
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: a number of seconds > 0")
-    return v
+def _number(ok, accepted: str, kind=float):
+    """An argparse type: ``kind(text)`` when ``ok`` holds for it, else an error naming what is accepted."""
+
+    def parse(text: str):
+        try:
+            v = kind(text) if kind is float or text.isdigit() else None
+        except ValueError:
+            v = None
+        if v is None or v != v or not ok(v):  # v != v: NaN
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: {accepted}")
+        return v
+
+    return parse
 
 
-def _nonnegative_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = float("nan")
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: a number of seconds >= 0")
-    return v
-
-
-def _nonnegative_int(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: an integer >= 0")
-    return int(text)
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: an integer >= 1")
-    return int(text)
-
-
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = float("nan")
-    if not 0 <= v <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: a number in [0, 1]")
-    return v
-
-
-def _ratio(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = float("nan")
-    if not v >= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: a number >= 1")
-    return v
-
-
-def _count(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; accepted: an integer >= 0")
-    return int(text)
+_positive_float = _number(lambda v: v > 0, "a number of seconds > 0")
+_nonnegative_float = _number(lambda v: v >= 0, "a number of seconds >= 0")
+_nonnegative_int = _count = _number(lambda v: v >= 0, "an integer >= 0", int)
+_positive_int = _number(lambda v: v >= 1, "an integer >= 1", int)
+_fraction = _number(lambda v: 0 <= v <= 1, "a number in [0, 1]")
+_ratio = _number(lambda v: v >= 1, "a number >= 1")
 
 
 def _routing_flags(p: argparse.ArgumentParser) -> None:
