@@ -138,16 +138,23 @@ async def run_agent(i: int, url: str, model: str, args, stats: Stats, stop_at: f
             stats.max_context_chars = max(stats.max_context_chars, sum(len(m["content"]) for m in messages))
 
 
-async def one_shot(url: str, model: str, prompt: str, max_tokens: int) -> tuple[int, float, bool]:
-    """A plain completion on its own connection: (status, seconds, whether a 429/503 carried Retry-After)."""
+async def one_shot(url: str, model: str, prompt: str, max_tokens: int, retries: int = 0) -> tuple[int, float, bool]:
+    """A plain completion on its own connection: (status, seconds, whether a 429/503 carried Retry-After). With
+    ``retries``, a refusal with Retry-After is waited out and asked again, as a client that honours it does."""
     t0 = time.monotonic()
-    try:
-        async with httpx.AsyncClient(timeout=600) as client:
-            r = await client.post(url + "/v1/completions", json={
-                "model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
-    except httpx.HTTPError:
-        return 0, time.monotonic() - t0, False
-    return r.status_code, time.monotonic() - t0, r.headers.get("retry-after") is not None
+    for attempt in range(retries + 1):
+        try:
+            async with httpx.AsyncClient(timeout=600) as client:
+                r = await client.post(url + "/v1/completions", json={
+                    "model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+        except httpx.HTTPError:
+            return 0, time.monotonic() - t0, False
+        ra = r.headers.get("retry-after")
+        if r.status_code in (429, 503) and ra is not None and attempt < retries:
+            await asyncio.sleep(min(float(ra), 5.0))
+            continue
+        return r.status_code, time.monotonic() - t0, ra is not None
+    raise AssertionError("unreachable")
 
 
 async def overload(url: str, model: str, args, stats: Stats, out: dict) -> None:
@@ -159,7 +166,7 @@ async def overload(url: str, model: str, args, stats: Stats, out: dict) -> None:
     long_prompt = "pd " * int(args.context * 0.95 / 2) if args.long_prompt else None  # byte-level: ~2 tokens a word
     jobs = [one_shot(url, model, f"burst {i}: tell a long story", args.burst_tokens) for i in range(args.burst)]
     if long_prompt is not None:
-        jobs.append(one_shot(url, model, long_prompt, 4))
+        jobs.append(one_shot(url, model, long_prompt, 4, retries=30))  # the row is the watchdog's, not admission's
     res = await asyncio.gather(*jobs)
     burst = res[:args.burst]
     codes: dict[str, int] = {}
