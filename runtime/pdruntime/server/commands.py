@@ -64,7 +64,7 @@ def _number(ok, accepted: str, kind=float):
 
 _positive_float = _number(lambda v: v > 0, "a number of seconds > 0")
 _nonnegative_float = _number(lambda v: v >= 0, "a number of seconds >= 0")
-_nonnegative_int = _count = _number(lambda v: v >= 0, "an integer >= 0", int)
+_count = _number(lambda v: v >= 0, "an integer >= 0", int)
 _positive_int = _number(lambda v: v >= 1, "an integer >= 1", int)
 _fraction = _number(lambda v: 0 <= v <= 1, "a number in [0, 1]")
 _ratio = _number(lambda v: v >= 1, "a number >= 1")
@@ -131,7 +131,7 @@ def register(subparsers: Any) -> None:
                             "the router's queue")
     serve.add_argument("--admission-wait-s", type=_nonnegative_float, default=admission.WAIT_S,
                        help="router: seconds a request waits for a pair with room before a 429 with Retry-After")
-    serve.add_argument("--max-queued-requests", type=_nonnegative_int, default=admission.MAX_QUEUED,
+    serve.add_argument("--max-queued-requests", type=_count, default=admission.MAX_QUEUED,
                        help="router: requests waiting for a pair at once; beyond it a 429 at arrival")
     serve.add_argument("--header-timeout-s", type=_positive_float, default=connections.HEADER_TIMEOUT_S,
                        help="seconds a connection may take to send a whole request head (from connecting, or from "
