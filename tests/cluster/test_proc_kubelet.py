@@ -73,7 +73,7 @@ def test_pods_run_their_commands_reach_each_other_through_a_service_and_policies
     kubectl(tc, "apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": [server, svc]}))
     deadline = time.monotonic() + 60
     while not any(c["type"] == "Ready" and c["status"] == "True" for c in
-                  json.loads(kubectl(tc, "get", "pod", "server", "-o", "json"))["status"].get("conditions", [])):
+                  json.loads(kubectl(tc, "get", "pod", "server", "-o", "json")).get("status", {}).get("conditions", [])):
         assert time.monotonic() < deadline, "server pod never Ready (its readiness probe)"
         time.sleep(0.2)
     server_ip = json.loads(kubectl(tc, "get", "pod", "server", "-o", "json"))["status"]["podIP"]
