@@ -81,3 +81,53 @@ async def test_a_waiter_wakes_when_a_slot_frees_and_gives_up_at_its_timeout():
     assert time.monotonic() - t0 < 2.0 and a.queued == 0
     await a.wait(0.05)  # nothing frees: back after its timeout
     assert a.queued == 0
+
+
+async def test_a_freed_slot_wakes_only_the_request_that_waited_longest():
+    a = Admission()
+    waiters = []
+    for _ in range(3):
+        waiters.append(asyncio.create_task(a.wait(5.0)))
+        await asyncio.sleep(0)  # each queues in turn
+    assert a.queued == 3
+    a.first_token(0)  # one slot: one wake, to the first in
+    assert await asyncio.wait_for(waiters[0], 1.0) == 0
+    await asyncio.sleep(0.05)
+    assert not waiters[1].done() and not waiters[2].done() and a.queued == 2  # the others still wait: no herd
+    a.release(0)
+    assert await asyncio.wait_for(waiters[1], 1.0) == 0
+    for w in waiters[2:]:
+        w.cancel()
+
+
+async def test_a_wake_no_waiter_can_use_is_passed_on_once_round_and_then_dropped():
+    a = Admission()
+    first = asyncio.create_task(a.wait(5.0))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(a.wait(5.0))
+    await asyncio.sleep(0)
+    a.first_token(0)
+    hops = await asyncio.wait_for(first, 1.0)
+    a.pass_on(hops)  # the first could not take it: the second gets it
+    again = asyncio.create_task(a.wait(5.0))  # the first waits again, behind the second
+    await asyncio.sleep(0)
+    hops = await asyncio.wait_for(second, 1.0)
+    assert hops == 1
+    a.pass_on(hops)  # nobody who waits now has not had it: dropped, not handed back
+    await asyncio.sleep(0.05)
+    assert not again.done() and a.queued == 1
+    again.cancel()
+
+
+async def test_a_waiter_that_leaves_in_the_moment_it_is_woken_hands_the_slot_on():
+    a = Admission()
+    leaving = asyncio.create_task(a.wait(5.0))
+    await asyncio.sleep(0)
+    staying = asyncio.create_task(a.wait(5.0))
+    await asyncio.sleep(0)
+    a.first_token(0)  # wakes `leaving` ...
+    leaving.cancel()  # ... whose client goes before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    assert await asyncio.wait_for(staying, 1.0) == 0  # the slot was not lost
+    assert a.queued == 0 and not a._waiters

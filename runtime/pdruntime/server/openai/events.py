@@ -9,7 +9,7 @@ shape (the decode worker), :meth:`TokenEvent.from_json` is the one place it is p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -62,6 +62,13 @@ class TokenEvent:
         if self.finish is None:
             return None
         return "length" if self.finish == "length" else "stop"
+
+    def then(self, later: "TokenEvent") -> "TokenEvent":
+        """This event and ``later`` (the same choice, next) as one: deltas, token ids and logprobs joined, the
+        counts, text and finish ``later``'s. Decode sends one event per batch of tokens that are ready together."""
+        lps = None if self.logprobs is None and later.logprobs is None else (self.logprobs or []) + (later.logprobs or [])
+        return replace(later, delta=self.delta + later.delta, token_ids=self.token_ids + later.token_ids, logprobs=lps,
+                       prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
 
     def usage(self) -> dict:
         p, c = self.prompt_tokens or 0, self.completion_tokens or 0

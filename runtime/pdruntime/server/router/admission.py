@@ -10,15 +10,18 @@ A request is refused early, at the router, instead of late, by a worker that had
   one finishes or the mark lapses (the refusal's Retry-After, at most ``MAX_MARK_S``).
 * **the queue**: a request that finds every eligible pair at one of those bounds waits in the router for a slot,
   at most ``wait_s``; at most ``max_queued`` requests wait at once. Then it is refused with a 429 whose
-  Retry-After comes from the marks and the queue, well within a second of its arrival.
+  Retry-After comes from the marks and the queue, well within a second of its arrival. The queue is first in,
+  first out: each freed slot wakes the one request that has waited longest, not every waiter (a herd of
+  hundreds re-checking every pair for each freed slot is what delayed refusals on a busy router).
 
 The state is plain counters and marks (tested in tests/pd/test_admission.py); :meth:`Admission.wait` is the
-one ``await``, woken by :meth:`Admission.release`.
+one ``await``, woken by :meth:`Admission.first_token` and :meth:`Admission.release`.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass
 
 from pdruntime.util.aio import within
@@ -46,7 +49,7 @@ class Admission:
         self.pending: dict[int, int] = {}  # pair index -> requests dispatched there without a first token
         self.marks: dict[int, FullMark] = {}
         self.queued = 0  # requests waiting in wait() now
-        self._freed = asyncio.Event()
+        self._waiters: deque[asyncio.Future] = deque()  # in arrival order; a done one is skipped
 
     # ---- what is full ------------------------------------------------------------------------
     def blocked(self, now: float, outstanding: dict[int, int]) -> set[int]:
@@ -92,21 +95,43 @@ class Admission:
             m.level += 1  # probe upwards: the level it refused at may have been a moment's peak
         self._wake()
 
-    def _wake(self) -> None:
-        self._freed.set()
-        self._freed = asyncio.Event()
+    def _wake(self, hops: int = 0) -> None:
+        """One slot came free: wake the request that has waited longest (``hops``: how often it was passed on)."""
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(hops)
+                return
+
+    def pass_on(self, hops: int) -> None:
+        """A woken request could not take the slot (e.g. its pair is one it already tried): wake the next one,
+        until every request waiting now has had it (so two that cannot use it never pass it back and forth)."""
+        if hops < self.queued:
+            self._wake(hops + 1)
 
     # ---- the queue -----------------------------------------------------------------------------
     def can_queue(self) -> bool:
         return self.queued < self.max_queued
 
-    async def wait(self, timeout: float) -> None:
-        """Wait (queued) until a slot may have come free or ``timeout`` seconds pass."""
-        event = self._freed
+    async def wait(self, timeout: float) -> int | None:
+        """Wait (queued, in arrival order) until a slot may have come free or ``timeout`` seconds pass; -> the
+        wake's hops (:meth:`pass_on`), None at the timeout. One that leaves instead after a wake (its timeout or
+        its client gone, in the same moment) passes the wake on."""
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
         self.queued += 1
+        hops = None
         try:
-            await within(event.wait(), max(0.0, timeout))
+            await within(fut, max(0.0, timeout))
+            hops = fut.result()
+            return hops
         except TimeoutError:
-            pass
+            return None
         finally:
             self.queued -= 1
+            if hops is None and fut.done() and not fut.cancelled():
+                self._wake(fut.result())  # the slot goes to the next request, not nowhere
+            try:
+                self._waiters.remove(fut)
+            except ValueError:
+                pass

@@ -35,12 +35,17 @@ from pdruntime.server.router.prefix_tree import routing_text
 from pdruntime.server.router.reply import Dispatched, EdgeRequest, LiveRequest, Reply
 from pdruntime.server.router.topology import Topology, TopologyWatcher
 from pdruntime.server.router.topology_source import TopologySource
-from pdruntime.util.headers import ADMIN_TOKEN_HEADER, CLIENT_CONNECTION_HEADER, PIN_HEADER, REQUEST_ID_HEADER
+from pdruntime.util.headers import (ADMIN_TOKEN_HEADER, CLIENT_CONNECTION_HEADER, PIN_HEADER, REQUEST_ID_HEADER,
+                                    STREAM_INTERVAL_HEADER)
 
 log = logging.getLogger("pdruntime.router")
 
 MAX_ATTEMPTS = 3  # pairs tried per request (retries happen only before the first token)
 DEBUG_FETCH_TIMEOUT_S = 2.0
+#: seconds decode gathers token events into one for a client that asked for one response (not a stream): the
+#: router then relays a few events a second per request instead of one per token; its live progress (stall
+#: detection, /debug/requests) still advances this often
+COLLECT_INTERVAL_S = 0.25
 
 
 @dataclass
@@ -244,6 +249,7 @@ class Router:
                      prompt: str | None = None) -> PairState | None:
         """The pair for the next attempt, once one has room (admission.py): a request that finds every eligible pair
         at its bound waits in the router's queue until ``admission.wait_s`` after its arrival, then gets a 429."""
+        woken: int | None = None  # the hops of the wake that ended its last wait (None: not woken)
         while True:
             load = {i: st.outstanding for i, st in self.picker.states.items()}
             blocked = self.admission.blocked(now, load)
@@ -251,6 +257,8 @@ class Router:
                                        prompt=prompt)
             if state is not None or not blocked:
                 return state
+            if woken is not None:  # the slot that woke it is not one it may take: the next waiter's
+                self.admission.pass_on(woken)
             if not any(st.pair.index in blocked for st in self.picker.eligible(now, exclude, live.pinned)):
                 return None
             left = live.started + self.admission.wait_s - now
@@ -266,7 +274,7 @@ class Router:
                                code="pairs_busy" if reason == "pairs_busy" else "router_queue_full",
                                headers={"Retry-After": str(wait)})
             self.metrics.router_queue.set(self.admission.queued + 1)
-            await self.admission.wait(left)
+            woken = await self.admission.wait(left)
             self.metrics.router_queue.set(self.admission.queued)
             now = time.monotonic()
 
@@ -402,6 +410,8 @@ class Router:
         rid = uuid.uuid4().hex
         connection = f"{request.client.host}:{request.client.port}" if request.client else ""
         headers = {"x-client-id": req.client, REQUEST_ID_HEADER: rid, CLIENT_CONNECTION_HEADER: connection}
+        if not req.body.stream:  # one response: decode may send its tokens in fewer, larger events
+            headers[STREAM_INTERVAL_HEADER] = str(COLLECT_INTERVAL_S)
         body = {"sampling_params": req.body.sampling_params(), **req.body.worker_input()}
         out = Outbound(rid, body, headers, req.deadline, req.n)
         live = LiveRequest(rid, req.client, req.body.user or request.headers.get("x-session-id"), req.arrived,

@@ -87,6 +87,8 @@ class Reply:
         self.outcome = "aborted"  # until it completes ("ok") or fails mid-stream ("failed")
         self.last_token_at = time.monotonic()
         self.prompt_logprobs: list | None = None  # echo + logprobs: the prompt's entries (prefill's)
+        self._itl = metrics.itl.labels("router")  # label lookups once per request, not per event
+        self._tokens = metrics.tokens.labels("router", client_label)
 
     async def token_events(self) -> AsyncIterator[TokenEvent]:
         """Decode's events, counted, with choice 0's first-token logprobs from prefill (which sampled it)."""
@@ -109,12 +111,14 @@ class Reply:
         n = len(ev.token_ids)
         if n:
             now = time.monotonic()
-            if self.live.tokens:
-                self.metrics.itl.labels("router").observe(now - self.last_token_at)
+            if self.live.tokens:  # an event of n tokens: n inter-token gaps of a share each
+                gap = (now - self.last_token_at) / n
+                for _ in range(n):
+                    self._itl.observe(gap)
             self.last_token_at = now
             self.live.tokens += n
             self.live.progressed_at = now
-            self.metrics.tokens.labels("router", self.client_label).inc(n)
+            self._tokens.inc(n)
 
     async def finish(self, completed: bool) -> None:
         """Release the pair and the live entry; a finished stream closes decode and reaps prefill, anything else

@@ -39,6 +39,7 @@ from pdruntime.server.worker.engine_commands import (Abort, AddRequest, AdmitPre
 from pdruntime.server.worker.faults import STALL_THIS_REQUEST, ConnectionStall, connection_of
 from pdruntime.server.worker.prompts import client_of, read_generate, request_id
 from pdruntime.util.aio import within
+from pdruntime.util.headers import STREAM_INTERVAL_HEADER
 
 log = logging.getLogger("pdruntime.decode")
 
@@ -337,13 +338,14 @@ class DecodeWorker(WorkerBase):
         greq = await read_generate(request)
         if self.stall_fault is not None and greq.bootstrap_room is not None:
             STALL_THIS_REQUEST.set(self.stall_fault.admit(connection_of(request.headers, request.scope)))
-        return await self.run_generate(greq, client_of(request))
+        return await self.run_generate(greq, client_of(request), interval_s=stream_interval(request.headers))
 
     async def run_generate(self, greq: GenerateRequest, client: str, shape: OpenAIShape | None = None,
-                           include_usage: bool = False):
-        """One request, SGLang-shaped events (``shape`` None: /generate) or OpenAI-shaped (the /v1 routes)."""
+                           include_usage: bool = False, interval_s: float = 0.0):
+        """One request, SGLang-shaped events (``shape`` None: /generate) or OpenAI-shaped (the /v1 routes);
+        ``interval_s``: seconds to gather token events into one (the router's STREAM_INTERVAL_HEADER)."""
         req = self._admit(greq, client)
-        stream = DecodeStream(self, req, self.metrics.clients.label(req.client))
+        stream = DecodeStream(self, req, self.metrics.clients.label(req.client), interval_s)
         if greq.stream:
             return GuardedStream(stream.sse_body(shape, include_usage), stream.on_close)
         return await stream.respond(shape)
@@ -389,3 +391,16 @@ def _request_failed(reason: str) -> tuple[int | None, str | None]:
     return status, (code if code.replace("_", "").isalnum() else None)
 
 
+
+
+MAX_STREAM_INTERVAL_S = 1.0  # the most STREAM_INTERVAL_HEADER may ask for (progress is reported at least this often)
+
+
+def stream_interval(headers: Any) -> float:
+    """Seconds of STREAM_INTERVAL_HEADER, clamped to [0, MAX_STREAM_INTERVAL_S]; 0 when absent or not a number
+    (an optimisation hint from the router: a bad value is ignored, not an error)."""
+    try:
+        v = float(headers.get(STREAM_INTERVAL_HEADER) or 0.0)
+    except ValueError:
+        return 0.0
+    return min(max(v, 0.0), MAX_STREAM_INTERVAL_S) if v == v else 0.0

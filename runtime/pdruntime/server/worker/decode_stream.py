@@ -3,6 +3,7 @@ SSE (``/generate`` or OpenAI-shaped chunks) or one response, with decode's token
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any, AsyncIterator, Protocol
@@ -77,6 +78,11 @@ def _without_early(out: Any, early: EarlyToken) -> Any:
     return _Trimmed(ids[1:], text, out.finished, out.finish_reason)
 
 
+def _ends(item: Any) -> bool:
+    """An output that ends a batch: a failure, or one that finishes its choice."""
+    return isinstance(item, DecodeFailed) or bool(item.finished)
+
+
 class _Worker(Protocol):
     """What a stream needs of its decode worker."""
 
@@ -92,40 +98,69 @@ class _Worker(Protocol):
 class DecodeStream:
     """Events of one request, per choice (``req.n``), from its output queue; :meth:`on_close` runs once."""
 
-    def __init__(self, worker: _Worker, req: DecodeRequest, client_label: str) -> None:
+    def __init__(self, worker: _Worker, req: DecodeRequest, client_label: str, interval_s: float = 0.0) -> None:
         self.worker, self.req = worker, req
         self.metrics, self.role = worker.metrics, worker.role
         self.tokenizer = worker.loaded.tokenizer
         self.client_label = client_label
+        self.interval_s = interval_s  # seconds to gather outputs into one event after a batch's first (0: none)
         self.arrived = time.monotonic()
         self.choice_of = {eid: i for i, eid in enumerate(req.engine_ids())}
+        self._itl = self.metrics.itl.labels(self.role)  # label lookups once per request, not per token
+        self._tokens = self.metrics.tokens.labels(self.role, client_label)
+
+    async def _batch(self, gather: bool) -> list:
+        """The next engine output and every output already waiting behind it; with ``gather`` (and an interval)
+        also those arriving within ``interval_s`` of the first. A batch ends at an output that finishes a choice
+        or fails. Outputs left in the queue (a timeout's race) stay there for the next batch."""
+        q = self.req.outputs
+        batch = [await q.get()]
+        if gather and self.interval_s > 0:
+            end = time.monotonic() + self.interval_s
+            while not _ends(batch[-1]) and (left := end - time.monotonic()) > 0:
+                try:
+                    async with asyncio.timeout(left):
+                        batch.append(await q.get())
+                except TimeoutError:
+                    break
+        while not _ends(batch[-1]) and not q.empty():
+            batch.append(q.get_nowait())
+        return batch
 
     async def events(self) -> AsyncIterator[TokenEvent]:
-        """Each engine output as its choice's event, until every choice finished. Raises DecodeFailed."""
+        """The engine's outputs as token events, one per choice per batch (:meth:`_batch`: the outputs that are
+        ready together, so a busy reader gets fewer, larger events), until every choice finished. The first batch
+        is never held back (it carries the first token). Raises DecodeFailed after the events before it."""
         req = self.req
         texts, tokens = [""] * req.n, [0] * req.n  # per choice
         open_ = req.n
         last = None
         early: EarlyToken | None = None
-        while True:
-            item = await req.outputs.get()
-            if isinstance(item, DecodeFailed):
-                raise item
-            i = self.choice_of[getattr(item, "request_id", req.rid)]  # the early token is choice 0's
-            if i == 0 and early is not None:  # the engine's first report repeats the early token: drop it once
-                item = _without_early(item, early)
-                early = None
-            elif isinstance(item, EarlyToken):
-                early = item
-            if item.new_token_ids:
-                last = self._count(item, last)
-                tokens[i] += len(item.new_token_ids)
-            texts[i] += item.text_delta
-            yield self._event(item, i, texts[i], tokens[i])
-            if item.finished:
-                open_ -= 1
-                if not open_:
-                    return
+        first = True
+        while open_:
+            merged: dict[int, TokenEvent] = {}  # per choice, in the order they came
+            for item in await self._batch(gather=not first):
+                if isinstance(item, DecodeFailed):
+                    for ev in merged.values():
+                        yield ev
+                    raise item
+                i = self.choice_of[getattr(item, "request_id", req.rid)]  # the early token is choice 0's
+                if i == 0 and early is not None:  # the engine's first report repeats the early token: drop it once
+                    item = _without_early(item, early)
+                    early = None
+                elif isinstance(item, EarlyToken):
+                    early = item
+                if item.new_token_ids:
+                    last = self._count(item, last)
+                    tokens[i] += len(item.new_token_ids)
+                texts[i] += item.text_delta
+                ev = self._event(item, i, texts[i], tokens[i])
+                merged[i] = merged[i].then(ev) if i in merged else ev
+                if item.finished:
+                    open_ -= 1
+            first = False
+            for ev in merged.values():
+                yield ev
 
     def _count(self, item: Any, last: float | None) -> float:
         """Token metrics of one output with tokens; -> its time (the next one's ITL reference)."""
@@ -133,10 +168,10 @@ class DecodeStream:
         if last is None:
             self.metrics.ttft.labels(self.role).observe(ts - self.arrived)
         else:
-            self.metrics.itl.labels(self.role).observe(ts - last)
+            self._itl.observe(ts - last)
         self.req.completion_tokens += len(item.new_token_ids)
         self.req.last_token_at = self.worker.clock.now()
-        self.metrics.tokens.labels(self.role, self.client_label).inc(len(item.new_token_ids))
+        self._tokens.inc(len(item.new_token_ids))
         return ts
 
     def _event(self, item: Any, i: int, text: str, tokens: int) -> TokenEvent:
