@@ -169,10 +169,21 @@ def systems(args, log_dir: str) -> list[System]:
             out.append(System(f"pdstack, prefix cache {which}", argv, port, log_dir, f"http://127.0.0.1:{base}"))
         else:
             argv = [args.llama_python, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port),
-                    "--n_ctx", "8192", "--n_threads", "2", "--cache", "true", "--cache_type", "ram",
-                    "--cache_size", str(2 << 30)]
+                    "--n_ctx", str(llama_n_ctx(args)), "--n_threads", "2", "--cache", "true", "--cache_type", "ram",
+                    "--cache_size", str(args.llama_cache_mib << 20),
+                    # its default cuts a running stream short ([DONE]) as soon as another request waits for the
+                    # model: with concurrent agents every reply would end after a token or two, unsaved in the cache
+                    "--interrupt_requests", "false"]
             out.append(System("llama.cpp server, prompt cache on", argv, port, log_dir, None))
     return out
+
+
+def llama_n_ctx(args) -> int:
+    """llama.cpp's context: the last round's prompt and reply (~50 tokens of template and task a round on top
+    of the tool output), rounded up to a power of two. Its RAM cache saves the whole context state per
+    request, so a context no larger than needed keeps each state small."""
+    need = args.rounds * (args.tool_tokens + 50 + args.max_tokens) + args.tool_tokens + 100
+    return max(2048, 1 << (need - 1).bit_length())
 
 
 def report(results: list[dict]) -> str:
@@ -213,6 +224,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--systems", nargs="+", default=["on", "off", "llama"], choices=["on", "off", "llama"])
     ap.add_argument("--llama-python", default="/work/peers-venv/bin/python",
                     help="a Python with llama-cpp-python[server] (built from source; not in make setup)")
+    ap.add_argument("--llama-cache-mib", type=int, default=8192,
+                    help="llama.cpp's RAM prompt cache: one saved state per request (each ~ its context's KV), "
+                         "LRU; room for two states per agent keeps every conversation's latest one")
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded SmolLM2)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
