@@ -224,9 +224,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--systems", nargs="+", default=["on", "off", "llama"], choices=["on", "off", "llama"])
     ap.add_argument("--llama-python", default="/work/peers-venv/bin/python",
                     help="a Python with llama-cpp-python[server] (built from source; not in make setup)")
-    ap.add_argument("--llama-cache-mib", type=int, default=8192,
-                    help="llama.cpp's RAM prompt cache: one saved state per request (each ~ its context's KV), "
-                         "LRU; room for two states per agent keeps every conversation's latest one")
+    ap.add_argument("--llama-cache-mib", type=int, default=2048,
+                    help="llama.cpp's RAM prompt cache (LRU, one state saved per request, ~23 KB a token for "
+                         "SmolLM2, so 2 GiB keeps ~35 states of 2,500 tokens: every agent's latest, 8 agents). "
+                         "The cap counts KV only: each state also holds an uncounted ~100 MB copy of logits")
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded SmolLM2)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
