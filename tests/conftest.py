@@ -7,8 +7,20 @@ Test modules import their helpers by module name (``from pd_harness import ...``
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+# One intra-op thread for torch (and numpy's BLAS) in the pytest processes and in what they start, unless the
+# environment sets its own. make test runs two xdist workers on a 2-core host: torch's default of one thread per
+# core gave each worker an OpenMP pool as wide as the host, and the two pools spun against each other and against
+# the stacks' processes (those already run with one, pd_harness.base_env). The tests' tensors are tiny (the random
+# test model) or memory-bound (SmolLM2's decode): tests/engine/test_low_precision.py took 104 CPU s (155 s wall)
+# with two threads, 25 CPU s (37 s) with one, on the same loaded host.
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:  # imported before this file (by a plugin): its pool is sized already
+        sys.modules["torch"].set_num_threads(1)
 
 _TESTS = Path(__file__).resolve().parent
 for _d in (_TESTS / "support", _TESTS / "pd"):
