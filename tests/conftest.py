@@ -28,3 +28,39 @@ for _d in (_TESTS / "support", _TESTS / "pd"):
         sys.path.insert(0, str(_d))
 
 from tiny_stack import client, make_engine, model_id, reference, stack, tiny, tiny_model  # noqa: E402,F401
+
+# The slowest files of `make test` (seconds of setup + call per file, --durations of a full run), run first. The
+# two xdist workers take whole files (--dist loadfile) in collection order, and collection order put some of the
+# slowest last (tests/tp/test_tp_pd.py, ~50 s): one worker finished while the other still had a minute to go.
+# Started first, the long files overlap each other and the many short ones fill in at the end. A file missing from
+# the list keeps its place; a name here that no longer exists changes nothing.
+SLOWEST_FIRST = (
+    "tests/pd/test_pd_failures.py",
+    "tests/pd/test_pd_stack.py",
+    "tests/pd/test_wire_stack.py",
+    "tests/runtime/test_probe_agents.py",
+    "tests/tp/test_tp_pd.py",
+    "tests/pd/test_engine_failures.py",
+    "tests/pd/test_long_prompt.py",
+    "tests/kernels/test_triton_decode_attention.py",
+    "tests/kernels/test_triton_gpu_compile.py",
+    "tests/operator/test_probes.py",
+    "tests/operator/test_canary_flow.py",
+    "tests/pd/test_fault_matrix.py",
+    "tests/pd/test_prefix_delta.py",
+    "tests/pd/test_breaker_integration.py",
+    "tests/engine/test_low_precision.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files in SLOWEST_FIRST first, in its order; every file's tests stay together and in their own order."""
+    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
+    root = config.rootpath
+    def key(item):
+        try:
+            rel = item.path.relative_to(root).as_posix()
+        except ValueError:
+            return len(rank)
+        return rank.get(rel, len(rank))
+    items.sort(key=key)  # stable: the rest keep collection order
