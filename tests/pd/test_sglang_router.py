@@ -35,6 +35,15 @@ pytestmark = pytest.mark.timeout(120)
 MAX_NEW = 8
 
 
+# ``python -m sglang_router.launch_router``, with the ``sglang`` package hidden from that process. launch_router
+# imports the Python MiniLB (debug only), which tries ``sglang.srt.tracing`` and goes without it on ImportError;
+# here sglang is installed (no deps, for SGLang's argparse in tests/operator/test_sglang_render.py) and that import
+# pulls in sglang.srt and torch: ~7 CPU s and ~14 s on this host per router start, in four modules. The Rust router
+# these tests drive never uses it; an install of sglang-router alone starts the same way.
+LAUNCH_ROUTER = ["-c", "import sys; sys.modules['sglang'] = None; "
+                       "from sglang_router.launch_router import main; main()"]
+
+
 class SGLangRouter(Proc):
     """The real SGLang router process; stop/kill come from pd_harness.Proc."""
 
@@ -46,7 +55,7 @@ class SGLangRouter(Proc):
         env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
         with open(self.log, "wb") as fh:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                [sys.executable, *LAUNCH_ROUTER, "--pd-disaggregation",
                  "--prefill", stack.prefill.url, str(stack.bootstrap_port), "--decode", stack.decode.url,
                  "--host", "127.0.0.1", "--port", str(self.port),
                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
