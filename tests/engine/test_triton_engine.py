@@ -8,6 +8,7 @@ choice (``PDRT_ATTENTION_BACKEND``) is made once, at model load."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,7 +16,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("triton")
+# find_spec, not importorskip: importing Triton here, at collection, without TRITON_INTERPRET would turn its
+# interpreter off for the whole pytest process (tests/kernels/conftest.py imports it first, with the variable set)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 _SCRIPT = r"""
 import json, os, sys

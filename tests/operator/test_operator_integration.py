@@ -335,7 +335,10 @@ async def test_api_errors_are_counted_and_retried_until_ready(operator):
 async def test_repeated_faults_back_off_exponentially(operator):
     c = operator
     name = "loop"
-    await _ready_pairs(c, name, pairs=1)  # backoff 0.2 s doubling, cap 2 s; streak resets after 2 s ready
+    # backoff 0.2 s doubling; the streak resets after maxSeconds ready, so the cap is far above the three backoffs:
+    # with the harness's 2 s, a loaded host that took 2 s from "ready" to the next fault's decision reset it
+    c.apply(manifest(name, pairs=1, coRestart={"policy": "Pair", "backoff": {"initialSeconds": 0.2, "maxSeconds": 60}}))
+    await eventually(lambda: is_ready(c, name), what=f"{name} Ready")
     for n in (1, 2, 3):
         victim = c.pair_pods(name, 0)["decode"]["metadata"]["name"]
         c.kubelet.restart_container(NS, victim)
