@@ -13,7 +13,8 @@ import pytest
 from pdruntime.engine import StepOutput
 from pdruntime.server.metrics import Metrics
 from pdruntime.server.openai.events import TokenEvent
-from pdruntime.server.worker.decode import MAX_STREAM_INTERVAL_S, stream_interval
+from pdruntime.disagg.decode_queues import BUSY_GRACE_S
+from pdruntime.server.worker.decode import MAX_STREAM_INTERVAL_S, busy_grace, stream_interval
 from pdruntime.server.worker.decode_stream import DecodeFailed, DecodeStream
 
 
@@ -134,3 +135,12 @@ def test_token_event_then_joins_deltas_ids_and_logprobs():
 def test_the_stream_interval_header_is_clamped_and_a_bad_value_ignored(raw, want):
     headers = {} if raw is None else {"x-pdstack-stream-interval-s": raw}
     assert stream_interval(headers) == want
+
+
+@pytest.mark.parametrize("raw,want", [(None, BUSY_GRACE_S), ("0.125", 0.125), ("0", 0.0), ("0.000", 0.0),
+                                      ("9", BUSY_GRACE_S), ("-1", 0.0), ("soon", BUSY_GRACE_S), ("nan", BUSY_GRACE_S)])
+def test_the_busy_wait_header_can_only_shorten_decodes_wait_for_pages(raw, want):
+    """The router's BUSY_WAIT_HEADER (what is left of its admission wait) bounds how long decode waits for KV pages
+    before a 429; absent or unreadable, decode waits its own BUSY_GRACE_S, and never longer."""
+    headers = {} if raw is None else {"x-pdstack-busy-wait-s": raw}
+    assert busy_grace(headers) == want

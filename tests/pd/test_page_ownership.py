@@ -14,6 +14,7 @@ import types
 import pytest
 
 from pdruntime.engine import OutOfBlocks
+from pdruntime.disagg.decode_queues import BUSY_GRACE_S
 from pdruntime.server.worker.decode import DecodeWorker
 from pdruntime.server.worker.engine_commands import Abort, AddRequest, RequestGone, Reserve
 from pdruntime.util.aio import within
@@ -82,7 +83,7 @@ class _Req(types.SimpleNamespace):
 
 
 def _request(**kw):
-    return _Req(rid="r1", prompt_ids=[1, 2, 3], forks=[], failure=None, **kw)
+    return _Req(rid="r1", prompt_ids=[1, 2, 3], forks=[], failure=None, busy_grace_s=BUSY_GRACE_S, **kw)
 
 
 @pytest.mark.parametrize("yields", range(6))
@@ -95,6 +96,7 @@ async def test_a_request_failed_as_pages_come_free_never_keeps_them(yields):
     me, req = _worker(runner), _request()
     task = asyncio.create_task(DecodeWorker._reserve(me, req))
     while runner.reserves < 1 or not runner.queue.empty():
+        assert not task.done(), task  # it ended before its first Reserve: its error, not a hang
         await asyncio.sleep(0)  # the first Reserve failed (pool full): r1 waits for freed pages
     for _ in range(3):
         await asyncio.sleep(0)

@@ -17,6 +17,7 @@ from pdruntime.disagg.queues import StageTable
 from pdruntime.disagg.states import TransferStatus
 
 STAGES = ("prealloc", "transfer", "running")
+BUSY_GRACE_S = 0.5  # seconds a request waits for KV pages to come free before decode answers 429 (busy)
 
 
 @dataclass(eq=False)
@@ -46,6 +47,7 @@ class DecodeRequest:
     # n > 1: choices 1..n-1 are engine forks of this prompt, [(engine request id, SamplingParams)]; choice 0 is
     # the request itself (engine id ``rid``), whose first token prefill sampled
     forks: list = field(default_factory=list)
+    busy_grace_s: float = BUSY_GRACE_S  # seconds it waits for KV pages before a 429 (at most; the router's may be less)
     open_ids: set = field(default_factory=set)  # engine ids of the choices still generating
     page_refs: list | None = None  # at the fork: holders of each of the prompt's pages (shared: n)
     held_tokens: int = 0  # leading prompt tokens whose KV decode held at reserve (its prefix cache): not transferred

@@ -11,3 +11,7 @@ DEADLINE_HEADER = "x-pdstack-deadline-s"  # router -> prefill leg: seconds left 
 #: router -> decode leg: seconds decode may gather token events into one after the first (the router sends it for
 #: a client that asked for one response, not a stream: fewer events to relay; progress still reported this often)
 STREAM_INTERVAL_HEADER = "x-pdstack-stream-interval-s"
+#: router -> decode leg: seconds decode may wait for KV pages before it answers 429 (busy): what is left of the
+#: router's --admission-wait-s for this request, so that a request waits for capacity at most that long after its
+#: arrival, in the router's queue and in decode together
+BUSY_WAIT_HEADER = "x-pdstack-busy-wait-s"

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pdruntime.util.aio import within
 
 MAX_PENDING = 32  # requests per pair between dispatch and their first token
-WAIT_S = 0.5  # seconds a request waits in the router for a slot before it is refused
+WAIT_S = 0.25  # seconds a request waits for a slot (in the router, then in decode) before it is refused
 MAX_QUEUED = 512  # requests waiting for a slot at once; beyond it, refused at arrival
 MAX_MARK_S = 5.0  # seconds a busy refusal marks its pair full at most (the mark also ends when a request ends)
 

@@ -413,7 +413,8 @@ class Router:
         if not req.body.stream:  # one response: decode may send its tokens in fewer, larger events
             headers[STREAM_INTERVAL_HEADER] = str(COLLECT_INTERVAL_S)
         body = {"sampling_params": req.body.sampling_params(), **req.body.worker_input()}
-        out = Outbound(rid, body, headers, req.deadline, req.n)
+        # a request waits for capacity at most admission.wait_s after its arrival: in the router's queue, then in decode
+        out = Outbound(rid, body, headers, req.deadline, req.n, busy_until=req.arrived + self.admission.wait_s)
         live = LiveRequest(rid, req.client, req.body.user or request.headers.get("x-session-id"), req.arrived,
                            client_request_id=client_request_id(request.headers))
         self.live[rid] = live

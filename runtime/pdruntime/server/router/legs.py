@@ -16,8 +16,8 @@ import httpx
 
 from pdruntime.server.openai.events import TokenEvent
 from pdruntime.server.router.topology import Pair
-from pdruntime.util.aio import within
-from pdruntime.util.headers import DEADLINE_HEADER
+from pdruntime.util.aio import detach, within
+from pdruntime.util.headers import BUSY_WAIT_HEADER, DEADLINE_HEADER
 from pdruntime.util.sse import DONE, aiter_sse
 
 ABORT_TIMEOUT_S = 2.0  # seconds for the best-effort /abort_request calls
@@ -92,6 +92,7 @@ class Outbound:
     headers: dict
     deadline: float  # time.monotonic() seconds
     n: int = 1  # choices decode streams
+    busy_until: float | None = None  # time.monotonic(): decode waits for KV pages until then at most (None: its own)
 
 
 class Legs:
@@ -107,6 +108,7 @@ class Legs:
         self.decode_body = {**common, "stream": True}
         self.headers = out.headers
         self.n = out.n
+        self.busy_until = out.busy_until
         self.prefill_task: asyncio.Task | None = None
         self.decode_resp: httpx.Response | None = None
         self._events: AsyncIterator[Any] | None = None  # decode's SSE payloads
@@ -141,8 +143,11 @@ class Legs:
 
     # ---- decode leg ----------------------------------------------------------------------------
     async def _open_decode(self) -> TokenEvent:
+        headers = self.headers
+        if self.busy_until is not None:
+            headers = {**headers, BUSY_WAIT_HEADER: f"{max(0.0, self.busy_until - time.monotonic()):.3f}"}
         req = self.client.build_request("POST", self.pair.decode_url + "/generate", json=self.decode_body,
-                                        headers=self.headers, timeout=httpx.Timeout(self.remaining() + 1.0, connect=CONNECT_TIMEOUT_S))
+                                        headers=headers, timeout=httpx.Timeout(self.remaining() + 1.0, connect=CONNECT_TIMEOUT_S))
         try:
             self.decode_resp = await self.client.send(req, stream=True)
         except httpx.HTTPError as exc:
@@ -198,7 +203,10 @@ class Legs:
                 self.prefill_task.result()  # raises LegError; success means: keep waiting for decode
         except BaseException:
             decode_task.cancel()
-            await self.abort()
+            # told to the workers in the background: the client's answer (a 429 under overload, above all) does not
+            # wait for two /abort_request round trips to workers that are busy; the prefill call is cancelled now
+            self._cancel_prefill()
+            detach(self.abort())
             raise
 
     async def _prefer_prefill_verdict(self, decode_exc: BaseException) -> None:
@@ -251,12 +259,15 @@ class Legs:
 
     async def abort(self) -> None:
         """Abort both legs: drop the decode stream, cancel the prefill call, and tell both workers."""
+        self._cancel_prefill()
+        await self.close()
+        await asyncio.gather(self._post_abort(self.pair.prefill_url), self._post_abort(self.pair.decode_url))
+
+    def _cancel_prefill(self) -> None:
         if self.prefill_task is not None and not self.prefill_task.done():
             self.prefill_task.cancel()
         elif self.prefill_task is not None and not self.prefill_task.cancelled():
             self.prefill_task.exception()  # retrieved: its error was reported through the other leg (no log noise)
-        await self.close()
-        await asyncio.gather(self._post_abort(self.pair.prefill_url), self._post_abort(self.pair.decode_url))
 
     async def close(self) -> None:
         if self.decode_resp is not None:

@@ -3,7 +3,6 @@ response, per choice, with the router's token metrics; closing it releases the p
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -16,6 +15,7 @@ from pdruntime.server.openai.format import Choices, OpenAIShape
 from pdruntime.server.openai.schemas import ApiError, ChatCompletionRequest, CompletionRequest, error_body
 from pdruntime.server.router.legs import LegError, Legs
 from pdruntime.server.router.policy import PairState
+from pdruntime.util.aio import detach
 from pdruntime.util.sse import SSE_DONE, sse
 
 
@@ -128,7 +128,7 @@ class Reply:
         if completed and self.outcome == "aborted":  # finished normally (not failed mid-stream)
             self.outcome = "ok"
             await legs.close()
-            asyncio.get_running_loop().create_task(legs.join_prefill())
+            detach(legs.join_prefill())
         else:
             if self.outcome == "aborted":
                 self.metrics.disconnects.inc()

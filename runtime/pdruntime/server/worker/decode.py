@@ -26,7 +26,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from pdruntime.disagg import transfer, wire
-from pdruntime.disagg.decode_queues import DecodeQueues, DecodeRequest
+from pdruntime.disagg.decode_queues import BUSY_GRACE_S, DecodeQueues, DecodeRequest
 from pdruntime.disagg.states import TransferState, TransferStatus
 from pdruntime.disagg.wire import WireError
 from pdruntime.server.edge import GuardedStream
@@ -39,11 +39,10 @@ from pdruntime.server.worker.engine_commands import (Abort, AddRequest, AdmitPre
 from pdruntime.server.worker.faults import STALL_THIS_REQUEST, ConnectionStall, connection_of
 from pdruntime.server.worker.prompts import client_of, read_generate, request_id
 from pdruntime.util.aio import within
-from pdruntime.util.headers import STREAM_INTERVAL_HEADER
+from pdruntime.util.headers import BUSY_WAIT_HEADER, STREAM_INTERVAL_HEADER
 
 log = logging.getLogger("pdruntime.decode")
 
-BUSY_GRACE_S = 0.5  # seconds a request waits for KV pages to come free before decode answers 429 (busy)
 BUSY_RETRY_MAX_S = 30  # the largest Retry-After decode suggests
 
 
@@ -149,7 +148,7 @@ class DecodeWorker(WorkerBase):
     async def _reserve(self, req: DecodeRequest) -> tuple[list[int], int]:
         from pdruntime.engine import OutOfBlocks
 
-        deadline = time.monotonic() + BUSY_GRACE_S
+        deadline = time.monotonic() + req.busy_grace_s
         while True:
             event = self.pages_freed
             try:
@@ -338,19 +337,21 @@ class DecodeWorker(WorkerBase):
         greq = await read_generate(request)
         if self.stall_fault is not None and greq.bootstrap_room is not None:
             STALL_THIS_REQUEST.set(self.stall_fault.admit(connection_of(request.headers, request.scope)))
-        return await self.run_generate(greq, client_of(request), interval_s=stream_interval(request.headers))
+        return await self.run_generate(greq, client_of(request), interval_s=stream_interval(request.headers),
+                                       busy_grace_s=busy_grace(request.headers))
 
     async def run_generate(self, greq: GenerateRequest, client: str, shape: OpenAIShape | None = None,
-                           include_usage: bool = False, interval_s: float = 0.0):
+                           include_usage: bool = False, interval_s: float = 0.0, busy_grace_s: float = BUSY_GRACE_S):
         """One request, SGLang-shaped events (``shape`` None: /generate) or OpenAI-shaped (the /v1 routes);
-        ``interval_s``: seconds to gather token events into one (the router's STREAM_INTERVAL_HEADER)."""
-        req = self._admit(greq, client)
+        ``interval_s``: seconds to gather token events into one (the router's STREAM_INTERVAL_HEADER);
+        ``busy_grace_s``: seconds to wait for KV pages before a 429 (the router's BUSY_WAIT_HEADER)."""
+        req = self._admit(greq, client, busy_grace_s)
         stream = DecodeStream(self, req, self.metrics.clients.label(req.client), interval_s)
         if greq.stream:
             return GuardedStream(stream.sse_body(shape, include_usage), stream.on_close)
         return await stream.respond(shape)
 
-    def _admit(self, greq: GenerateRequest, client: str) -> DecodeRequest:
+    def _admit(self, greq: GenerateRequest, client: str, busy_grace_s: float = BUSY_GRACE_S) -> DecodeRequest:
         """Validate against this worker (prompt, context, PD fields, n), queue in prealloc, start its KV pull."""
         prompt = self.prompts.prompt_ids(greq)
         params = self.prompts.sampling(greq, len(prompt))
@@ -367,7 +368,7 @@ class DecodeWorker(WorkerBase):
         req = DecodeRequest(rid=rid, room=int(greq.bootstrap_room or 0), client=client,
                             prompt_ids=prompt, params=params, bootstrap_host=greq.bootstrap_host or "",
                             bootstrap_port=int(greq.bootstrap_port or 0), created_at=now, status=TransferStatus(now),
-                            forks=[(f"{rid}#{i}", params.for_choice(i)) for i in range(1, n)])
+                            forks=[(f"{rid}#{i}", params.for_choice(i)) for i in range(1, n)], busy_grace_s=busy_grace_s)
         try:
             self.queues.put(req.rid, req, "prealloc")
         except KeyError as exc:
@@ -391,6 +392,16 @@ def _request_failed(reason: str) -> tuple[int | None, str | None]:
     return status, (code if code.replace("_", "").isalnum() else None)
 
 
+
+
+def busy_grace(headers: Any) -> float:
+    """Seconds of BUSY_WAIT_HEADER, clamped to [0, BUSY_GRACE_S]; BUSY_GRACE_S when absent or not a number (the
+    router's hint can only shorten decode's own wait)."""
+    try:
+        v = float(headers.get(BUSY_WAIT_HEADER) or BUSY_GRACE_S)
+    except ValueError:
+        return BUSY_GRACE_S
+    return min(max(v, 0.0), BUSY_GRACE_S) if v == v else BUSY_GRACE_S
 
 
 MAX_STREAM_INTERVAL_S = 1.0  # the most STREAM_INTERVAL_HEADER may ask for (progress is reported at least this often)
