@@ -292,8 +292,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     m = server.metrics
     protocol = connections.guarded_protocol(limits, on_close=lambda why: m.connections_closed.labels(why).inc(),
                                             on_count=m.connections_open.set)
+    # loop="asyncio": uvicorn's default ("auto") takes uvloop whenever it is installed (uvicorn[standard], vLLM's
+    # deps), and the KV wire, the connection guard and every timing in docs/reliability.md are built and tested on
+    # asyncio's own loop: with uvloop present, decode's KV reads failed as "peer stalled" under load
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_keep_alive=75,
-                http=protocol)
+                http=protocol, loop="asyncio")
     return 0
 
 
