@@ -173,11 +173,73 @@ def cmd_probe_agents(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _engine_url(text: str) -> str:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r} is not accepted; accepted: the engine's http(s) URL, e.g. "
+                                         "http://127.0.0.1:8000")
+    return text.rstrip("/")
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; accepted: a port 1..65535") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is out of range; accepted: a port 1..65535")
+    return value
+
+
+def _add_agent(subparsers) -> None:
+    from pdruntime.agent import AGENT_PORT, ENGINES, ROLES
+
+    a = subparsers.add_parser("agent", help="the pdstack sidecar beside an SGLang or vLLM worker: /health, "
+                              "/config, /metrics, /debug/requests translated from the engine")
+    a.add_argument("--engine", required=True, choices=ENGINES)
+    a.add_argument("--role", required=True, choices=ROLES)
+    a.add_argument("--port", type=_port, default=AGENT_PORT)
+    a.add_argument("--host", default="0.0.0.0")
+    a.add_argument("--engine-url", type=_engine_url, default="http://127.0.0.1:8000")
+    a.add_argument("--process-match", action="append", default=None,
+                   help="a substring of the engine's command line (repeatable; default per engine)")
+    a.add_argument("--model-path", default=None, help="the weights (dir or file) to hash for /config")
+    a.add_argument("--report-env", default="", help="extra env names for /config, comma-separated, NAME or PREFIX*")
+    a.set_defaults(func=cmd_agent)
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from pdruntime.agent import DEFAULT_MATCH
+    from pdruntime.agent.server import Agent, AgentConfig, make_server
+    from pdruntime.env import ConfigError, parse_allow_list
+
+    try:
+        report = parse_allow_list(args.report_env)
+    except ConfigError as exc:
+        print(f"pdrt agent: --report-env: {exc}", file=sys.stderr)
+        return 2
+    cfg = AgentConfig(engine=args.engine, role=args.role, engine_url=args.engine_url,
+                      matches=tuple(args.process_match or DEFAULT_MATCH[args.engine]),
+                      model_path=args.model_path, report_env=report)
+    server = make_server(Agent(cfg), args.host, args.port)
+    print(f"pdrt agent: {args.engine} {args.role} on {args.host}:{server.server_address[1]}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdrt", description="pdstack runtime: engine, PD workers, router")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_probe(sub)
+    _add_agent(sub)
     try:
         from pdruntime.server import commands
     except ImportError as exc:
