@@ -109,22 +109,23 @@ class Agent:
         return "\n".join(lines) + "\n"
 
     def debug_requests(self) -> dict:
-        """The pdrt worker's ``/debug/requests`` shape. The engine lists no requests, so each busy stage is one
-        aggregate row (``count`` requests) whose ``idle_s`` for ``running`` is the time the generation counter
-        has not moved -- what stall.py needs to see a frozen engine."""
+        """The pdrt worker's ``/debug/requests`` shape. The engine lists no requests, so its running batch is one
+        aggregate row (``count`` requests) whose ``idle_s`` is the time the generation counter has not moved --
+        what stall.py needs to see a frozen engine. The queues are counts only: a queue whose count holds
+        steady may hold different requests, so no row claims one of them is stuck."""
         v = self.engine_metrics()
         now = time.monotonic()
         with self._lock:
             p = self._progress
             rows = [{"id": f"{self.cfg.engine}-{self.cfg.role}-{stage}", "stage": stage, "aggregate": True,
                      "count": int(v[stage] or 0), "age_s": round(now - since, 3),
-                     "idle_s": round(now - max(since, p.changed_at), 3) if stage == "running"
-                     and p.tokens is not None else None,
+                     "idle_s": None if p.tokens is None else round(now - max(since, p.changed_at), 3),
                      "tokens": None if p.tokens is None else int(p.tokens)}
-                    for stage, since in sorted(p.busy_since.items())]
+                    for stage, since in sorted(p.busy_since.items()) if stage == "running"]
             idle = None if p.tokens is None else round(now - p.changed_at, 3)
         queues = {stage: None if v.get(stage) is None else int(v[stage]) for stage in tables.STAGES[self.cfg.role]}
-        return {"role": self.cfg.role, "url": self.cfg.engine_url, "live": sum(r["count"] for r in rows),
+        live = None if v.get("running") is None else int(v["running"] or 0)
+        return {"role": self.cfg.role, "url": self.cfg.engine_url, "live": live,
                 "requests": rows, "queues": queues, "engine": self.cfg.engine,
                 "progress": {"generation_tokens": v.get("generation_tokens"),
                              "prompt_tokens": v.get("prompt_tokens"), "tokens_idle_s": idle}}
