@@ -364,8 +364,10 @@ async def test_repeated_faults_back_off_exponentially(operator):
             gaps.append(c.api.event_times[rv] - c.api.event_times[first_delete])
             first_delete = None
     assert len(gaps) == 3, gaps
+    # half the backoff at least: an immediate recreate takes a few ms, while on a loaded host (load 8) the delete
+    # requests reached the API server up to 0.15 s after the decision the backoff runs from
     for gap, backoff in zip(gaps, (0.2, 0.4, 0.8)):
-        assert gap >= backoff - 0.05, (gaps, backoff)
+        assert gap >= backoff / 2, (gaps, backoff)
     assert metric("pdstack_operator_co_restarts_total", namespace=NS, deployment=name, reason="ContainerRestart") == 3
 
 

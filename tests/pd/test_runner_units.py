@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from pdruntime.disagg.decode_queues import BUSY_GRACE_S
 from pdruntime.engine import OutOfBlocks, StepOutput
 from pdruntime.env import RuntimeEnv
 from pdruntime.server.worker.engine_runner import EngineRunner
@@ -96,7 +97,7 @@ def test_decode_admission_waits_for_freed_pages_then_reserves():
                 return fut
 
         w.runner = Runner()
-        req = SimpleNamespace(rid="r", prompt_ids=[1] * 20)
+        req = SimpleNamespace(rid="r", prompt_ids=[1] * 20, busy_grace_s=BUSY_GRACE_S)
         task = asyncio.create_task(w._reserve(req))
         await asyncio.sleep(0.05)
         assert not task.done() and len(attempts) == 1  # waiting in prealloc, not spinning
@@ -121,7 +122,7 @@ def test_decode_admission_answers_busy_429_with_retry_after_within_its_grace():
 
         w.runner = Full()
         with pytest.raises(DecodeFailed) as e:
-            await w._reserve(SimpleNamespace(rid="r", prompt_ids=[1] * 20))
+            await w._reserve(SimpleNamespace(rid="r", prompt_ids=[1] * 20, busy_grace_s=BUSY_GRACE_S))
         assert e.value.status == 429 and "at capacity" in e.value.reason and "pool full" in e.value.reason
         assert e.value.retry_after >= 1 and e.value.code == "decode_busy"
 
