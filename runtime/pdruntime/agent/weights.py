@@ -1,11 +1,12 @@
-"""The weights' sha256, the way pdrt's model info computes it (pdruntime/model/loader.py ``_sha256``: the
+"""The weights' sha256, the way pdrt's model info computes it (pdruntime/util/filehash.py, as the loader: the
 weights files in sorted order, one digest), with a size cap and a cached result."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from functools import lru_cache
+
+from pdruntime.util.filehash import sha256_files
 
 WEIGHT_SUFFIXES = (".safetensors", ".gguf")
 DEFAULT_CAP_BYTES = 64 << 30
@@ -19,12 +20,8 @@ def weight_files(path: str) -> list[str]:
 
 @lru_cache(maxsize=8)
 def _hash(files: tuple[str, ...], stamp: tuple[tuple[int, int], ...]) -> str:
-    h = hashlib.sha256()
-    for p in sorted(files):
-        with open(p, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()
+    """``stamp`` (each file's size and mtime) is only the cache key: a changed file is hashed again."""
+    return sha256_files(files)
 
 
 def model_info(path: str | None, cap_bytes: int = DEFAULT_CAP_BYTES) -> dict[str, str | None]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import hashlib
 import importlib.util
 import json
 import os
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..util.filehash import sha256_files
 from .config import LlamaConfig, ModelLoadError
 from .llama import LlamaModel, resolve_decode_attention
 from .tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_json
@@ -75,15 +75,6 @@ def default_model_path() -> str:
                          f"reinstall with `{INSTALL_HINT}` or pass a model path")
 
 
-def _sha256(paths: list[str]) -> str:
-    h = hashlib.sha256()
-    for p in sorted(paths):
-        with open(p, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()
-
-
 def _dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -134,7 +125,7 @@ def load_model(source: str | None = None, *, dtype=torch.float32, weights: str =
     model.decode_attention, model.attention_backend = resolve_decode_attention(device, env)
     model.eval()
     info = ModelInfo(
-        name=name, path=path, sha256=_sha256(files), num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+        name=name, path=path, sha256=sha256_files(files), num_layers=cfg.num_layers, num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
         dtype=str(torch_dtype).replace("torch.", ""), weights=model.weight_format, source_format=fmt)
