@@ -83,12 +83,18 @@ async def test_a_waiter_wakes_when_a_slot_frees_and_gives_up_at_its_timeout():
     assert a.queued == 0
 
 
+async def _queue(a: Admission, n: int) -> list[asyncio.Task]:
+    """``n`` waiters, queued in this order (each has reached the queue before the next starts)."""
+    out = []
+    for _ in range(n):
+        out.append(asyncio.create_task(a.wait(5.0)))
+        await asyncio.sleep(0)
+    return out
+
+
 async def test_a_freed_slot_wakes_only_the_request_that_waited_longest():
     a = Admission()
-    waiters = []
-    for _ in range(3):
-        waiters.append(asyncio.create_task(a.wait(5.0)))
-        await asyncio.sleep(0)  # each queues in turn
+    waiters = await _queue(a, 3)
     assert a.queued == 3
     a.first_token(0)  # one slot: one wake, to the first in
     assert await asyncio.wait_for(waiters[0], 1.0) == 0
@@ -102,15 +108,11 @@ async def test_a_freed_slot_wakes_only_the_request_that_waited_longest():
 
 async def test_a_wake_no_waiter_can_use_is_passed_on_once_round_and_then_dropped():
     a = Admission()
-    first = asyncio.create_task(a.wait(5.0))
-    await asyncio.sleep(0)
-    second = asyncio.create_task(a.wait(5.0))
-    await asyncio.sleep(0)
+    first, second = await _queue(a, 2)
     a.first_token(0)
     hops = await asyncio.wait_for(first, 1.0)
     a.pass_on(hops)  # the first could not take it: the second gets it
-    again = asyncio.create_task(a.wait(5.0))  # the first waits again, behind the second
-    await asyncio.sleep(0)
+    (again,) = await _queue(a, 1)  # the first waits again, behind the second
     hops = await asyncio.wait_for(second, 1.0)
     assert hops == 1
     a.pass_on(hops)  # nobody who waits now has not had it: dropped, not handed back
@@ -121,10 +123,7 @@ async def test_a_wake_no_waiter_can_use_is_passed_on_once_round_and_then_dropped
 
 async def test_a_waiter_that_leaves_in_the_moment_it_is_woken_hands_the_slot_on():
     a = Admission()
-    leaving = asyncio.create_task(a.wait(5.0))
-    await asyncio.sleep(0)
-    staying = asyncio.create_task(a.wait(5.0))
-    await asyncio.sleep(0)
+    leaving, staying = await _queue(a, 2)
     a.first_token(0)  # wakes `leaving` ...
     leaving.cancel()  # ... whose client goes before it runs
     with pytest.raises(asyncio.CancelledError):
