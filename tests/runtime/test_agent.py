@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,9 +16,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from pd_harness import wait_for
 from pdoperator.core import drift, stall
 from pdoperator.core.render import worker_env
 from pdoperator.core.spec import parse_spec
+from pdruntime.util.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'runtime'}:{ROOT / 'operator'}"}
@@ -65,12 +66,6 @@ TEXTS = {"sglang": SGLANG_TEXT, "vllm": VLLM_TEXT}
 LAUNCH = {"sglang": ["-m", "sglang.launch_server"], "vllm": ["vllm", "serve"]}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def get(url: str):
     try:
         with urllib.request.urlopen(url, timeout=5) as r:
@@ -78,16 +73,6 @@ def get(url: str):
             return r.status, body
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
-
-
-def wait_for(fn, what: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        out = fn()
-        if out:
-            return out
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Engine:
@@ -107,7 +92,7 @@ class Engine:
         # the engine's launch words in the command line, as the real one has ("-m sglang.launch_server", "vllm serve")
         cmd = [sys.executable, str(self.script), *LAUNCH[self.engine], str(self.port), str(self.state)]
         self.proc = subprocess.Popen(cmd, env={**ENV, **self.extra_env})
-        wait_for(lambda: _ok(f"http://127.0.0.1:{self.port}/metrics"), "the fake engine")
+        wait_for(lambda: _ok(f"http://127.0.0.1:{self.port}/metrics"), 20, "the fake engine")
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -139,7 +124,7 @@ def stack(tmp_path, request):
          "--model-path", str(weights), "--report-env", "HF_TOKEN"], env=ENV)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: _ok(url + "/health"), "the agent to find the engine")
+        wait_for(lambda: _ok(url + "/health"), 20, "the agent to find the engine")
         yield eng, url, weights
     finally:
         agent.kill()
@@ -210,10 +195,10 @@ def test_engine_restart_is_found_again(stack):
     eng, url, _ = stack
     old = eng.proc.pid
     eng.stop()
-    wait_for(lambda: get(url + "/health")[0] == 503, "the agent to see the engine gone")
+    wait_for(lambda: get(url + "/health")[0] == 503, 20, "the agent to see the engine gone")
     eng.start()
     assert eng.proc.pid != old
-    health = wait_for(lambda: (lambda r: r[0] == 200 and json.loads(r[1]))(get(url + "/health")), "re-find")
+    health = wait_for(lambda: (lambda r: r[0] == 200 and json.loads(r[1]))(get(url + "/health")), 20, "re-find")
     assert health["pid"] == eng.proc.pid
     assert "pdrt_agent_engine_restarts_total" in get(url + "/metrics")[1]
 
