@@ -393,25 +393,24 @@ def _request_failed(reason: str) -> tuple[int | None, str | None]:
 
 
 
+def _hint_seconds(headers: Any, name: str, absent: float, most: float) -> float:
+    """Seconds of the router's hint header ``name``, clamped to [0, ``most``]; ``absent`` when it is missing or
+    not a number (an optimisation hint: a bad value is ignored, not an error)."""
+    try:
+        v = float(headers.get(name) or absent)
+    except ValueError:
+        return absent
+    return min(max(v, 0.0), most) if v == v else absent
+
 
 def busy_grace(headers: Any) -> float:
-    """Seconds of BUSY_WAIT_HEADER, clamped to [0, BUSY_GRACE_S]; BUSY_GRACE_S when absent or not a number (the
-    router's hint can only shorten decode's own wait)."""
-    try:
-        v = float(headers.get(BUSY_WAIT_HEADER) or BUSY_GRACE_S)
-    except ValueError:
-        return BUSY_GRACE_S
-    return min(max(v, 0.0), BUSY_GRACE_S) if v == v else BUSY_GRACE_S
+    """BUSY_WAIT_HEADER: the router's hint can only shorten decode's own wait for pages (BUSY_GRACE_S)."""
+    return _hint_seconds(headers, BUSY_WAIT_HEADER, BUSY_GRACE_S, BUSY_GRACE_S)
 
 
 MAX_STREAM_INTERVAL_S = 1.0  # the most STREAM_INTERVAL_HEADER may ask for (progress is reported at least this often)
 
 
 def stream_interval(headers: Any) -> float:
-    """Seconds of STREAM_INTERVAL_HEADER, clamped to [0, MAX_STREAM_INTERVAL_S]; 0 when absent or not a number
-    (an optimisation hint from the router: a bad value is ignored, not an error)."""
-    try:
-        v = float(headers.get(STREAM_INTERVAL_HEADER) or 0.0)
-    except ValueError:
-        return 0.0
-    return min(max(v, 0.0), MAX_STREAM_INTERVAL_S) if v == v else 0.0
+    """STREAM_INTERVAL_HEADER: seconds to gather token events, at most MAX_STREAM_INTERVAL_S; 0 (none) without it."""
+    return _hint_seconds(headers, STREAM_INTERVAL_HEADER, 0.0, MAX_STREAM_INTERVAL_S)
