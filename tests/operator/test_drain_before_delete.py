@@ -63,10 +63,7 @@ class ProcessKubelet(Kubelet):
         pod = self.api.read(PODS, NS, name)
         ip = pod["status"]["podIP"]
         ctr = pod["spec"]["containers"][0]
-        cmd = list(ctr["command"])
-        assert cmd[:2] == ["pdrt", "serve"], cmd
-        cmd[cmd.index("--host") + 1] = ip
-        cmd[cmd.index("--device") + 1] = "cpu"  # the emulated nodes' "GPUs" are this host's CPU
+        cmd = self.worker_argv(list(ctr["command"]), ip)
         secret = self.api.read(SECRETS, NS, pod["spec"]["volumes"][0]["secret"]["secretName"])
         token_file = os.path.join(self.log_dir, f"{name}.token")
         with open(token_file, "w") as fh:
@@ -80,6 +77,13 @@ class ProcessKubelet(Kubelet):
         task = asyncio.get_running_loop().create_task(self._ready_when_healthy(name, f"http://{ip}:{PORT}"))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def worker_argv(self, cmd: list[str], ip: str) -> list[str]:
+        """The ``pdrt serve`` line this pod's rendered command runs as here: on its pod IP, on this host's CPU."""
+        assert cmd[:2] == ["pdrt", "serve"], cmd
+        cmd[cmd.index("--host") + 1] = ip
+        cmd[cmd.index("--device") + 1] = "cpu"  # the emulated nodes' "GPUs" are this host's CPU
+        return cmd
 
     async def _ready_when_healthy(self, name: str, url: str) -> None:
         async with httpx.AsyncClient() as http:
