@@ -13,7 +13,7 @@ a byte at a time, stays open for ever, and file descriptors are the limit an att
   closed gets a ``503`` with ``Retry-After`` and is closed. A flood thus evicts itself, and a client whose
   requests are in flight is never cut.
 
-:class:`ConnectionTable` is the pure decision; :func:`guarded_protocol` is uvicorn's h11 protocol wired to it.
+:class:`ConnectionTable` is the pure decision; :func:`guarded_protocol` is uvicorn's HTTP protocol wired to it.
 """
 
 from __future__ import annotations
@@ -96,16 +96,30 @@ def refused_response(retry_after_s: int = REFUSED_RETRY_AFTER_S) -> bytes:
     return head.encode() + body
 
 
+def http_protocol_class() -> type:
+    """uvicorn's httptools protocol when httptools imports, else its h11 protocol."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        return HttpToolsProtocol
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+        return H11Protocol
+
+
 def guarded_protocol(limits: ConnectionLimits, on_close: Callable[[str], None] = lambda reason: None,
                      on_count: Callable[[int], None] = lambda n: None) -> type:
-    """uvicorn's h11 protocol with the header deadline and the caps (one table per server). ``on_close(reason)``
+    """uvicorn's HTTP protocol with the header deadline and the caps (one table per server). ``on_close(reason)``
     counts each connection closed or refused by the guard (header_timeout | client_cap | server_cap |
-    refused); ``on_count(n)`` follows the number open."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    refused); ``on_count(n)`` follows the number open.
 
+    The protocol is uvicorn's httptools one (llhttp, C) where httptools is installed, as it is with pdstack's
+    runtime extra, else its pure-Python h11 one: on 1-token completions through the router (bench/router.py)
+    h11's parsing and event machinery were a fifth of the router's CPU. Both keep ``cycle``, ``client``,
+    ``transport`` and ``loop`` as the guard below reads them."""
+    base = http_protocol_class()
     table = ConnectionTable(limits)
 
-    class GuardedH11Protocol(H11Protocol):
+    class GuardedProtocol(base):  # type: ignore[misc,valid-type]
         table_ = table
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -161,4 +175,4 @@ def guarded_protocol(limits: ConnectionLimits, on_close: Callable[[str], None] =
                 on_count(table.count)
             super().connection_lost(exc)
 
-    return GuardedH11Protocol
+    return GuardedProtocol

@@ -64,7 +64,7 @@ def stale_pairs(pairs: Iterable[Any], health: dict[str, WorkerHealth], now: floa
 class HealthProber:
     """Polls ``/health`` of every worker of ``pairs()`` each ``interval_s``; ``stale()`` -> pair indexes to skip."""
 
-    client: httpx.AsyncClient
+    client: Any  # pdruntime.util.h1.Client (or an httpx.AsyncClient)
     pairs: Callable[[], Iterable[Any]]
     interval_s: float = PROBE_INTERVAL_S
     stale_after_s: float = STALE_AFTER_S
