@@ -1,12 +1,16 @@
 #!/usr/bin/env python
-"""Decode throughput on CPU: pdstack engine vs HF transformers `generate`, same model, same run.
+"""Decode throughput on CPU: pdstack engine vs HF transformers `generate` and llama.cpp, same model, same run.
 
-    .venv/bin/python bench/decode_cpu.py [--max-tokens 64] [--threads 2] [--weights fp32 int8]
+    .venv/bin/python bench/decode_cpu.py [--max-tokens 64] [--threads 2] [--weights fp32 int8] [--repeat 3]
 
 SmolLM2-135M-Instruct (the embedded Q4_1 GGUF, dequantised) at batch 1 and with 16 concurrent
 sequences. Every system generates exactly --max-tokens tokens per sequence (EOS ignored / suppressed),
 greedy, from the same prompts; tokens/s = generated tokens / wall time including prefill.
-Prints a markdown table with the ratio to transformers.
+
+llama.cpp (``llama-cpp-python``, when installed) reads the same GGUF as 4-bit, with ``--threads`` threads
+(default 2). Its server serves one sequence at a time (one slot), so its "16 concurrent" figure is the 16
+sequences one after another in-process: the most its server can give 16 clients, less the HTTP.
+Rounds interleave the systems; the table gives the median round and the ratios to transformers and llama.cpp.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import time
 
 import torch
@@ -66,6 +71,31 @@ def bench_hf(model, prompts: list[list[int]], max_tokens: int, pad_id: int) -> f
     return len(prompts) * max_tokens / dt
 
 
+def make_llama(path: str, threads: int):
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    return Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, n_batch=512,
+                 verbose=False)
+
+
+def bench_llama(llm, prompts: list[list[int]], max_tokens: int) -> float:
+    """Greedy, ``max_tokens`` per prompt (``Llama.generate`` does not stop at EOS), one prompt at a time, no KV
+    reuse between prompts (``reset``)."""
+    t0 = time.perf_counter()
+    n = 0
+    for p in prompts:
+        llm.reset()
+        for i, _ in enumerate(llm.generate(p, temp=0.0, top_k=1, reset=True)):
+            n += 1
+            if i + 1 >= max_tokens:
+                break
+    dt = time.perf_counter() - t0
+    assert n == len(prompts) * max_tokens
+    return n / dt
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -74,7 +104,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--model", default=None, help="GGUF path (default: embedded SmolLM2)")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="interleaved rounds per system; the best round counts (damps noise from other load)")
+                    help="interleaved rounds per system; the median round counts")
+    ap.add_argument("--no-llama", action="store_true", help="leave llama.cpp out even when it is installed")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -93,23 +124,28 @@ def main() -> None:
         load = (float("nan"),) * 3
     print(f"model: {os.path.basename(path)} | torch {torch.__version__} | threads {torch.get_num_threads()} | "
           f"{platform.processor() or platform.machine()} | {os.cpu_count()} CPUs | load avg at start "
-          f"{load[0]:.2f} | {args.max_tokens} new tokens per sequence, greedy | best of {args.repeat}\n")
+          f"{load[0]:.2f} | {args.max_tokens} new tokens per sequence, greedy | median of {args.repeat}\n")
     engines = {w: make_engine(path, w, max(args.batch)) for w in args.weights}
+    llama = None if args.no_llama else make_llama(path, args.threads or 2)
     rows = []
     for b in args.batch:
         prompts = [all_prompts[i % len(all_prompts)] for i in range(b)]
-        best: dict[str, float] = {}
+        runs: dict[str, list[float]] = {}
         for _ in range(args.repeat):  # interleaved, so slow phases of background load hit every system
-            best["hf"] = max(best.get("hf", 0.0), bench_hf(hf, prompts, args.max_tokens, pad_id=2))
+            runs.setdefault("hf", []).append(bench_hf(hf, prompts, args.max_tokens, pad_id=2))
+            if llama is not None:
+                runs.setdefault("llama", []).append(bench_llama(llama, prompts, args.max_tokens))
             for w, engine in engines.items():
-                best[w] = max(best.get(w, 0.0), bench_ours(engine, prompts, args.max_tokens))
-        rows.append((b, "transformers generate (fp32)", best["hf"], 1.0))
-        for w in args.weights:
-            rows.append((b, f"pdstack engine ({w})", best[w], best[w] / best["hf"]))
-    print("| sequences | system | tokens/s | vs transformers |")
-    print("|---:|---|---:|---:|")
-    for b, name, tps, ratio in rows:
-        print(f"| {b} | {name} | {tps:.1f} | {ratio:.2f}x |")
+                runs.setdefault(w, []).append(bench_ours(engine, prompts, args.max_tokens))
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        names = {"hf": "transformers generate (fp32)", "llama": f"llama.cpp (Q4_1 GGUF, {args.threads or 2} threads)",
+                 **{w: f"pdstack engine ({w})" for w in args.weights}}
+        for k in ["hf", *(["llama"] if llama is not None else []), *args.weights]:
+            rows.append((b, names[k], med[k], med[k] / med["hf"], med[k] / med["llama"] if llama is not None else None))
+    print("| sequences | system | tokens/s (median) | vs transformers | vs llama.cpp |")
+    print("|---:|---|---:|---:|---:|")
+    for b, name, tps, ratio, vs_llama in rows:
+        print(f"| {b} | {name} | {tps:.1f} | {ratio:.2f}x | {f'{vs_llama:.2f}x' if vs_llama is not None else '-'} |")
     try:
         print(f"\nload avg at end {os.getloadavg()[0]:.2f}")
     except OSError:

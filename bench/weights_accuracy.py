@@ -1,0 +1,74 @@
+"""What each weight format costs in accuracy against fp32, on the default model and fixed prompts.
+
+    .venv/bin/python bench/weights_accuracy.py [--new-tokens 48] [--weights int8]
+
+For each of bench/decode_cpu.py's 16 prompts: fp32 greedy-continues it by --new-tokens tokens; then every format
+scores that same token sequence in one teacher-forced prefill (every position's logits). Reported per format:
+**top-1 agreement** (positions whose argmax equals fp32's, over every position of every sequence), the **worst
+logit error** (max |logit - fp32 logit| over every position and vocabulary entry) and that error relative to the
+fp32 logits' range at its position, and how many of the 16 greedy continuations are token-for-token fp32's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_cpu import PROMPTS  # noqa: E402
+
+
+def all_logits(loaded, ids: list[int]) -> torch.Tensor:
+    from pdruntime.engine.kv_cache import KVCache
+
+    c = loaded.model.config
+    pages = -(-len(ids) // 16)
+    kv = KVCache(c.num_layers, pages, 16, c.num_kv_heads, c.head_dim)
+    with torch.inference_mode():
+        return loaded.model.prefill(torch.tensor(ids), 0, kv.k, kv.v, torch.arange(pages), all_logits=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--weights", nargs="+", default=["int8"], choices=["int8"])
+    ap.add_argument("--model", default=None, help="GGUF path (default: the embedded SmolLM2)")
+    args = ap.parse_args()
+    from pdruntime.engine import Engine, EngineConfig, SamplingParams
+    from pdruntime.model import default_model_path, load_model
+
+    path = args.model or default_model_path()
+    ref = load_model(path)
+    prompts = [ref.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    conts = Engine(ref, EngineConfig(max_num_seqs=16, kv_cache_mib=256)).generate(prompts, params)
+    seqs = [p + c for p, c in zip(prompts, conts)]
+    ref_logits = [all_logits(ref, s) for s in seqs]
+    print(f"model: {os.path.basename(path)} | {len(seqs)} prompts + {args.new_tokens} fp32 greedy tokens each, "
+          f"{sum(len(s) for s in seqs)} positions scored\n")
+    print("| weights | top-1 agreement | worst logit error | relative to fp32's logit range | greedy continuations "
+          "equal to fp32's |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| fp32 | 100.00% | 0 | 0 | {len(seqs)} / {len(seqs)} |")
+    for w in args.weights:
+        q = load_model(path, weights=w)
+        agree = total = 0
+        worst = worst_rel = 0.0
+        for s, rl in zip(seqs, ref_logits):
+            ql = all_logits(q, s)
+            agree += int((ql.argmax(-1) == rl.argmax(-1)).sum())
+            total += len(s)
+            err = (ql - rl).abs().amax(-1)
+            worst = max(worst, float(err.max()))
+            worst_rel = max(worst_rel, float((err / (rl.amax(-1) - rl.amin(-1))).max()))
+        same = sum(c == o for c, o in zip(conts, Engine(q, EngineConfig(max_num_seqs=16, kv_cache_mib=256))
+                                          .generate(prompts, params)))
+        print(f"| {w} | {100 * agree / total:.2f}% | {worst:.3f} | {100 * worst_rel:.2f}% | {same} / {len(seqs)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
