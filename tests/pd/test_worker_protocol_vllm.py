@@ -158,3 +158,33 @@ def test_the_router_reports_vllm_and_reads_models_from_v1_models(vllm_router, st
     assert cfg["router"]["worker_protocol"] == "vllm"
     models = httpx.get(vllm_router.url + "/v1/models", timeout=10).json()["data"]
     assert [m["id"] for m in models] == [httpx.get(stack.decode.url + "/v1/models", timeout=10).json()["data"][0]["id"]]
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_overload_is_a_429_with_retry_after_in_every_protocol(stack, tmp_path, protocol):
+    """The router's admission bound (--max-pending-per-pair) holds whatever the workers speak: a request that finds
+    the pair at its bound and may not wait gets 429 pairs_busy with Retry-After; the one holding the slot finishes."""
+    import threading
+
+    port = free_port()
+    r = spawn(f"router-{protocol}-bound", ["--role", "router", "--port", str(port), "--prefill", stack.prefill.url,
+                                           "--decode", stack.decode.url, "--bootstrap-ports", str(stack.bootstrap_port),
+                                           "--worker-protocol", protocol, "--worker-agent-port", "0",
+                                           "--max-pending-per-pair", "1", "--admission-wait-s", "0"],
+              base_env(), str(tmp_path), port)
+    try:
+        wait_healthy([r])
+        stack.hooks(stack.prefill, step_delay_s=1.5)  # the first request holds the pair's one slot for a while
+        first: dict = {}
+        t = threading.Thread(target=lambda: first.update(r=httpx.post(r.url + CHAT, json=chat(stack.model, "slow one"),
+                                                                       timeout=60)))
+        t.start()
+        wait_for(lambda: httpx.get(r.url + "/debug/requests", timeout=10).json()["live"] == 1, 10, "the first dispatched")
+        busy = httpx.post(r.url + CHAT, json=chat(stack.model, "second"), timeout=30)
+        assert busy.status_code == 429, busy.text
+        assert busy.json()["error"]["code"] == "pairs_busy" and int(busy.headers["retry-after"]) >= 1
+        t.join(60)
+        assert first["r"].status_code == 200, first["r"].text
+    finally:
+        stack.hooks(stack.prefill, step_delay_s=0)
+        r.stop()

@@ -31,6 +31,7 @@ asked for. That is the one field where the router's decode request differs from 
 from __future__ import annotations
 
 import random
+import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlparse
@@ -46,11 +47,42 @@ if TYPE_CHECKING:
 WORKER_PROTOCOLS = ("pdrt", "sglang", "vllm")
 DECODE_STREAM = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
-#: What sglang-router 0.3.2's serde serialization of its ChatCompletionRequest / CompletionRequest writes into every
-#: body it forwards when the client left them out (fields without ``skip_serializing_if``); captured from the real
-#: router in tests/pd/test_worker_protocol_sglang.py, which holds this table to it
-SGLANG_ROUTER_CHAT_DEFAULTS: dict[str, Any] = {}
-SGLANG_ROUTER_COMPLETION_DEFAULTS: dict[str, Any] = {}
+#: What sglang-router 0.3.2's serde serialization of its typed ChatCompletionRequest / CompletionRequest writes into
+#: every body it forwards when the client left them out; captured from the real router through a recording proxy
+#: (tests/pd/test_worker_protocol_sglang.py holds these to it)
+SGLANG_ROUTER_CHAT_DEFAULTS: dict[str, Any] = {
+    "continue_final_message": False, "ignore_eos": False, "logprobs": False, "no_stop_trim": False,
+    "return_hidden_states": False, "separate_reasoning": True, "skip_special_tokens": True, "stream": False,
+    "stream_reasoning": True}
+SGLANG_ROUTER_COMPLETION_DEFAULTS: dict[str, Any] = {
+    "echo": False, "ignore_eos": False, "no_stop_trim": False, "return_hidden_states": False,
+    "skip_special_tokens": True, "stream": False}
+#: its other rewrites, seen the same way: these sampling fields are f32 in its structs (0.9 goes out as
+#: 0.8999999761581421), chat's max_tokens goes out as max_completion_tokens, stream_options keeps include_usage
+#: alone, and the client's ``user`` is not forwarded
+SGLANG_ROUTER_F32 = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+SGLANG_ROUTER_DROPS = ("user",)
+
+
+def _f32(v: Any) -> Any:
+    return struct.unpack("f", struct.pack("f", v))[0] if isinstance(v, float | int) and not isinstance(v, bool) else v
+
+
+def sglang_router_body(client: dict, chat: bool) -> dict:
+    """The client's OpenAI body as sglang-router 0.3.2 forwards it (before its bootstrap fields)."""
+    body = {**(SGLANG_ROUTER_CHAT_DEFAULTS if chat else SGLANG_ROUTER_COMPLETION_DEFAULTS), **client}
+    for name in SGLANG_ROUTER_DROPS:
+        body.pop(name, None)
+    for name in SGLANG_ROUTER_F32:
+        if body.get(name) is not None:
+            body[name] = _f32(body[name])
+    if chat and "max_tokens" in body:
+        limit = body.pop("max_tokens")
+        body.setdefault("max_completion_tokens", limit)
+    if isinstance(body.get("stream_options"), dict):
+        body["stream_options"] = {k: v for k, v in body["stream_options"].items() if k == "include_usage"}
+    return body
+
 
 #: the prefill leg's kv_transfer_params in vLLM's proxy (toy_proxy_server.py send_request_to_service)
 VLLM_PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -132,9 +164,8 @@ class SGLangProtocol(_OpenAIProtocol):
         return [_room() for _ in range(many)] if many else _room()
 
     def _body(self, out: "Outbound", pair: "Pair", room: Any) -> dict:
-        defaults = SGLANG_ROUTER_CHAT_DEFAULTS if out.chat else SGLANG_ROUTER_COMPLETION_DEFAULTS
         many = isinstance(room, list)
-        return {**defaults, **out.openai,
+        return {**sglang_router_body(out.openai or {}, out.chat),
                 "bootstrap_host": [pair.bootstrap_host] * len(room) if many else pair.bootstrap_host,
                 "bootstrap_port": [pair.bootstrap_port] * len(room) if many else pair.bootstrap_port,
                 "bootstrap_room": room}
