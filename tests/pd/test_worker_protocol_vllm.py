@@ -163,7 +163,8 @@ def test_the_router_reports_vllm_and_reads_models_from_v1_models(vllm_router, st
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
 def test_overload_is_a_429_with_retry_after_in_every_protocol(stack, tmp_path, protocol):
     """The router's admission bound (--max-pending-per-pair) holds whatever the workers speak: a request that finds
-    the pair at its bound and may not wait gets 429 pairs_busy with Retry-After; the one holding the slot finishes."""
+    the pair at its bound and may not wait gets 429 pairs_busy with Retry-After (the one holding the slot: a stalled
+    KV transfer, failed by its watchdog)."""
     import threading
 
     port = free_port()
@@ -174,17 +175,20 @@ def test_overload_is_a_429_with_retry_after_in_every_protocol(stack, tmp_path, p
               base_env(), str(tmp_path), port)
     try:
         wait_healthy([r])
-        stack.hooks(stack.prefill, step_delay_s=1.5)  # the first request holds the pair's one slot for a while
+        stack.hooks(stack.decode, stall_transfers=1)  # the first request's KV never lands: it holds the one slot
         first: dict = {}
         t = threading.Thread(target=lambda: first.update(r=httpx.post(r.url + CHAT, json=chat(stack.model, "slow one"),
                                                                        timeout=60)))
         t.start()
-        wait_for(lambda: httpx.get(r.url + "/debug/requests", timeout=10).json()["live"] == 1, 10, "the first dispatched")
+        wait_for(lambda: stack.metric(r, "pdrt_router_pair_outstanding_requests") == 1, 10, "the first dispatched")
         busy = httpx.post(r.url + CHAT, json=chat(stack.model, "second"), timeout=30)
         assert busy.status_code == 429, busy.text
         assert busy.json()["error"]["code"] == "pairs_busy" and int(busy.headers["retry-after"]) >= 1
         t.join(60)
-        assert first["r"].status_code == 200, first["r"].text
+        assert first["r"].status_code >= 500, first["r"].text  # the stalled transfer's watchdog failed it
+        p, d = stack.wait_idle()
+        for x in (p, d):
+            assert x["live"] == 0 and x["pool"]["free"] == x["pool"]["total"], x
     finally:
-        stack.hooks(stack.prefill, step_delay_s=0)
+        stack.hooks(stack.decode, stall_transfers=0)
         r.stop()
