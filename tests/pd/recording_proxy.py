@@ -13,7 +13,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import uvicorn
@@ -113,3 +113,14 @@ class RecordingProxy:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(10)
+
+
+@contextlib.contextmanager
+def proxied(stack: Any) -> Iterator[tuple[RecordingProxy, RecordingProxy]]:
+    """A recording proxy in front of each worker of ``stack`` (prefill's, decode's)."""
+    p, d = RecordingProxy(stack.prefill.url).start(), RecordingProxy(stack.decode.url).start()
+    try:
+        yield p, d
+    finally:
+        p.stop()
+        d.stop()

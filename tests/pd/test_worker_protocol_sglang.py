@@ -26,8 +26,8 @@ try:
 except ImportError as exc:
     pytest.skip(f"sglang-router is not installed ({exc}); pip install sglang-router", allow_module_level=True)
 
-from pd_harness import base_env, free_port, spawn, wait_healthy  # noqa: E402
-from recording_proxy import RecordingProxy  # noqa: E402
+from pd_harness import router_at  # noqa: E402
+from recording_proxy import proxied  # noqa: E402
 from test_sglang_router import SGLangRouter  # noqa: E402
 
 from pdruntime.server.router.protocol import DECODE_STREAM  # noqa: E402
@@ -44,25 +44,16 @@ UNIT_TOOL = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def proxies(stack):
-    p, d = RecordingProxy(stack.prefill.url).start(), RecordingProxy(stack.decode.url).start()
-    yield p, d
-    p.stop()
-    d.stop()
+    with proxied(stack) as both:
+        yield both
 
 
 @pytest.fixture(scope="module")
 def pdstack_router(stack, proxies, tmp_path_factory):
     """pdstack's router, --worker-protocol sglang, at the proxies (the workers serve /debug/requests themselves)."""
-    p, d = proxies
-    port = free_port()
-    r = spawn("router-sglang", ["--role", "router", "--port", str(port), "--prefill", p.url, "--decode", d.url,
-                                "--bootstrap-ports", str(stack.bootstrap_port), "--worker-protocol", "sglang",
-                                "--worker-agent-port", "0"], base_env(), str(tmp_path_factory.mktemp("rsgl")), port)
-    try:
-        wait_healthy([r])
+    with router_at(str(tmp_path_factory.mktemp("rsglang")), proxies[0].url, proxies[1].url, stack.bootstrap_port,
+                   "--worker-protocol", "sglang", "--worker-agent-port", "0", name="router-sglang") as r:
         yield r
-    finally:
-        r.stop()
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pd_harness import base_env, free_port, spawn, wait_for, wait_healthy  # noqa: E402
-from recording_proxy import RecordingProxy  # noqa: E402
+from pd_harness import router_at, wait_for  # noqa: E402
+from recording_proxy import proxied  # noqa: E402
 
 from pdruntime.server.router.protocol import DECODE_STREAM, VLLM_PREFILL_KV_PARAMS  # noqa: E402
 from pdruntime.server.worker.lease import KV_LEASE_S, held_room  # noqa: E402
@@ -34,24 +34,15 @@ NIXL_ANSWER_KEYS = {"do_remote_prefill", "do_remote_decode", "remote_block_ids",
 
 @pytest.fixture(scope="module")
 def proxies(stack):
-    p, d = RecordingProxy(stack.prefill.url).start(), RecordingProxy(stack.decode.url).start()
-    yield p, d
-    p.stop()
-    d.stop()
+    with proxied(stack) as both:
+        yield both
 
 
 @pytest.fixture(scope="module")
 def vllm_router(stack, proxies, tmp_path_factory):
-    p, d = proxies
-    port = free_port()
-    r = spawn("router-vllm", ["--role", "router", "--port", str(port), "--prefill", p.url, "--decode", d.url,
-                              "--bootstrap-ports", str(stack.bootstrap_port), "--worker-protocol", "vllm",
-                              "--worker-agent-port", "0"], base_env(), str(tmp_path_factory.mktemp("rvllm")), port)
-    try:
-        wait_healthy([r])
+    with router_at(str(tmp_path_factory.mktemp("rvllm")), proxies[0].url, proxies[1].url, stack.bootstrap_port,
+                   "--worker-protocol", "vllm", "--worker-agent-port", "0", name="router-vllm") as r:
         yield r
-    finally:
-        r.stop()
 
 
 def kv_bytes(stack) -> tuple[float, float]:
@@ -167,28 +158,23 @@ def test_overload_is_a_429_with_retry_after_in_every_protocol(stack, tmp_path, p
     KV transfer, failed by its watchdog)."""
     import threading
 
-    port = free_port()
-    r = spawn(f"router-{protocol}-bound", ["--role", "router", "--port", str(port), "--prefill", stack.prefill.url,
-                                           "--decode", stack.decode.url, "--bootstrap-ports", str(stack.bootstrap_port),
-                                           "--worker-protocol", protocol, "--worker-agent-port", "0",
-                                           "--max-pending-per-pair", "1", "--admission-wait-s", "0"],
-              base_env(), str(tmp_path), port)
-    try:
-        wait_healthy([r])
+    flags = ("--worker-protocol", protocol, "--worker-agent-port", "0", "--max-pending-per-pair", "1",
+             "--admission-wait-s", "0")
+    with router_at(str(tmp_path), stack.prefill.url, stack.decode.url, stack.bootstrap_port, *flags) as r:
         stack.hooks(stack.decode, stall_transfers=1)  # the first request's KV never lands: it holds the one slot
-        first: dict = {}
-        t = threading.Thread(target=lambda: first.update(r=httpx.post(r.url + CHAT, json=chat(stack.model, "slow one"),
-                                                                       timeout=60)))
-        t.start()
-        wait_for(lambda: stack.metric(r, "pdrt_router_pair_outstanding_requests") == 1, 10, "the first dispatched")
-        busy = httpx.post(r.url + CHAT, json=chat(stack.model, "second"), timeout=30)
-        assert busy.status_code == 429, busy.text
-        assert busy.json()["error"]["code"] == "pairs_busy" and int(busy.headers["retry-after"]) >= 1
-        t.join(60)
-        assert first["r"].status_code >= 500, first["r"].text  # the stalled transfer's watchdog failed it
+        try:
+            first: dict = {}
+            t = threading.Thread(target=lambda: first.update(r=httpx.post(r.url + CHAT, json=chat(stack.model, "slow one"),
+                                                                           timeout=60)))
+            t.start()
+            wait_for(lambda: stack.metric(r, "pdrt_router_pair_outstanding_requests") == 1, 10, "the first dispatched")
+            busy = httpx.post(r.url + CHAT, json=chat(stack.model, "second"), timeout=30)
+            assert busy.status_code == 429, busy.text
+            assert busy.json()["error"]["code"] == "pairs_busy" and int(busy.headers["retry-after"]) >= 1
+            t.join(60)
+            assert first["r"].status_code >= 500, first["r"].text  # the stalled transfer's watchdog failed it
+        finally:
+            stack.hooks(stack.decode, stall_transfers=0)
         p, d = stack.wait_idle()
         for x in (p, d):
             assert x["live"] == 0 and x["pool"]["free"] == x["pool"]["total"], x
-    finally:
-        stack.hooks(stack.decode, stall_transfers=0)
-        r.stop()
