@@ -178,3 +178,33 @@ def test_overload_is_a_429_with_retry_after_in_every_protocol(stack, tmp_path, p
         p, d = stack.wait_idle()
         for x in (p, d):
             assert x["live"] == 0 and x["pool"]["free"] == x["pool"]["total"], x
+
+
+def test_pdrt_up_runs_its_router_in_the_vllm_protocol(tiny_model):
+    """`pdrt up --worker-protocol vllm`: the local stack's router dispatches with vLLM's exchange to pdrt workers."""
+    import subprocess
+    import sys
+    import threading
+
+    from pd_harness import base_env, free_port, stop_up
+    from pdruntime.util.ports import free_port_block
+
+    port, base = free_port(), free_port_block(3)
+    proc = subprocess.Popen([sys.executable, "-m", "pdruntime.server", "up", "--model", tiny_model, "--port", str(port),
+                             "--base-port", str(base), "--num-blocks", "256", "--worker-protocol", "vllm"],
+                            env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    try:
+        wait_for(lambda: any(x.startswith("curl ") for x in lines), 150, f"pdrt up to be ready: {lines}")
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(url + "/config", timeout=10).json()["router"]["worker_protocol"] == "vllm"
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        r = httpx.post(url + CHAT, json=chat(model, "hello there"), timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+        decode = f"http://127.0.0.1:{base + 1}"
+        text = httpx.get(decode + "/metrics", timeout=10).text
+        assert any(x.startswith("pdrt_kv_transfer_bytes_total") and float(x.split()[-1]) > 0 for x in text.splitlines())
+    finally:
+        stop_up(proc)
