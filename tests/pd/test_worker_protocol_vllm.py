@@ -208,3 +208,29 @@ def test_pdrt_up_runs_its_router_in_the_vllm_protocol(tiny_model):
         assert any(x.startswith("pdrt_kv_transfer_bytes_total") and float(x.split()[-1]) > 0 for x in text.splitlines())
     finally:
         stop_up(proc)
+
+
+@pytest.mark.parametrize("protocol", ["pdrt", "sglang", "vllm"])
+def test_a_client_that_leaves_mid_stream_aborts_both_legs_in_every_protocol(stack, tmp_path, protocol):
+    """The router aborts decode (and prefill, by the id the workers know) when its client goes away, whatever the
+    protocol: nothing stays live and no page stays held."""
+    flags = ("--worker-protocol", protocol, "--worker-agent-port", "0")
+    aborted = stack.metric(stack.decode, "pdrt_aborted_requests_total")
+    with router_at(str(tmp_path), stack.prefill.url, stack.decode.url, stack.bootstrap_port, *flags) as r:
+        stack.hooks(stack.decode, step_delay_s=0.05)  # a generation that lasts seconds
+        try:
+            body = chat(stack.model, "a long story", max_tokens=200, stream=True, ignore_eos=True)
+            with httpx.stream("POST", r.url + CHAT, json=body, timeout=60) as resp:
+                assert resp.status_code == 200
+                got = 0
+                for line in resp.iter_lines():
+                    got += line.startswith("data: ")
+                    if got == 3:
+                        break  # the client goes away mid-stream
+            wait_for(lambda: stack.metric(stack.decode, "pdrt_aborted_requests_total") > aborted, 20,
+                     f"decode to abort: {httpx.get(stack.decode.url + '/metrics').text.count('aborted')}")
+        finally:
+            stack.hooks(stack.decode, step_delay_s=0)
+        p, d = stack.wait_idle()
+        for x in (p, d):
+            assert x["live"] == 0 and x["pool"]["free"] == x["pool"]["total"], x
