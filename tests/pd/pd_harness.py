@@ -8,6 +8,7 @@ Watchdog timeouts are short via PDRT_* env, and PDRT_TEST_HOOKS=1 enables the wo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import httpx
 
@@ -154,6 +156,21 @@ def start_stack(tmp_dir: str, model: str, *, env_extra: dict | None = None, rout
         stack.stop()
         raise
     return stack
+
+
+@contextlib.contextmanager
+def router_at(tmp_dir: str, prefill_url: str, decode_url: str, bootstrap_port: int, *flags: str,
+              name: str = "router-extra") -> Iterator[Proc]:
+    """Another router (its own ``flags``, e.g. ``--worker-protocol vllm``) in front of one pair's workers, healthy,
+    stopped on exit."""
+    port = free_port()
+    r = spawn(name, ["--role", "router", "--port", str(port), "--prefill", prefill_url, "--decode", decode_url,
+                     "--bootstrap-ports", str(bootstrap_port), *flags], base_env(), tmp_dir, port)
+    try:
+        wait_healthy([r])
+        yield r
+    finally:
+        r.stop()
 
 
 def wait_for(pred, timeout: float, what: str, *, every: float = 0.05):

@@ -6,6 +6,9 @@ bootstrap -> waiting -> inflight
 * waiting:   peer attached; the request is in the engine being prefilled (no watchdog: engine-bound).
 * inflight:  KV computed and held in pages until decode confirms receipt (transfer watchdog,
              armed at "KV ready", disarmed at ACK), then the pages are released.
+
+A vLLM-protocol request (kv_transfer_params do_remote_decode) computes first: registered straight into waiting, then
+inflight with its KV held under the lease watchdog until its decode attaches (then the transfer watchdog).
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class PrefillRequest:
     progress_send: asyncio.Task | None = None  # the PROGRESS report being written to decode, if any
     computed_tokens: int = 0  # prompt tokens the engine has computed so far (its last report)
     computed_at: float | None = None  # watchdog clock: when that count last advanced (/debug/requests idle_s)
+    # vLLM protocol (server/worker/lease.py): the KV was computed before any decode attached and is held under a
+    # lease: (its pages, tokens); None for pdrt's and SGLang's flow (compute once decode attached)
+    held_pages: tuple[list[int], int] | None = None
 
     @property
     def gone(self) -> bool:

@@ -8,8 +8,10 @@ import logging
 import sys
 from typing import Any
 
+from pdruntime.agent import AGENT_PORT
 from pdruntime.server import connections
 from pdruntime.server.router import admission
+from pdruntime.server.worker.lease import KV_LEASE_S
 
 ROLES = ("prefill", "decode", "router")
 
@@ -68,6 +70,16 @@ _count = _number(lambda v: v >= 0, "an integer >= 0", int)
 _positive_int = _number(lambda v: v >= 1, "an integer >= 1", int)
 _fraction = _number(lambda v: 0 <= v <= 1, "a number in [0, 1]")
 _ratio = _number(lambda v: v >= 1, "a number >= 1")
+_port_or_zero = _number(lambda v: 0 <= v <= 65535, "a port in [0, 65535] (0: the worker URL itself)", int)
+
+
+def _worker_protocol_flag(p: argparse.ArgumentParser, what: str) -> None:
+    from pdruntime.server.router.protocol import WORKER_PROTOCOLS
+
+    p.add_argument("--worker-protocol", choices=WORKER_PROTOCOLS, default="pdrt",
+                   help=f"{what}: how the router dispatches PD to the workers: pdrt (/generate, bootstrap room), sglang "
+                        "(sglang-router's OpenAI body with bootstrap fields to both), vllm (vLLM's kv_transfer_params "
+                        "exchange: prefill, then decode)")
 
 
 def _routing_flags(p: argparse.ArgumentParser) -> None:
@@ -142,6 +154,14 @@ def register(subparsers: Any) -> None:
                        default=connections.MAX_CONNECTIONS_PER_CLIENT,
                        help="open connections per client address; beyond it that client's oldest idle one is closed")
     serve.add_argument("--log-level", default="info")
+    _worker_protocol_flag(serve, "router")
+    serve.add_argument("--worker-agent-port", type=_port_or_zero, default=AGENT_PORT,
+                       help="router, --worker-protocol sglang|vllm: port of the pdstack sidecar (pdrt agent) on each "
+                            "worker's host, where /config and /debug/requests are read; 0: the worker URL itself")
+    serve.add_argument("--kv-lease-s", type=_positive_float, default=KV_LEASE_S,
+                       help="prefill: seconds it holds the KV of a vLLM-protocol prefill (kv_transfer_params "
+                            "do_remote_decode) for its decode to pull; then the pages are freed (vLLM's "
+                            "VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
     _routing_flags(serve)
     _engine_flags(serve)
     serve.set_defaults(func=cmd_serve, handler=cmd_serve)
@@ -155,6 +175,7 @@ def register(subparsers: Any) -> None:
     up.add_argument("--base-port", type=int, default=8100, help="first worker port (3 per pair)")
     up.add_argument("--model", default=None)
     up.add_argument("--ready-timeout-s", type=float, default=600.0)
+    _worker_protocol_flag(up, "the router")
     _routing_flags(up)
     _engine_flags(up)
     up.set_defaults(func=cmd_up, handler=cmd_up)
@@ -240,7 +261,8 @@ def build_server(args: argparse.Namespace, env=None):
         cfg = RouterConfig(request_timeout_s=args.request_timeout_s, body_timeout_s=args.body_timeout_s,
                            breaker_cooldown_s=args.breaker_cooldown_s, api_keys=keys, admin_token=admin,
                            max_pending_per_pair=args.max_pending_per_pair, admission_wait_s=args.admission_wait_s,
-                           max_queued_requests=args.max_queued_requests, routing=routing_config(args))
+                           max_queued_requests=args.max_queued_requests, routing=routing_config(args),
+                           worker_protocol=args.worker_protocol, worker_agent_port=args.worker_agent_port)
         router = Router(env, topology=topo, topology_file=args.topology_file, config=cfg, host=args.host, port=args.port)
         return router.build_app(), router
     from pdruntime.engine import Engine, load_for
@@ -259,7 +281,8 @@ def build_server(args: argparse.Namespace, env=None):
     if args.role == "prefill":
         from pdruntime.server.worker.prefill import PrefillWorker
 
-        worker = PrefillWorker(loaded, engine, env, opts, bootstrap_host=args.host, bootstrap_port=args.bootstrap_port)
+        worker = PrefillWorker(loaded, engine, env, opts, bootstrap_host=args.host, bootstrap_port=args.bootstrap_port,
+                               kv_lease_s=args.kv_lease_s)
     else:
         from pdruntime.server.worker.decode import DecodeWorker
 
@@ -308,7 +331,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         stack = LocalStack(pairs=args.pairs, prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
                            base_port=args.base_port, model=args.model, worker_args=_worker_args(args),
-                           router_args=_router_args(args))
+                           router_args=_router_args(args) + ["--worker-protocol", args.worker_protocol,
+                                                             "--worker-agent-port", "0"])
     except ValueError as exc:
         print(f"pdrt up: {exc}", file=sys.stderr)
         return 2

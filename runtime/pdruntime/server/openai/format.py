@@ -123,6 +123,8 @@ class OpenAIShape:
         text = ev.delta if ev is not None else ""
         if self.chat:
             d: dict = delta if delta is not None else ({"content": text} if ev is not None else {})
+            if delta is None and ev is not None and ev.tool_calls:  # parsed by an OpenAI-speaking decode
+                d = {**({"content": text} if text else {}), "tool_calls": ev.tool_calls}
             if role:
                 d = {"role": "assistant", **d}
             choice = {"index": index, "delta": d, "finish_reason": reason}
@@ -178,11 +180,15 @@ class OpenAIShape:
         return {"id": self.oid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": use}
 
-    def choice(self, index: int, text: str, last: TokenEvent, logprobs: list | None = None) -> dict:
-        """One choice of a non-streamed response: its text, its last event ``last``, every token's logprobs."""
+    def choice(self, index: int, text: str, last: TokenEvent, logprobs: list | None = None,
+               tool_calls: list | None = None) -> dict:
+        """One choice of a non-streamed response: its text, its last event ``last``, every token's logprobs;
+        ``tool_calls``: the calls an OpenAI-speaking decode parsed itself (:func:`merge_tool_call_deltas`)."""
         reason = last.finish_reason or "stop"
         if self.chat:
             message: dict = {"role": "assistant", "content": text}
+            if tool_calls:
+                message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
             if self.tool_parser is not None:
                 from pdruntime.server.openai.tools import openai_tool_calls, parser_for
 
@@ -196,3 +202,28 @@ class OpenAIShape:
                     "logprobs": {"content": logprobs} if logprobs is not None else None}
         return {"index": index, "text": (self.echo or "") + text, "finish_reason": reason,
                 "logprobs": completion_logprobs(logprobs) if logprobs is not None else None}
+
+
+def merge_tool_call_deltas(calls: list[dict], deltas: list) -> list[dict]:
+    """Streamed ``delta.tool_calls`` entries folded into whole calls (OpenAI's streaming rule: an entry with a new
+    ``index`` opens a call with its id and name; later entries of that index append to its arguments)."""
+    by_index = {c["_index"]: c for c in calls}
+    for d in deltas:
+        if not isinstance(d, dict):
+            continue
+        i = d.get("index", len(by_index))
+        fn = d.get("function") if isinstance(d.get("function"), dict) else {}
+        call = by_index.get(i)
+        if call is None:
+            call = by_index[i] = {"_index": i, "id": d.get("id") or f"call_{i}", "type": d.get("type") or "function",
+                                  "function": {"name": fn.get("name") or "", "arguments": ""}}
+            calls.append(call)
+        elif fn.get("name"):
+            call["function"]["name"] = fn["name"]
+        call["function"]["arguments"] += fn.get("arguments") or ""
+    return calls
+
+
+def finished_tool_calls(calls: list[dict]) -> list[dict]:
+    """:func:`merge_tool_call_deltas`' calls as a response's message.tool_calls (its bookkeeping key dropped)."""
+    return [{k: v for k, v in c.items() if k != "_index"} for c in calls]

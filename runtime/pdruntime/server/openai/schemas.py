@@ -364,12 +364,45 @@ class _PDFields(BaseModel):
     bootstrap_room: Room | None = None
 
 
-class WorkerChatRequest(ChatCompletionRequest, _PDFields):
-    """``/v1/chat/completions`` on a worker: the router's model plus the PD bootstrap fields."""
+class KVTransferParams(BaseModel):
+    """vLLM's ``kv_transfer_params`` as its PD proxy and NixlConnector write them (other keys are ignored):
+    ``do_remote_decode`` asks a prefill worker to compute the prompt and hold its KV for a decode; a decode worker
+    gets ``do_remote_prefill`` with where that KV is held (server/worker/lease.py)."""
+    model_config = ConfigDict(extra="ignore")
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: ShortText | None = None
+    remote_request_id: ShortText | None = None
+    remote_host: ShortText | None = None
+    remote_port: Port | None = None
+    remote_block_ids: Any = None
+    tp_size: int | None = None
 
 
-class WorkerCompletionRequest(CompletionRequest, _PDFields):
-    """``/v1/completions`` on a worker: the router's model plus the PD bootstrap fields."""
+class _OpenAIPDFields(BaseModel):
+    """What a PD router adds to a worker's /v1 body: SGLang's bootstrap fields (arrays of n, one room per choice,
+    from sglang-router for chat with n > 1) or vLLM's kv_transfer_params."""
+    rid: ShortText | None = None
+    bootstrap_host: ShortText | Annotated[list[ShortText], Field(min_length=1, max_length=MAX_N)] | None = None
+    bootstrap_port: Port | Annotated[list[Port], Field(min_length=1, max_length=MAX_N)] | None = None
+    bootstrap_room: Room | Annotated[list[Room], Field(min_length=1, max_length=MAX_N)] | None = None
+    kv_transfer_params: KVTransferParams | None = None
+
+    def first_pd(self) -> _PDFields:
+        """The bootstrap fields of the request's one KV transfer: an array's first entry (pdrt prefills once and
+        decode forks the n choices off that one transfer; both legs read the same body, so they agree)."""
+        def first(v):
+            return v[0] if isinstance(v, list) else v
+        return _PDFields(rid=self.rid, bootstrap_host=first(self.bootstrap_host), bootstrap_port=first(self.bootstrap_port),
+                         bootstrap_room=first(self.bootstrap_room))
+
+
+class WorkerChatRequest(ChatCompletionRequest, _OpenAIPDFields):
+    """``/v1/chat/completions`` on a worker: the router's model plus the PD fields."""
+
+
+class WorkerCompletionRequest(CompletionRequest, _OpenAIPDFields):
+    """``/v1/completions`` on a worker: the router's model plus the PD fields."""
 
 
 def _find_bad_text(obj: Any, path: tuple, depth: int) -> tuple[str, str] | None:

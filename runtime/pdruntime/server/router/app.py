@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdruntime.agent import AGENT_PORT
 from pdruntime.env import RuntimeEnv
 from pdruntime.server.edge import BodyGuard, GuardedStream, instance_id, lifespan_app, metrics_response
 from pdruntime.server.metrics import Metrics
@@ -32,6 +33,7 @@ from pdruntime.server.router.health_probe import HealthProber
 from pdruntime.server.router.legs import LegError, Legs, Outbound
 from pdruntime.server.router.policy import Outcome, PairPicker, PairState, RoutingConfig
 from pdruntime.server.router.prefix_tree import routing_text
+from pdruntime.server.router.protocol import observe_url, protocol_for
 from pdruntime.server.router.reply import Dispatched, EdgeRequest, LiveRequest, Reply
 from pdruntime.server.router.topology import Topology, TopologyWatcher
 from pdruntime.server.router.topology_source import TopologySource
@@ -64,6 +66,8 @@ class RouterConfig:
     api_keys: dict[str, str] = field(default_factory=dict, repr=False)  # key -> client name; empty: no auth
     admin_token: str | None = field(default=None, repr=False)  # /config, /debug/*: None = loopback clients only
     routing: RoutingConfig = field(default_factory=RoutingConfig)  # --routing-policy and its thresholds
+    worker_protocol: str = "pdrt"  # --worker-protocol: pdrt | sglang | vllm (protocol.py)
+    worker_agent_port: int = AGENT_PORT  # --worker-agent-port: the sidecar's /config and /debug/requests (0: the worker)
 
 
 class Router:
@@ -75,6 +79,7 @@ class Router:
         self.topology_file = topology_file
         self.host, self.port = host, port
         self.metrics = Metrics("router")
+        self.protocol = protocol_for(self.cfg.worker_protocol)
         self.picker = PairPicker(self.cfg.breaker_threshold, self.cfg.breaker_cooldown_s, self.cfg.breaker_trial_timeout_s,
                                  self.cfg.routing)
         self.admission = Admission(self.cfg.max_pending_per_pair, self.cfg.admission_wait_s, self.cfg.max_queued_requests)
@@ -110,16 +115,9 @@ class Router:
         self.topology_error = msg
 
     async def refresh_models(self) -> None:
-        async def info(url: str) -> dict | None:
-            try:
-                r = await self.client.get(url + "/get_model_info", timeout=DEBUG_FETCH_TIMEOUT_S)
-                return r.json() if r.status_code == 200 else None
-            except (httpx.HTTPError, ValueError):
-                return None
-
         urls = [u for p in self.topology.pairs for u in (p.decode_url, p.prefill_url)]
         models: dict[str, dict] = {}
-        for res in await asyncio.gather(*(info(u) for u in urls)):
+        for res in await asyncio.gather(*(self.protocol.model_info(self.client, u, DEBUG_FETCH_TIMEOUT_S) for u in urls)):
             if res and res.get("model_name"):
                 models[res["model_name"]] = res
         if models:
@@ -206,7 +204,7 @@ class Router:
             self.metrics.pair_outstanding.labels(state.pair.key).set(state.outstanding)
             outcome = Outcome.NEUTRAL  # client gone, 4xx, deadline, unexpected error: says nothing about the pair
             try:
-                legs = Legs(self.client, state.pair, out)
+                legs = Legs(self.client, state.pair, out, self.protocol)
                 first = await legs.first_event()
                 outcome = Outcome.SUCCESS
                 return legs, state, first
@@ -392,14 +390,15 @@ class Router:
         client = "unauthenticated"
         try:
             client = self.authenticate(request)
-            oreq = validate(ChatCompletionRequest if chat else CompletionRequest, parse_body(await request.body()))
+            raw = parse_body(await request.body())
+            oreq = validate(ChatCompletionRequest if chat else CompletionRequest, raw)
             model = await self._check_model(oreq.model)
             deadline = self._deadline(request)
         except ApiError as exc:
             self.count_rejection(client, exc.status)
             raise
         parser = (self.models.get(model) or {}).get("tool_call_parser") or "hermes"
-        return await self._one(request, EdgeRequest(oreq, chat, client, model, deadline, t0, parser))
+        return await self._one(request, EdgeRequest(oreq, chat, client, model, deadline, t0, parser, raw=raw))
 
     async def _one(self, request: Request, req: EdgeRequest):
         """One PD request: dispatch to a pair, then stream or collect decode's events, shaped as OpenAI's.
@@ -415,7 +414,8 @@ class Router:
             headers[STREAM_INTERVAL_HEADER] = str(COLLECT_INTERVAL_S)
         body = {"sampling_params": req.body.sampling_params(), **req.body.worker_input()}
         # a request waits for capacity at most admission.wait_s after its arrival: in the router's queue, then in decode
-        out = Outbound(rid, body, headers, req.deadline, req.n, busy_until=req.arrived + self.admission.wait_s)
+        out = Outbound(rid, body, headers, req.deadline, req.n, busy_until=req.arrived + self.admission.wait_s,
+                       openai=req.raw, chat=req.chat)
         live = LiveRequest(rid, req.client, req.body.user or request.headers.get("x-session-id"), req.arrived,
                            client_request_id=client_request_id(request.headers))
         self.live[rid] = live
@@ -453,7 +453,7 @@ class Router:
                 return {"pair": pair_index, "role": role, "url": url, "error": f"{type(exc).__name__}: {exc}"}
             return {"pair": pair_index, **data, "role": role, "url": url}
 
-        workers = await asyncio.gather(*(fetch(p.index, role, url) for p in self.topology.pairs
+        workers = await asyncio.gather(*(fetch(p.index, role, self.observe_url(url)) for p in self.topology.pairs
                                          for role, url in (("prefill", p.prefill_url), ("decode", p.decode_url))))
         total = len(own) + sum(len(w.get("requests", ())) for w in workers)
         unreachable = [w["url"] for w in workers if "error" in w]
@@ -466,6 +466,10 @@ class Router:
             verdict += f"; unreachable workers: {', '.join(unreachable)}"
         return {"role": "router", "live": len(own), "requests": own, "workers": workers, "live_total": total,
                 "verdict": verdict}
+
+    def observe_url(self, worker_url: str) -> str:
+        """Where this worker's /config and /debug/requests are read (its sidecar agent for a real engine)."""
+        return observe_url(worker_url, self.cfg.worker_protocol, self.cfg.worker_agent_port)
 
     def oldest_by_stage(self) -> dict[str, float]:
         """Age in seconds of the oldest live request per router stage (stages with none are absent)."""
@@ -494,7 +498,9 @@ class Router:
                            "body_timeout_s": self.cfg.body_timeout_s, "max_body_bytes": self.cfg.max_body_bytes,
                            "api_keys": {"enabled": bool(self.cfg.api_keys), "clients": sorted(set(self.cfg.api_keys.values()))},
                            "admin": "token" if self.cfg.admin_token is not None else "loopback-only",
-                           "routing": {**asdict(self.cfg.routing), "decisions": dict(self.picker.decisions)}},
+                           "routing": {**asdict(self.cfg.routing), "decisions": dict(self.picker.decisions)},
+                           "worker_protocol": self.cfg.worker_protocol,
+                           "worker_agent_port": self.cfg.worker_agent_port},
                 "models": sorted(self.models),
                 "worker_health": self.prober.snapshot() if self.prober is not None else []}
 

@@ -1,13 +1,14 @@
-"""The two legs of one PD request (SGLang convention): the same body, with bootstrap_host/port/room,
-goes to the prefill and the decode worker of one pair. Prefill answers once its KV is delivered;
-decode streams the tokens. Either leg failing aborts the other. With ``sampling_params.n`` > 1 it is still one
-pair of legs (one prefill, one KV transfer): decode streams every choice's events, each with its ``index``."""
+"""The two legs of one PD request: a prefill and a decode worker of one pair, in the router's worker protocol
+(protocol.py: pdrt's and SGLang's send both legs at once with a bootstrap room; vLLM's sends decode what prefill
+answered). Prefill answers once its KV is delivered (pdrt, SGLang) or held for decode (vLLM); decode streams the
+tokens. Either leg failing aborts the other, in every protocol. With ``n`` > 1 it is still one pair of legs (one
+prefill, one KV transfer): decode streams every choice's events, each with its ``index``."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
-import random
 import time
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
@@ -15,6 +16,7 @@ from typing import Any, AsyncIterator
 import httpx
 
 from pdruntime.server.openai.events import TokenEvent
+from pdruntime.server.router.protocol import WorkerProtocol
 from pdruntime.server.router.topology import Pair
 from pdruntime.util.aio import detach, within
 from pdruntime.util.headers import BUSY_WAIT_HEADER, DEADLINE_HEADER
@@ -88,24 +90,32 @@ class Outbound:
     """What the router sends for one request, to whichever pair it goes: the workers' body and headers."""
 
     rid: str
-    body: dict  # SGLang /generate body without the bootstrap fields
+    body: dict  # pdrt's /generate body without the bootstrap fields
     headers: dict
     deadline: float  # time.monotonic() seconds
     n: int = 1  # choices decode streams
     busy_until: float | None = None  # time.monotonic(): decode waits for KV pages until then at most (None: its own)
+    openai: dict | None = None  # the client's OpenAI body (the sglang and vllm worker protocols send it on)
+    chat: bool = True  # /v1/chat/completions (else /v1/completions)
+
+    @property
+    def route(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
 
 
 class Legs:
-    def __init__(self, client: httpx.AsyncClient, pair: Pair, out: Outbound) -> None:
+    def __init__(self, client: httpx.AsyncClient, pair: Pair, out: Outbound,
+                 protocol: WorkerProtocol | None = None) -> None:
         self.client = client
         self.pair = pair
+        self.out = out
+        self.protocol = protocol or WorkerProtocol()
         self.rid = out.rid
-        self.room = random.getrandbits(63)
+        self.room = self.protocol.room(out)
         self.deadline = out.deadline  # time.monotonic() seconds
-        common = {**out.body, "rid": out.rid, "bootstrap_host": pair.bootstrap_host,
-                  "bootstrap_port": pair.bootstrap_port, "bootstrap_room": self.room}
-        self.prefill_body = {**common, "stream": False}
-        self.decode_body = {**common, "stream": True}
+        self.prefill_req = self.protocol.prefill(out, pair, self.room)
+        self._read = self.protocol.reader(out)  # decode's SSE payload -> its token events
+        self._pending: collections.deque[TokenEvent] = collections.deque()
         self.headers = out.headers
         self.n = out.n
         self.busy_until = out.busy_until
@@ -122,7 +132,7 @@ class Legs:
     async def _prefill(self) -> None:
         try:
             headers = {**self.headers, DEADLINE_HEADER: f"{self.remaining():.3f}"}  # prefill's admission reads it
-            resp = await self.client.post(self.pair.prefill_url + "/generate", json=self.prefill_body,
+            resp = await self.client.post(self.pair.prefill_url + self.prefill_req.path, json=self.prefill_req.body,
                                           headers=headers, timeout=httpx.Timeout(self.remaining() + 1.0, connect=CONNECT_TIMEOUT_S))
         except httpx.HTTPError as exc:
             raise LegError(502, f"prefill worker {self.pair.prefill_url} unreachable: {type(exc).__name__} {exc}",
@@ -143,10 +153,14 @@ class Legs:
 
     # ---- decode leg ----------------------------------------------------------------------------
     async def _open_decode(self) -> TokenEvent:
+        if self.protocol.sequential:  # decode's request carries what prefill answered (vLLM's kv_transfer_params)
+            assert self.prefill_task is not None
+            await asyncio.shield(self.prefill_task)  # its LegError is the request's (first_event reports it)
+        self.decode_req = self.protocol.decode(self.out, self.pair, self.room, self.prefill_result)
         headers = self.headers
         if self.busy_until is not None:
             headers = {**headers, BUSY_WAIT_HEADER: f"{max(0.0, self.busy_until - time.monotonic()):.3f}"}
-        req = self.client.build_request("POST", self.pair.decode_url + "/generate", json=self.decode_body,
+        req = self.client.build_request("POST", self.pair.decode_url + self.decode_req.path, json=self.decode_req.body,
                                         headers=headers, timeout=httpx.Timeout(self.remaining() + 1.0, connect=CONNECT_TIMEOUT_S))
         try:
             self.decode_resp = await self.client.send(req, stream=True)
@@ -170,16 +184,20 @@ class Legs:
     async def _next_event(self) -> TokenEvent | None:
         """Decode's next token event (None: its stream ended). An error event raises its LegError."""
         assert self._events is not None
+        if self._pending:
+            return self._pending.popleft()
         try:
             async for ev in self._events:
                 if ev == DONE:
                     return None
-                if "error" in ev:
+                if isinstance(ev, dict) and "error" in ev:
                     raise _stream_error(ev)
                 try:
-                    return TokenEvent.from_json(ev, self.n)
-                except ValueError as exc:
+                    self._pending.extend(self._read(ev))
+                except (ValueError, TypeError, AttributeError) as exc:
                     raise LegError(502, f"decode sent a malformed event: {exc}", leg="decode", retryable=False) from None
+                if self._pending:
+                    return self._pending.popleft()
         except httpx.HTTPError as exc:
             raise LegError(502, f"decode stream broke: {type(exc).__name__} {exc}", leg="decode", retryable=False) from None
         return None
@@ -230,10 +248,8 @@ class Legs:
             await within(asyncio.shield(self.prefill_task), self.remaining() + 1.0)
         except (LegError, asyncio.TimeoutError, asyncio.CancelledError):
             return first
-        mi = (self.prefill_result or {}).get("meta_info") or {}
-        got = mi.get("output_token_logprobs") or [None]
-        prompt = mi.get("input_token_logprobs")
-        return replace(first, logprobs=[got[0]] + list(lps[1:]),
+        got, prompt = self.protocol.first_token_logprobs(self.prefill_result)
+        return replace(first, logprobs=[got] + list(lps[1:]),
                        prompt_logprobs=prompt if prompt is not None else first.prompt_logprobs)
 
     async def events(self, first: TokenEvent | None = None) -> AsyncIterator[TokenEvent]:
@@ -253,7 +269,8 @@ class Legs:
     # ---- teardown --------------------------------------------------------------------------------
     async def _post_abort(self, url: str) -> None:
         try:
-            await self.client.post(url + "/abort_request", json={"rid": self.rid}, timeout=ABORT_TIMEOUT_S)
+            rid = self.protocol.worker_rid(self.out, self.room, self.prefill_result)
+            await self.client.post(url + "/abort_request", json={"rid": rid}, timeout=ABORT_TIMEOUT_S)
         except httpx.HTTPError:
             pass
 

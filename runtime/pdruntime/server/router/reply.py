@@ -4,14 +4,14 @@ response, per choice, with the router's token metrics; closing it releases the p
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse
 
 from pdruntime.server.metrics import Metrics
 from pdruntime.server.openai.events import TokenEvent
-from pdruntime.server.openai.format import Choices, OpenAIShape
+from pdruntime.server.openai.format import Choices, OpenAIShape, finished_tool_calls, merge_tool_call_deltas
 from pdruntime.server.openai.schemas import ApiError, ChatCompletionRequest, CompletionRequest, error_body
 from pdruntime.server.router.legs import LegError, Legs
 from pdruntime.server.router.policy import PairState
@@ -52,15 +52,18 @@ class EdgeRequest:
     deadline: float  # time.monotonic() seconds
     arrived: float  # time.monotonic() seconds
     tool_parser: str  # the model's tool-call parser (its workers report it)
+    raw: dict = field(default_factory=dict)  # the client's JSON body, as sent (the OpenAI worker protocols pass it on)
 
     @property
     def n(self) -> int:
         return self.body.n
 
-    def shape(self, rid: str) -> OpenAIShape:
+    def shape(self, rid: str, parse_tools: bool = True) -> OpenAIShape:
+        """The client's response shape; ``parse_tools`` False when decode answers tool calls already parsed."""
         body, chat = self.body, self.chat
+        tools = parse_tools and chat and body.tools and body.tool_choice != "none"
         return OpenAIShape(chat, ("chatcmpl-" if chat else "cmpl-") + rid, self.model, int(time.time()),
-                           tool_parser=self.tool_parser if chat and body.tools and body.tool_choice != "none" else None,
+                           tool_parser=self.tool_parser if tools else None,
                            echo=body.prompt_text() if not chat and body.echo else None)
 
 
@@ -82,7 +85,7 @@ class Reply:
         self.metrics = metrics
         self.forget = forget  # releases the pair slot and the live entry
         self.client_label = client_label
-        self.shape = req.shape(live.rid)
+        self.shape = req.shape(live.rid, parse_tools=not sent.legs.protocol.parses_tools)
         self.choices = Choices(req.n)
         self.outcome = "aborted"  # until it completes ("ok") or fails mid-stream ("failed")
         self.last_token_at = time.monotonic()
@@ -108,7 +111,7 @@ class Reply:
                            retryable=False)
 
     def _count(self, ev: TokenEvent) -> None:
-        n = len(ev.token_ids)
+        n = ev.num_tokens
         if n:
             now = time.monotonic()
             if self.live.tokens:  # an event of n tokens: n inter-token gaps of a share each
@@ -164,11 +167,14 @@ class Reply:
         n = self.req.n
         completed = False
         texts, lps, lasts = [""] * n, [[] for _ in range(n)], [self.sent.first] * n  # per choice
+        calls: list[list[dict]] = [[] for _ in range(n)]  # tool calls an OpenAI-speaking decode parsed, per choice
         try:
             async for ev in self.token_events():
                 i = ev.choice
                 texts[i] += ev.delta
                 lps[i] += ev.logprobs or []
+                if ev.tool_calls:
+                    merge_tool_call_deltas(calls[i], ev.tool_calls)
                 lasts[i] = ev
                 if self.choices.done:
                     break
@@ -183,7 +189,8 @@ class Reply:
         if want_lps and self.prompt_logprobs is not None:  # echo: the prompt's entries first (each text starts with it)
             lps = [self.prompt_logprobs + lp for lp in lps]
         return JSONResponse(self.shape.response(
-            [self.shape.choice(i, texts[i], lasts[i], logprobs=lps[i] if want_lps else None) for i in range(n)],
+            [self.shape.choice(i, texts[i], lasts[i], logprobs=lps[i] if want_lps else None,
+                               tool_calls=finished_tool_calls(calls[i]) or None) for i in range(n)],
             self.choices.usage()))
 
 

@@ -26,6 +26,8 @@ from pdruntime.server.worker.engine_commands import PageOwners
 from pdruntime.util.aio import within
 from pdruntime.server.worker.engine_runner import EngineRunner, FailurePolicy
 from pdruntime.server.worker.faults import TestHooks
+from pdruntime.server.worker.lease import pd_fields
+from pdruntime.util.headers import REQUEST_ID_HEADER
 from pdruntime.server.worker.prompts import PromptBuilder, client_of, request_id
 
 log = logging.getLogger("pdruntime.worker")
@@ -319,18 +321,33 @@ class WorkerBase:
 
     # ---- OpenAI routes (as SGLang workers serve them; a PD router sends each to both workers) -----------
     async def openai(self, request: Request, chat: bool):
+        """A worker's /v1 route: an OpenAI body as SGLang's router sends it (bootstrap fields, arrays of n for chat
+        n > 1) or as vLLM's proxy does (kv_transfer_params, worker/lease.py), or a plain one."""
         oreq = validate(WorkerChatRequest if chat else WorkerCompletionRequest, parse_body(await request.body()))
         self._check_model(oreq.model)
-        greq = generate_from_openai(oreq, oreq)
-        if oreq.n > 1:
-            raise ApiError(400, "n > 1 on a worker's /v1 route is not supported; accepted: n = 1 here, or n > 1 through "
-                           "pdrt's router or /generate with sampling_params.n (one prefill, n forked decode "
-                           "sequences)", param="n", code="unsupported_parameter")
+        held = False
+        if oreq.kv_transfer_params is not None:
+            pd, held = pd_fields(oreq.kv_transfer_params, self.role, request.headers.get(REQUEST_ID_HEADER))
+        else:
+            pd = oreq.first_pd()
+        greq = generate_from_openai(oreq, pd)
+        if oreq.n > 1 and greq.bootstrap_room is None:
+            raise ApiError(400, "n > 1 on a worker's /v1 route is supported for PD requests only; accepted: n = 1 here, "
+                           "or n > 1 with bootstrap fields (a PD router's request: one prefill, n forked decode "
+                           "sequences) or /generate with sampling_params.n", param="n", code="unsupported_parameter")
         parser = self.prompts.tool_parser if chat and oreq.tools and oreq.tool_choice != "none" else None
         shape = OpenAIShape(chat, ("chatcmpl-" if chat else "cmpl-") + request_id(greq), self.model_name, int(time.time()),
                             tool_parser=parser, echo=oreq.prompt_text() if not chat and oreq.echo else None)
-        include_usage = bool(oreq.stream_options and oreq.stream_options.include_usage)
-        return await self.run_generate(greq, client_of(request), shape, include_usage)
+        opts = oreq.stream_options
+        usage = (bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats))
+        hints = self.leg_hints(request)
+        if held:
+            hints["held"] = True
+        return await self.run_generate(greq, client_of(request), shape, usage, **hints)
+
+    def leg_hints(self, request: Request) -> dict:
+        """run_generate's keywords from the router's hint headers (each role reads its own)."""
+        return {}
 
     def _check_model(self, model: str) -> None:
         path = str(self.loaded.info.path or "")
@@ -339,7 +356,9 @@ class WorkerBase:
             raise ApiError(404, f"model {model!r} does not exist here; accepted: {self.model_name}", param="model",
                            code="model_not_found")
 
-    async def run_generate(self, greq: Any, client: str, shape: Any = None, include_usage: bool = False):
+    async def run_generate(self, greq: Any, client: str, shape: Any = None, usage: tuple[bool, bool] = (False, False),
+                           **hints: Any):
+        """One request; ``usage``: (include_usage, continuous_usage_stats) of an OpenAI stream."""
         raise NotImplementedError
 
     def add_routes(self, app: FastAPI) -> None:

@@ -337,18 +337,22 @@ class DecodeWorker(WorkerBase):
         greq = await read_generate(request)
         if self.stall_fault is not None and greq.bootstrap_room is not None:
             STALL_THIS_REQUEST.set(self.stall_fault.admit(connection_of(request.headers, request.scope)))
-        return await self.run_generate(greq, client_of(request), interval_s=stream_interval(request.headers),
-                                       busy_grace_s=busy_grace(request.headers))
+        return await self.run_generate(greq, client_of(request), **self.leg_hints(request))
+
+    def leg_hints(self, request: Request) -> dict:
+        return {"interval_s": stream_interval(request.headers), "busy_grace_s": busy_grace(request.headers)}
 
     async def run_generate(self, greq: GenerateRequest, client: str, shape: OpenAIShape | None = None,
-                           include_usage: bool = False, interval_s: float = 0.0, busy_grace_s: float = BUSY_GRACE_S):
-        """One request, SGLang-shaped events (``shape`` None: /generate) or OpenAI-shaped (the /v1 routes);
-        ``interval_s``: seconds to gather token events into one (the router's STREAM_INTERVAL_HEADER);
-        ``busy_grace_s``: seconds to wait for KV pages before a 429 (the router's BUSY_WAIT_HEADER)."""
+                           usage: tuple[bool, bool] = (False, False), interval_s: float = 0.0,
+                           busy_grace_s: float = BUSY_GRACE_S):
+        """One request, SGLang-shaped events (``shape`` None: /generate) or OpenAI-shaped (the /v1 routes; ``usage``:
+        their stream's include_usage and continuous_usage_stats); ``interval_s``: seconds to gather token events
+        into one (the router's STREAM_INTERVAL_HEADER); ``busy_grace_s``: seconds to wait for KV pages before a 429
+        (the router's BUSY_WAIT_HEADER)."""
         req = self._admit(greq, client, busy_grace_s)
         stream = DecodeStream(self, req, self.metrics.clients.label(req.client), interval_s)
         if greq.stream:
-            return GuardedStream(stream.sse_body(shape, include_usage), stream.on_close)
+            return GuardedStream(stream.sse_body(shape, *usage), stream.on_close)
         return await stream.respond(shape)
 
     def _admit(self, greq: GenerateRequest, client: str, busy_grace_s: float = BUSY_GRACE_S) -> DecodeRequest:

@@ -195,8 +195,10 @@ class DecodeStream:
         self.metrics.requests.labels(self.role, self.client_label, outcome).inc()
         self.metrics.e2e.labels(self.role).observe(time.monotonic() - self.arrived)
 
-    async def sse_body(self, shape: OpenAIShape | None, include_usage: bool) -> AsyncIterator[bytes]:
-        """SGLang events (``shape`` None) or OpenAI chunks, then ``[DONE]``; a failure ends with an error event."""
+    async def sse_body(self, shape: OpenAIShape | None, include_usage: bool,
+                       continuous_usage: bool = False) -> AsyncIterator[bytes]:
+        """SGLang events (``shape`` None) or OpenAI chunks (usage on every chunk with ``continuous_usage``), then
+        ``[DONE]``; a failure ends with an error event."""
         choices = Choices(self.req.n)
         states = [shape.stream_state() if shape is not None else None for _ in range(self.req.n)]
         try:
@@ -205,8 +207,8 @@ class DecodeStream:
                 if shape is None:
                     yield sse(ev.to_json())
                 else:
-                    for c in shape.stream_chunks(ev, first=first, include_usage=include_usage, state=states[i],
-                                                 choices=choices):
+                    for c in shape.stream_chunks(ev, first=first, include_usage=include_usage,
+                                                 continuous_usage=continuous_usage, state=states[i], choices=choices):
                         yield sse(c)
         except DecodeFailed as exc:
             err = exc.body()

@@ -33,6 +33,7 @@ from pdruntime.server.openai.format import OpenAIShape, logprob_entries, prompt_
 from pdruntime.server.openai.schemas import ApiError, GenerateRequest, error_body
 from pdruntime.server.worker.base import WorkerBase
 from pdruntime.server.worker.engine_commands import Abort, AddRequest, GatherPages, Pages, Release, RequestGone
+from pdruntime.server.worker.lease import KV_LEASE_S, advertised_host, answer_params
 from pdruntime.server.worker.prompts import client_of, read_generate, request_id
 from pdruntime.util.headers import DEADLINE_HEADER
 from pdruntime.util.periodic import PeriodicTask
@@ -68,10 +69,12 @@ class TransferFailed(Exception):
 class PrefillWorker(WorkerBase):
     role = "prefill"
 
-    def __init__(self, *a: Any, bootstrap_host: str = "0.0.0.0", bootstrap_port: int = 8998) -> None:
+    def __init__(self, *a: Any, bootstrap_host: str = "0.0.0.0", bootstrap_port: int = 8998,
+                 kv_lease_s: float = KV_LEASE_S) -> None:
         super().__init__(*a)
         self.bootstrap_host = bootstrap_host
         self.bootstrap_port = bootstrap_port
+        self.kv_lease_s = kv_lease_s  # seconds a held (vLLM-protocol) KV waits for its decode
         self.queues = PrefillQueues()
         self.rate = PrefillRate()  # prompt tokens/s computed, measured under backlog: admission by deadline
         self._server: transfer.BootstrapServer | None = None
@@ -130,6 +133,7 @@ class PrefillWorker(WorkerBase):
 
     def role_config(self) -> dict:
         return {"bootstrap": {"host": self.bootstrap_host, "port": self.bootstrap_port},
+                "kv_lease_s": self.kv_lease_s,
                 "watchdog": {"bootstrap_timeout_s": self.env.bootstrap_timeout_s,
                              "transfer_timeout_s": self.env.transfer_timeout_s, "tick_s": self.env.watchdog_tick_s}}
 
@@ -167,7 +171,10 @@ class PrefillWorker(WorkerBase):
         log.warning("prefill request failed: rid=%s room=%s reason=%s", req.rid, req.room, reason)
 
     def _on_watchdog(self, req: PrefillRequest, phase: str) -> None:
-        if phase == "bootstrap":
+        if phase == "lease":
+            self._fail(req, f"KV lease expired: no decode pulled the held KV within {self.kv_lease_s:g}s (--kv-lease-s)",
+                       cause="watchdog", status=504)
+        elif phase == "bootstrap":
             self._fail(req, f"bootstrap timeout: decode did not attach within {self.env.bootstrap_timeout_s}s",
                        cause="watchdog", status=504)
         else:
@@ -176,14 +183,19 @@ class PrefillWorker(WorkerBase):
 
     # ---- HTTP side ---------------------------------------------------------------------------
     async def generate(self, request: Request) -> JSONResponse:
-        return await self.run_generate(await read_generate(request), client_of(request),
-                                       seconds_left=_seconds_left(request.headers.get(DEADLINE_HEADER)))
+        return await self.run_generate(await read_generate(request), client_of(request), **self.leg_hints(request))
+
+    def leg_hints(self, request: Request) -> dict:
+        return {"seconds_left": _seconds_left(request.headers.get(DEADLINE_HEADER)), "host": request.url.hostname}
 
     async def run_generate(self, greq: GenerateRequest, client: str, shape: OpenAIShape | None = None,
-                           include_usage: bool = False, *, seconds_left: float | None = None) -> JSONResponse:
+                           usage: tuple[bool, bool] = (False, False), *, seconds_left: float | None = None,
+                           held: bool = False, host: str | None = None) -> JSONResponse:
         """Prefill one PD request; answers once decode has the KV (OpenAI-shaped with ``shape``: the /v1 routes,
         whose body SGLang's router sends to both legs; it answers the client from decode's). ``seconds_left``: of
-        the request's deadline, as pdrt's router sends it; a request that cannot make it is refused now."""
+        the request's deadline, as pdrt's router sends it; a request that cannot make it is refused now. ``held``:
+        vLLM's protocol, answered once the KV is computed and held (:meth:`_hold`); ``host``: how the caller reached
+        this worker (the KV address a held request names when the bootstrap port listens on every address)."""
         if greq.bootstrap_room is None:
             raise ApiError(400, "a prefill worker serves only PD requests; accepted: a body with bootstrap_room "
                            "(and bootstrap_host/bootstrap_port) as sent by a PD router", param="bootstrap_room")
@@ -203,6 +215,8 @@ class PrefillWorker(WorkerBase):
             self.queues.register(req)
         except KeyError as exc:
             raise ApiError(409, str(exc), param="bootstrap_room", code="room_in_use") from None
+        if held:
+            return await self._hold(req, shape, host)
         self.watchdog.arm(req.rid, "bootstrap", self.env.bootstrap_timeout_s,
                           lambda d, r=req: self._on_watchdog(r, "bootstrap"), ids=f"rid={req.rid} room={req.room}")
         outcome = "ok"
@@ -210,9 +224,7 @@ class PrefillWorker(WorkerBase):
             await req.done
         except TransferFailed as exc:
             outcome = "failed"
-            kind = "invalid_request_error" if 400 <= exc.status < 500 else "server_error"
-            return JSONResponse(error_body(exc.status, f"prefill of request {req.rid} failed: {exc.reason}",
-                                           type=kind, code=exc.code), status_code=exc.status)
+            return _failure(req, exc)
         except asyncio.CancelledError:  # the router (or client) went away
             outcome = "aborted"
             self._fail(req, "client disconnected", cause="client_disconnect", status=499, code="aborted")
@@ -220,7 +232,12 @@ class PrefillWorker(WorkerBase):
         finally:
             self.metrics.requests.labels(self.role, self.metrics.clients.label(req.client), outcome).inc()
             self.metrics.e2e.labels(self.role).observe(self.clock.now() - req.created_at)
-        first = req.first_token_id
+        result = self._answer(req)
+        return JSONResponse(result if shape is None else shape.final(result["text"], TokenEvent.from_json(result)))
+
+    def _answer(self, req: PrefillRequest) -> dict:
+        """The SGLang-shaped answer of a prefilled request: its first token, counts and logprobs."""
+        first, prompt, params = req.first_token_id, req.prompt_ids, req.params
         text = self.loaded.tokenizer.decode([first]) if first is not None else ""
         result = {"text": text, "meta_info": {"id": req.rid, "prompt_tokens": len(prompt), "completion_tokens": 1,
                                               "cached_tokens": req.cached_tokens, "kv_bytes": req.bytes_sent,
@@ -232,7 +249,55 @@ class PrefillWorker(WorkerBase):
         if params.prompt_logprobs is not None:  # echo: the prompt's, first token None (nothing predicts it)
             result["meta_info"]["input_token_logprobs"] = prompt_logprob_entries(
                 self.loaded.tokenizer, prompt, getattr(req, "prompt_logprobs", None))
-        return JSONResponse(result if shape is None else shape.final(text, TokenEvent.from_json(result)))
+        return result
+
+    async def _hold(self, req: PrefillRequest, shape: OpenAIShape | None, host: str | None) -> JSONResponse:
+        """vLLM's remote-decode prefill (worker/lease.py): compute the prompt now, hold its KV under the lease
+        (``kv_lease_s``: the watchdog frees it if no decode attaches) and answer with ``kv_transfer_params`` naming
+        this worker's KV address and the held request; the decode the router sends next pulls it (:meth:`_serve`)."""
+        req.done.add_done_callback(_retrieved)  # nobody awaits it: its outcome is the transfer's
+        req.status.advance(TransferState.WAITING_FOR_INPUT, self.clock.now())
+        self.queues.move(req.rid, "waiting")
+        outcome = "failed"
+        try:
+            blocks, ntok, first = await self._compute(req)
+            if req.status.state.terminal:
+                raise TransferFailed("failed while prefilling")
+            req.first_token_id, req.held_pages = first, (blocks, ntok)
+            self.queues.move(req.rid, "inflight")
+            self.watchdog.arm(req.rid, "lease", self.kv_lease_s, lambda d, r=req: self._on_watchdog(r, "lease"),
+                              ids=f"rid={req.rid} room={req.room}")
+            outcome = "ok"
+        except (TransferFailed, RequestGone) as exc:
+            return _failure(req, req.done.exception() if req.done.done() else exc)
+        except asyncio.CancelledError:  # the router went away before the KV was held: nothing will pull it
+            outcome = "aborted"
+            self._fail(req, "client disconnected", cause="client_disconnect", status=499, code="aborted")
+            raise
+        except Exception as exc:
+            self._fail_unexpected(req, exc, "held prefill")
+            return _failure(req, req.done.exception())
+        finally:
+            self.metrics.requests.labels(self.role, self.metrics.clients.label(req.client), outcome).inc()
+        result = self._answer(req)
+        body = result if shape is None else shape.final(result["text"], TokenEvent.from_json(result))
+        body["kv_transfer_params"] = answer_params(
+            rid=req.rid, host=advertised_host(self.bootstrap_host, host), port=self.bootstrap_port,
+            engine_id=self.instance_id, pages=blocks, tp_size=self.engine.tp_size)
+        return JSONResponse(body)
+
+    async def _compute(self, req: PrefillRequest) -> tuple[list[int], int, int]:
+        """Prefill the prompt in the engine: -> (its pages, its tokens, the first token id) once the KV is ready.
+        Raises TransferFailed (failed meanwhile) or RequestGone (failed before the engine took it)."""
+        req.kv_ready = asyncio.get_running_loop().create_future()
+        self.runner.set_sink(req.rid, lambda out, r=req: self._on_output(r, out))
+        self.metrics.queue_time.labels(self.role).observe(self.clock.now() - req.created_at)
+        req.in_engine = True
+        await self.runner.call(AddRequest(req, prefill_only=True))
+        first = await req.kv_ready
+        pages = self.runner.ready_pages.pop(req.rid, None)
+        blocks, ntok = pages if pages is not None else await self.runner.call(Pages(req.rid))
+        return blocks, ntok, first
 
     def add_routes(self, app: FastAPI) -> None:
         app.post("/generate")(self.generate)
@@ -266,7 +331,9 @@ class PrefillWorker(WorkerBase):
         if req is None or req.rid != att.rid and att.rid:
             await self._reject(conn, "unknown_room", f"no live request for room {att.room} (rid {att.rid})")
             return
-        if req.writer is not None or req.status.state is not TransferState.BOOTSTRAPPING:
+        waiting = req.status.state is TransferState.BOOTSTRAPPING or (
+            req.held_pages is not None and req.status.state is TransferState.WAITING_FOR_INPUT)  # vLLM: KV held
+        if req.writer is not None or not waiting:
             await self._reject(conn, "mismatch", f"room {att.room} already has a decode peer")
             return
         if att.num_tokens != len(req.prompt_ids) or att.prompt_crc != wire.prompt_crc(req.prompt_ids):
@@ -277,23 +344,19 @@ class PrefillWorker(WorkerBase):
         await self._serve(req, conn)
 
     async def _serve(self, req: PrefillRequest, conn: transfer.KVConn) -> None:
-        loop = asyncio.get_running_loop()
         req.writer = conn
         req.kv_stats = conn.stats
-        self.watchdog.disarm(req.rid, "bootstrap")
-        req.status.advance(TransferState.WAITING_FOR_INPUT, self.clock.now())
-        self.queues.move(req.rid, "waiting")
         try:
-            if self.hooks.take("stall_prefill"):
-                await asyncio.shield(req.done)  # test hook: hold before the engine until failed/aborted
-            req.kv_ready = loop.create_future()
-            self.runner.set_sink(req.rid, lambda out, r=req: self._on_output(r, out))
-            self.metrics.queue_time.labels(self.role).observe(self.clock.now() - req.created_at)
-            req.in_engine = True
-            await self.runner.call(AddRequest(req, prefill_only=True))
-            first = await req.kv_ready
-            pages = self.runner.ready_pages.pop(req.rid, None)
-            blocks, ntok = pages if pages is not None else await self.runner.call(Pages(req.rid))
+            if req.held_pages is not None:  # vLLM protocol: computed and held; the lease ends as decode attaches
+                self.watchdog.disarm(req.rid, "lease")
+                (blocks, ntok), first = req.held_pages, req.first_token_id
+            else:
+                self.watchdog.disarm(req.rid, "bootstrap")
+                req.status.advance(TransferState.WAITING_FOR_INPUT, self.clock.now())
+                self.queues.move(req.rid, "waiting")
+                if self.hooks.take("stall_prefill"):
+                    await asyncio.shield(req.done)  # test hook: hold before the engine until failed/aborted
+                blocks, ntok, first = await self._compute(req)
             if req.status.state.terminal:
                 return
             req.first_token_id = first
@@ -369,3 +432,18 @@ async def _quietly(aw) -> None:
         await aw
     except (WireError, OSError):
         pass
+
+
+def _failure(req: PrefillRequest, exc: BaseException) -> JSONResponse:
+    """A failed prefill's answer: its status and code (TransferFailed's; 503 for anything else)."""
+    status, code = getattr(exc, "status", 503), getattr(exc, "code", "transfer_failed")
+    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+    reason = getattr(exc, "reason", None) or str(exc)
+    return JSONResponse(error_body(status, f"prefill of request {req.rid} failed: {reason}", type=kind, code=code),
+                        status_code=status)
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    """A done-callback: mark a future's exception retrieved (its failure is reported elsewhere)."""
+    if not fut.cancelled():
+        fut.exception()
