@@ -18,6 +18,7 @@ import httpx
 from pdruntime.server.openai.events import TokenEvent
 from pdruntime.server.router.protocol import WorkerProtocol
 from pdruntime.server.router.topology import Pair
+from pdruntime.util import h1
 from pdruntime.util.aio import detach, within
 from pdruntime.util.headers import BUSY_WAIT_HEADER, DEADLINE_HEADER
 from pdruntime.util.sse import DONE, aiter_sse
@@ -104,7 +105,7 @@ class Outbound:
 
 
 class Legs:
-    def __init__(self, client: httpx.AsyncClient, pair: Pair, out: Outbound,
+    def __init__(self, client: "h1.Client", pair: Pair, out: Outbound,
                  protocol: WorkerProtocol | None = None) -> None:
         self.client = client
         self.pair = pair
@@ -120,7 +121,7 @@ class Legs:
         self.n = out.n
         self.busy_until = out.busy_until
         self.prefill_task: asyncio.Task | None = None
-        self.decode_resp: httpx.Response | None = None
+        self.decode_resp: "h1.Response | None" = None
         self._events: AsyncIterator[Any] | None = None  # decode's SSE payloads
         self.stage = "dispatching"
         self.prefill_result: dict | None = None  # prefill's answer (meta_info: the first token's logprobs)

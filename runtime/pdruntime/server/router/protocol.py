@@ -39,6 +39,7 @@ from urllib.parse import urlparse
 import httpx
 
 from pdruntime.server.openai.events import OpenAIStreamReader, TokenEvent
+from pdruntime.util import h1
 
 if TYPE_CHECKING:
     from pdruntime.server.router.legs import Outbound
@@ -135,7 +136,7 @@ class WorkerProtocol:
         mi = (prefill_result or {}).get("meta_info") or {}
         return (mi.get("output_token_logprobs") or [None])[0], mi.get("input_token_logprobs")
 
-    async def model_info(self, client: httpx.AsyncClient, url: str, timeout: float) -> dict | None:
+    async def model_info(self, client: "h1.Client", url: str, timeout: float) -> dict | None:
         """What a worker serves (``model_name``, ``model_path``, ``max_model_len``, ...): SGLang's /get_model_info."""
         try:
             r = await client.get(url + "/get_model_info", timeout=timeout)
@@ -213,7 +214,7 @@ class VLLMProtocol(_OpenAIProtocol):
     def first_token_logprobs(self, prefill_result: dict | None) -> tuple[Any, Any]:
         return None, None
 
-    async def model_info(self, client: httpx.AsyncClient, url: str, timeout: float) -> dict | None:
+    async def model_info(self, client: "h1.Client", url: str, timeout: float) -> dict | None:
         """vLLM serves no /get_model_info: its /v1/models (id, root, max_model_len) says the same."""
         try:
             r = await client.get(url + "/v1/models", timeout=timeout)
