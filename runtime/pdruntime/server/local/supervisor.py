@@ -393,7 +393,7 @@ class LocalStack:
                 return True
             if not _alive(self.router):
                 raise RuntimeError(f"router exited with {self.router.returncode}; see {self.log_dir}/router.log")
-            time.sleep(0.5)
+            time.sleep(0.1)
         return False
 
     def tick(self, now: float | None = None) -> list[int]:
