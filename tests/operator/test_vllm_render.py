@@ -1,0 +1,230 @@
+"""engine: vllm as rendered (examples/pddeployment-vllm.yaml): every worker command line is parsed by vLLM's own
+argument parser (the ``vllm serve`` subcommand's, from the vllm package installed by ``make vllm-parser``; skipped
+with the reason when it is not installed), the NIXL connector and side channel as llm-d deploys them, the pdstack
+agent sidecar as the same UID, the NetworkPolicy's NIXL port between workers only, pdstack's router in vLLM's
+protocol, the watchdog mapping, and the spec's and the CRD's rules for spec.vllm and spec.router.kind."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+import emu_apiext as apiext
+from pdoperator.cli.kubectl_pd import render_manifest
+from pdoperator.core.engines import watchdog_mapping
+from pdoperator.core.render import PolicyPeers, network_policy, Owner
+from pdoperator.core.spec import SpecError, parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = yaml.safe_load((ROOT / "examples" / "pddeployment-vllm.yaml").read_text())
+CRD = yaml.safe_load((ROOT / "crds" / "pddeployment.yaml").read_text())
+SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def _objs(doc=EXAMPLE):
+    return render_manifest(doc)
+
+
+def _pods(doc=EXAMPLE):
+    return [o for o in _objs(doc) if o["kind"] == "Pod"]
+
+
+def _with(**spec):
+    doc = copy.deepcopy(EXAMPLE)
+    doc["spec"].update(spec)
+    return doc
+
+
+# ---------------------------------------------------------------- vLLM's own parser
+def _vllm_serve_parser():
+    """The parser ``vllm serve`` parses its command line with: vLLM's CLI with its serve subcommand
+    (vllm/entrypoints/cli/main.py + serve.py), whose options are AsyncEngineArgs' and the OpenAI server's."""
+    env = dict(os.environ)  # importing vllm may set variables (as sglang's import does): later tests must not see them
+    try:
+        pytest.importorskip("vllm", reason="vLLM's own argument parser comes from the vllm package, installed "
+                            "--no-deps by `make vllm-parser` (.ci/run runs it; `make test` alone skips this check)")
+        from vllm.entrypoints.cli.serve import ServeSubcommand
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    parser = FlexibleArgumentParser(prog="vllm")
+    sub = parser.add_subparsers(dest="subparser")
+    ServeSubcommand().subparser_init(sub)
+    return parser
+
+
+def _parse(parser, cmd):
+    assert cmd[:2] == ["vllm", "serve"], cmd
+    return parser.parse_args(cmd[1:])  # argparse exits (SystemExit) on anything vLLM does not accept
+
+
+def test_every_worker_line_is_parsed_by_vllms_own_parser():
+    parser = _vllm_serve_parser()
+    pods = _pods()
+    assert len(pods) == 2 * 2
+    for pod in pods:
+        a = _parse(parser, pod["spec"]["containers"][0]["command"])
+        assert a.model_tag == "/models/Llama-3.1-8B-Instruct" and a.served_model_name == ["llama"]
+        assert a.host == "0.0.0.0" and a.port == 8000 and a.tensor_parallel_size == 2
+        assert a.dtype == "bfloat16" and a.max_model_len == 32768 and a.gpu_memory_utilization == 0.9
+        kv = a.kv_transfer_config
+        kv = kv if isinstance(kv, dict) else json.loads(kv) if isinstance(kv, str) else kv.__dict__
+        assert kv["kv_connector"] == "NixlConnector" and kv["kv_role"] == "kv_both"
+    # every optional flag the spec can render, parsed too
+    doc = _with(prefixCache={"enabled": False}, vllm={"enforceEager": True, "maxModelLen": 4096})
+    doc["spec"]["model"]["dtype"] = "fp16"
+    doc["spec"]["decode"]["args"] = ["--max-num-seqs", "64"]
+    for pod in _pods(doc):
+        a = _parse(parser, pod["spec"]["containers"][0]["command"])
+        assert a.enable_prefix_caching is False and a.enforce_eager is True and a.dtype == "float16"
+        assert a.max_model_len == 4096
+
+
+# ---------------------------------------------------------------- the rendered pod
+def test_nixl_side_channel_and_vllms_own_kv_lease_from_the_typed_spec():
+    for pod in _pods():
+        role = pod["metadata"]["labels"]["pdstack.io/role"]
+        c = pod["spec"]["containers"][0]
+        env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+        # spec.watchdog.transferTimeoutSeconds 120 -> vLLM's KV lease on prefill; decode has no such variable
+        assert env.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT") == ("120" if role == "prefill" else None)
+        assert not any(k.startswith("PDRT_") for k in env), env  # pdrt's knobs mean nothing to vLLM
+        assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        assert c["readinessProbe"]["timeoutSeconds"] == 5
+
+
+def test_fractional_transfer_timeout_rounds_up_to_vllms_whole_seconds():
+    doc = _with(watchdog={"transferTimeoutSeconds": 0.5, "tickSeconds": 0.1})
+    prefill = next(p for p in _pods(doc) if p["metadata"]["labels"]["pdstack.io/role"] == "prefill")
+    env = {e["name"]: e.get("value") for e in prefill["spec"]["containers"][0]["env"]}
+    assert env["VLLM_NIXL_ABORT_REQUEST_TIMEOUT"] == "1"
+
+
+def test_the_agent_sidecar_runs_beside_vllm_as_the_same_uid():
+    for pod in _pods():
+        spec = pod["spec"]
+        role = pod["metadata"]["labels"]["pdstack.io/role"]
+        engine, agent = spec["containers"][:2]
+        assert spec["shareProcessNamespace"] is True
+        assert agent["name"] == "pdstack-agent" and agent["image"] == "ghcr.io/pdstack/runtime:0.1.0"
+        assert agent["command"] == ["pdrt", "agent", "--engine", "vllm", "--role", role, "--host", "0.0.0.0",
+                                    "--port", "8090", "--engine-url", "http://127.0.0.1:8000",
+                                    "--model-path", "/models/Llama-3.1-8B-Instruct", "--report-env", "VLLM_*"]
+        assert agent["ports"] == [{"name": "agent", "containerPort": 8090}]
+        assert agent["readinessProbe"]["httpGet"] == {"path": "/health", "port": "agent"}
+        assert agent["resources"]["limits"] == {"cpu": "500m", "memory": "256Mi"}
+        sc = agent["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["runAsNonRoot"] is True and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+        # /proc/PID/environ of the engine is readable by the same UID only
+        assert sc["runAsUser"] == engine["securityContext"]["runAsUser"] == spec["securityContext"]["runAsUser"]
+        assert {"name": "model", "mountPath": "/models", "readOnly": True} in agent["volumeMounts"]
+
+
+@pytest.mark.parametrize("where", ["podSecurityContext", "securityContext"])
+def test_a_uid_override_moves_engine_and_agent_together(where):
+    doc = copy.deepcopy(EXAMPLE)
+    doc["spec"]["decode"][where] = {"runAsUser": 2000}
+    decode = next(p for p in _pods(doc) if p["metadata"]["labels"]["pdstack.io/role"] == "decode")
+    engine, agent = decode["spec"]["containers"][:2]
+    assert engine["securityContext"]["runAsUser"] == agent["securityContext"]["runAsUser"] == 2000
+
+
+def _admits(policy, from_labels, port):
+    for rule in policy["spec"]["ingress"]:
+        peers = rule.get("from") or []
+        ok_peer = not peers or any(all(from_labels.get(k) == v for k, v in
+                                       (p.get("podSelector") or {}).get("matchLabels", {}).items())
+                                   for p in peers if "podSelector" in p)
+        ok_port = not rule.get("ports") or any(p["port"] <= port <= p.get("endPort", p["port"])
+                                               for p in rule["ports"])
+        if ok_peer and ok_port:
+            return True
+    return False
+
+
+def test_network_policy_opens_the_nixl_side_channel_between_workers_and_the_agent_to_router_and_operator():
+    objs = _objs()
+    pol = next(o for o in objs if o["kind"] == "NetworkPolicy")
+    worker = next(o for o in objs if o["kind"] == "Pod")["metadata"]["labels"]
+    router = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert _admits(pol, worker, 5600) and not _admits(pol, router, 5600)  # the side channel: workers only
+    assert _admits(pol, worker, 40123)  # NIXL's UCX TCP transport picks its ports at runtime
+    assert _admits(pol, router, 8090) and _admits(pol, router, 8000)  # /debug/requests from the agent
+    assert not _admits(pol, {"app": "other"}, 8090)
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "pdstack"}}}
+    spec = parse_spec(EXAMPLE["spec"], name="vl")
+    pol = network_policy(spec, Owner("vl", "serving", "u"), PolicyPeers(operator=(operator,)))
+    reader = next(r for r in pol["spec"]["ingress"] if r["from"] == [operator])
+    assert {p["port"] for p in reader["ports"]} == {8000, 8090}  # /config and /metrics at the agent
+
+
+def test_pdstack_router_fronts_vllm_in_vllms_protocol():
+    objs = _objs()
+    dep = next(o for o in objs if o["kind"] == "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    cmd = c["command"]
+    assert cmd[:4] == ["pdrt", "serve", "--role", "router"]
+    i = cmd.index("--worker-protocol")
+    assert cmd[i:i + 4] == ["--worker-protocol", "vllm", "--worker-agent-port", "8090"]
+    assert c["image"] == "ghcr.io/pdstack/runtime:0.1.0"  # the runtime image, not vLLM's
+    assert any(o["kind"] == "Secret" and o["metadata"]["name"] == "vl-router-admin" for o in objs)
+
+
+def test_watchdog_fields_vllm_has_no_timeout_for_are_named():
+    m = watchdog_mapping(parse_spec(EXAMPLE["spec"], name="vl"))
+    assert m.enforced == (("spec.watchdog.transferTimeoutSeconds", "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "prefill"),)
+    assert m.unenforced == ("spec.watchdog.bootstrapTimeoutSeconds", "spec.watchdog.decodeTransferTimeoutSeconds",
+                            "spec.watchdog.prefillStallSeconds", "spec.watchdog.tickSeconds")
+    assert m.message.startswith("engine vllm: enforced by the engine: spec.watchdog.transferTimeoutSeconds -> "
+                                "VLLM_NIXL_ABORT_REQUEST_TIMEOUT (prefill); not enforced by vllm: ")
+    assert watchdog_mapping(parse_spec({"image": "pdrt:1"})) is None  # pdrt enforces every field itself
+
+
+# ---------------------------------------------------------------- the spec's and the CRD's rules
+BAD = [
+    ({"engine": "sglang", "vllm": {"enforceEager": True}},
+     "spec.vllm is set but spec.engine is 'sglang'; accepted: spec.vllm only with engine 'vllm'",
+     "spec.vllm is only accepted with spec.engine 'vllm'"),
+    ({"router": {"kind": "vllm"}}, "spec.router.kind='vllm' is not rendered: vLLM ships no PD router command",
+     "spec.router.kind 'vllm' is not rendered"),
+    ({"router": {"kind": "sglang"}}, "spec.router.kind='sglang' with engine 'vllm'; accepted: kind sglang only "
+     "with engine sglang", "spec.router.kind 'sglang' is only accepted with engine 'sglang'"),
+    ({"runtimeImage": None}, "spec.runtimeImage is required with engine 'vllm'",
+     "spec.runtimeImage is required with engine sglang or vllm"),
+    ({"model": {"servedName": "x"}}, "spec.model.source is required with engine 'vllm'",
+     "spec.model.source is required with engine sglang or vllm"),
+]
+
+
+@pytest.mark.parametrize("change,operator_says,cel_says", BAD, ids=[b[2][:40] for b in BAD])
+def test_spec_and_crd_reject_what_vllm_cannot_take(change, operator_says, cel_says):
+    raw = copy.deepcopy(EXAMPLE["spec"])
+    for k, v in change.items():
+        if v is None:
+            raw.pop(k)
+        elif k == "router":
+            raw["router"] = {**raw.get("router", {}), **v}
+        else:
+            raw[k] = v
+    with pytest.raises(SpecError) as e:
+        parse_spec(raw, name="vl")
+    assert any(operator_says in p for p in e.value.problems), e.value.problems
+    obj = {"spec": copy.deepcopy(raw)}
+    apiext.apply_defaults(obj, SCHEMA, {})
+    messages = [c.message for c in apiext.validate(obj, SCHEMA, {})]
+    assert any(cel_says in m for m in messages), messages
+
+
+def test_the_example_passes_the_crds_cel_rules():
+    obj = {"spec": copy.deepcopy(EXAMPLE["spec"])}
+    apiext.apply_defaults(obj, SCHEMA, {})
+    assert apiext.validate(obj, SCHEMA, {}) == []
