@@ -29,7 +29,9 @@ VLLM_PARSER := $(VENV)/.vllm-parser-stamp
 vllm-parser: $(VLLM_PARSER)
 
 $(VLLM_PARSER): $(STAMP)
-	$(PY) -m pip install --quiet --no-deps vllm==0.33.0 VLLM_PARSER_DEPS_TBD
+	$(PY) -m pip install --quiet --no-deps vllm==0.33.0 cbor2==6.3.0 openai-harmony==0.0.8 cloudpickle==3.1.3 \
+		cachetools==8.0.2 uvloop==0.23.0 py-cpuinfo==9.0.0 partial-json-parser==0.2.1.1.post7 xgrammar==0.2.8 \
+		apache-tvm-ffi==0.1.11
 	touch $(VLLM_PARSER)
 
 run: setup

@@ -42,26 +42,33 @@ def _with(**spec):
 
 # ---------------------------------------------------------------- vLLM's own parser
 def _vllm_serve_parser():
-    """The parser ``vllm serve`` parses its command line with: vLLM's CLI with its serve subcommand
-    (vllm/entrypoints/cli/main.py + serve.py), whose options are AsyncEngineArgs' and the OpenAI server's."""
+    """The parser ``vllm serve`` parses its command line with, built as vLLM 0.33's ServeSubcommand.subparser_init
+    builds it (vllm/entrypoints/cli/serve.py: a ``serve`` subparser of vLLM's FlexibleArgumentParser filled by
+    vllm/entrypoints/common/cli_args.py make_arg_parser: the positional model, the OpenAI server's options and every
+    AsyncEngineArgs option), without importing serve.py itself, which imports the whole engine at module level.
+    Its defaults need a platform: VLLM_TARGET_DEVICE=cpu, vLLM's own switch, while the parser is built."""
     env = dict(os.environ)  # importing vllm may set variables (as sglang's import does): later tests must not see them
     try:
+        os.environ["VLLM_TARGET_DEVICE"] = "cpu"
         pytest.importorskip("vllm", reason="vLLM's own argument parser comes from the vllm package, installed "
                             "--no-deps by `make vllm-parser` (.ci/run runs it; `make test` alone skips this check)")
-        from vllm.entrypoints.cli.serve import ServeSubcommand
+        from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
         from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser = FlexibleArgumentParser(prog="vllm")
+        make_arg_parser(parser.add_subparsers(dest="subparser").add_parser("serve"))
     finally:
         os.environ.clear()
         os.environ.update(env)
-    parser = FlexibleArgumentParser(prog="vllm")
-    sub = parser.add_subparsers(dest="subparser")
-    ServeSubcommand().subparser_init(sub)
-    return parser
+    return parser, validate_parsed_serve_args
 
 
 def _parse(parser, cmd):
+    parser, validate = parser
     assert cmd[:2] == ["vllm", "serve"], cmd
-    return parser.parse_args(cmd[1:])  # argparse exits (SystemExit) on anything vLLM does not accept
+    args = parser.parse_args(cmd[1:])  # argparse exits (SystemExit) on anything vLLM does not accept
+    validate(args)  # what ServeSubcommand.validate checks before serving
+    return args
 
 
 def test_every_worker_line_is_parsed_by_vllms_own_parser():
@@ -73,9 +80,10 @@ def test_every_worker_line_is_parsed_by_vllms_own_parser():
         assert a.model_tag == "/models/Llama-3.1-8B-Instruct" and a.served_model_name == ["llama"]
         assert a.host == "0.0.0.0" and a.port == 8000 and a.tensor_parallel_size == 2
         assert a.dtype == "bfloat16" and a.max_model_len == 32768 and a.gpu_memory_utilization == 0.9
-        kv = a.kv_transfer_config
-        kv = kv if isinstance(kv, dict) else json.loads(kv) if isinstance(kv, str) else kv.__dict__
-        assert kv["kv_connector"] == "NixlConnector" and kv["kv_role"] == "kv_both"
+        kv = a.kv_transfer_config  # vLLM parses the JSON into its KVTransferConfig
+        assert (kv.kv_connector, kv.kv_role) == ("NixlConnector", "kv_both"), kv
+        # spec.watchdog.transferTimeoutSeconds 120: prefill's KV lease (engines.py)
+        assert kv.get_from_extra_config("kv_lease_duration", None) == 120
     # every optional flag the spec can render, parsed too
     doc = _with(prefixCache={"enabled": False}, vllm={"enforceEager": True, "maxModelLen": 4096})
     doc["spec"]["model"]["dtype"] = "fp16"
@@ -87,25 +95,30 @@ def test_every_worker_line_is_parsed_by_vllms_own_parser():
 
 
 # ---------------------------------------------------------------- the rendered pod
+def _kv_config(pod):
+    cmd = pod["spec"]["containers"][0]["command"]
+    return json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+
+
 def test_nixl_side_channel_and_vllms_own_kv_lease_from_the_typed_spec():
+    cmds = set()
     for pod in _pods():
-        role = pod["metadata"]["labels"]["pdstack.io/role"]
         c = pod["spec"]["containers"][0]
         env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
-        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-        assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
-        # spec.watchdog.transferTimeoutSeconds 120 -> vLLM's KV lease on prefill; decode has no such variable
-        assert env.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT") == ("120" if role == "prefill" else None)
-        assert not any(k.startswith("PDRT_") for k in env), env  # pdrt's knobs mean nothing to vLLM
+        assert env == {"VLLM_NIXL_SIDE_CHANNEL_HOST": {"fieldRef": {"fieldPath": "status.podIP"}},
+                       "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"}  # pdrt's PDRT_* knobs mean nothing to vLLM
+        # spec.watchdog.transferTimeoutSeconds 120 -> prefill's KV lease (decode heartbeats at a sixth of it)
+        assert _kv_config(pod) == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                                   "kv_connector_extra_config": {"kv_lease_duration": 120}}
         assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
         assert c["readinessProbe"]["timeoutSeconds"] == 5
+        cmds.add(tuple(c["command"]))
+    assert len(cmds) == 1  # kv_both: prefill and decode run the same line
 
 
 def test_fractional_transfer_timeout_rounds_up_to_vllms_whole_seconds():
     doc = _with(watchdog={"transferTimeoutSeconds": 0.5, "tickSeconds": 0.1})
-    prefill = next(p for p in _pods(doc) if p["metadata"]["labels"]["pdstack.io/role"] == "prefill")
-    env = {e["name"]: e.get("value") for e in prefill["spec"]["containers"][0]["env"]}
-    assert env["VLLM_NIXL_ABORT_REQUEST_TIMEOUT"] == "1"
+    assert {_kv_config(p)["kv_connector_extra_config"]["kv_lease_duration"] for p in _pods(doc)} == {1}
 
 
 def test_the_agent_sidecar_runs_beside_vllm_as_the_same_uid():
@@ -181,11 +194,13 @@ def test_pdstack_router_fronts_vllm_in_vllms_protocol():
 
 def test_watchdog_fields_vllm_has_no_timeout_for_are_named():
     m = watchdog_mapping(parse_spec(EXAMPLE["spec"], name="vl"))
-    assert m.enforced == (("spec.watchdog.transferTimeoutSeconds", "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "prefill"),)
+    assert m.enforced == (("spec.watchdog.transferTimeoutSeconds",
+                           "--kv-transfer-config kv_connector_extra_config.kv_lease_duration (prefill's KV lease)"),)
     assert m.unenforced == ("spec.watchdog.bootstrapTimeoutSeconds", "spec.watchdog.decodeTransferTimeoutSeconds",
                             "spec.watchdog.prefillStallSeconds", "spec.watchdog.tickSeconds")
     assert m.message.startswith("engine vllm: enforced by the engine: spec.watchdog.transferTimeoutSeconds -> "
-                                "VLLM_NIXL_ABORT_REQUEST_TIMEOUT (prefill); not enforced by vllm: ")
+                                "--kv-transfer-config kv_connector_extra_config.kv_lease_duration (prefill's KV "
+                                "lease); not enforced by vllm: ")
     assert watchdog_mapping(parse_spec({"image": "pdrt:1"})) is None  # pdrt enforces every field itself
 
 

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from .engines import watchdog_env
+from .engines import vllm_kv_lease_s
 from .spec import (AGENT_PORT, BOOTSTRAP_PORT, GPU_RESOURCE, GROUP, HTTP_PORT, KIND, VERSION, VLLM_KV_CONNECTOR,
                    WORKER_UID, PDSpec, PodTemplate, RoleSpec, RoutingSpec, default_of)
 
@@ -178,8 +178,14 @@ def sglang_command(spec: PDSpec, role: str, r: RoleSpec) -> list[str]:
 
 # spec.model.dtype -> the name SGLang's and vLLM's --dtype take (both: auto, half, float16, bfloat16, float, float32)
 ENGINE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-# vLLM's PD connector as llm-d deploys it: NIXL, both sides kv_both (the router's kv_transfer_params pick the roles)
-VLLM_KV_TRANSFER_CONFIG = json.dumps({"kv_connector": VLLM_KV_CONNECTOR, "kv_role": "kv_both"}, separators=(",", ":"))
+
+
+def vllm_kv_transfer_config(spec: PDSpec) -> str:
+    """vLLM's PD connector as llm-d deploys it: NIXL, both sides kv_both (the router's kv_transfer_params pick the
+    roles), and prefill's KV lease from spec.watchdog.transferTimeoutSeconds (engines.py)."""
+    return json.dumps({"kv_connector": VLLM_KV_CONNECTOR, "kv_role": "kv_both",
+                       "kv_connector_extra_config": {"kv_lease_duration": vllm_kv_lease_s(spec)}},
+                      separators=(",", ":"))
 
 
 def vllm_command(spec: PDSpec, r: RoleSpec) -> list[str]:
@@ -192,7 +198,7 @@ def vllm_command(spec: PDSpec, r: RoleSpec) -> list[str]:
     cmd += ["--tensor-parallel-size", str(r.tp_size)]
     if spec.model.dtype != "auto":
         cmd += ["--dtype", ENGINE_DTYPES[spec.model.dtype]]
-    cmd += ["--kv-transfer-config", VLLM_KV_TRANSFER_CONFIG]
+    cmd += ["--kv-transfer-config", vllm_kv_transfer_config(spec)]
     if not spec.prefix_cache.enabled:
         cmd += ["--no-enable-prefix-caching"]
     if v.max_model_len is not None:
@@ -256,10 +262,10 @@ def routing_args(routing: RoutingSpec) -> list[str]:
 def worker_env(spec: PDSpec, role: str) -> list[dict[str, Any]]:
     """Env of a worker: operator-owned knobs first (from typed fields), then the user's env."""
     r = spec.prefill if role == "prefill" else spec.decode
-    if spec.engine == "vllm":  # vLLM reads none of pdrt's knobs: its NIXL side channel and its own watchdog
+    if spec.engine == "vllm":  # vLLM reads none of pdrt's knobs: its NIXL side channel (vllm/envs.py)
         return [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                 {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(spec.vllm.nixl_side_channel_port)}
-                ] + watchdog_env(spec, role) + user_env(r)
+                ] + user_env(r)
     # the decode kernel's CTA target is a decode knob, set only when given (unset = 0 = derive from the
     # device, the runtime's default), so that a diff of two revisions reads ``<unset> -> 512``
     env = ([{"name": "PDRT_DECODE_TARGET_CTAS", "value": str(spec.kernel.decode_target_ctas)}]

@@ -261,8 +261,8 @@ class VllmSpec:
     """engine: vllm only. Flags and env from vLLM's own source (vllm/engine/arg_utils.py, vllm/envs.py); the
     connector is always NixlConnector with kv_role kv_both, as llm-d renders it."""
 
-    # VLLM_NIXL_SIDE_CHANNEL_PORT: the NIXL handshake listener (vllm/envs.py default 5600); the NetworkPolicy
-    # admits it between the deployment's workers
+    # VLLM_NIXL_SIDE_CHANNEL_PORT: the NIXL handshake listener (vllm/envs.py default 5600; + the data-parallel
+    # index, 0 here); the NetworkPolicy admits it between the deployment's workers
     nixl_side_channel_port: int = knob("nixlSideChannelPort", 5600, lo=1024, hi=65535)
     max_model_len: int | None = knob("maxModelLen", None, kind="integer", lo=1, hi=1 << 24)  # --max-model-len
     # --gpu-memory-utilization: share of each GPU vLLM may take (its default 0.9)
@@ -459,10 +459,9 @@ OPERATOR_OWNED_ENV = {
     **{k.knob.env: f"spec.{k.path}" for k in spec_knobs() if k.knob.env},
     "PDRT_KV_AUTH_TOKEN_FILE": "the operator (it mounts the KV-transfer Secret)",
     "PDRT_KV_AUTH_TOKEN": "the operator (it mounts the KV-transfer Secret)",
-    # engine vllm (render.worker_env): the NIXL side channel and vLLM's own KV lease on prefill
+    # engine vllm (render.worker_env): the NIXL side channel
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "the operator (the pod's IP)",
     "VLLM_NIXL_SIDE_CHANNEL_PORT": "spec.vllm.nixlSideChannelPort",
-    "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": "spec.watchdog.transferTimeoutSeconds",
 }
 
 
