@@ -91,9 +91,7 @@ class AgentKubelet(ProcessKubelet):
         log = open(os.path.join(self.log_dir, f"{name}-agent.log"), "wb")
         self.agents[name] = subprocess.Popen([sys.executable, "-m", "pdruntime.cli", *cmd[1:]], env=agent_env,
                                              stdout=log, stderr=subprocess.STDOUT)
-        task = asyncio.get_running_loop().create_task(self._ready_when_healthy(name, f"http://{ip}:{AGENT_PORT}"))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.ready_when_healthy(name, f"http://{ip}:{AGENT_PORT}")
 
     def _finish_termination(self, pod: dict[str, Any]) -> None:
         super()._finish_termination(pod)

@@ -17,7 +17,6 @@ import yaml
 import emu_apiext as apiext
 from pdoperator.cli.kubectl_pd import render_manifest
 from pdoperator.core.engines import watchdog_mapping
-from pdoperator.core.render import PolicyPeers, network_policy, Owner
 from pdoperator.core.spec import SpecError, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,33 +150,8 @@ def test_a_uid_override_moves_engine_and_agent_together(where):
     assert engine["securityContext"]["runAsUser"] == agent["securityContext"]["runAsUser"] == 2000
 
 
-def _admits(policy, from_labels, port):
-    for rule in policy["spec"]["ingress"]:
-        peers = rule.get("from") or []
-        ok_peer = not peers or any(all(from_labels.get(k) == v for k, v in
-                                       (p.get("podSelector") or {}).get("matchLabels", {}).items())
-                                   for p in peers if "podSelector" in p)
-        ok_port = not rule.get("ports") or any(p["port"] <= port <= p.get("endPort", p["port"])
-                                               for p in rule["ports"])
-        if ok_peer and ok_port:
-            return True
-    return False
-
-
-def test_network_policy_opens_the_nixl_side_channel_between_workers_and_the_agent_to_router_and_operator():
-    objs = _objs()
-    pol = next(o for o in objs if o["kind"] == "NetworkPolicy")
-    worker = next(o for o in objs if o["kind"] == "Pod")["metadata"]["labels"]
-    router = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["metadata"]["labels"]
-    assert _admits(pol, worker, 5600) and not _admits(pol, router, 5600)  # the side channel: workers only
-    assert _admits(pol, worker, 40123)  # NIXL's UCX TCP transport picks its ports at runtime
-    assert _admits(pol, router, 8090) and _admits(pol, router, 8000)  # /debug/requests from the agent
-    assert not _admits(pol, {"app": "other"}, 8090)
-    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "pdstack"}}}
-    spec = parse_spec(EXAMPLE["spec"], name="vl")
-    pol = network_policy(spec, Owner("vl", "serving", "u"), PolicyPeers(operator=(operator,)))
-    reader = next(r for r in pol["spec"]["ingress"] if r["from"] == [operator])
-    assert {p["port"] for p in reader["ports"]} == {8000, 8090}  # /config and /metrics at the agent
+# the NetworkPolicy (NIXL side channel between workers only, the agent's port for the router and the operator) is
+# evaluated connection by connection in test_render_network.py, for both engines
 
 
 def test_pdstack_router_fronts_vllm_in_vllms_protocol():
