@@ -9,7 +9,8 @@ The pod is Ready when the agent's ``/health`` says it found the engine process.
   ``SGLANG_SM120_MMA_TARGET_CTAS``, the incident's knob; ``VLLM_ATTENTION_BACKEND``); the operator's drift sweep reads
   each agent's ``/config`` on the agent port and shows ``ConfigDrift`` source ``process`` naming it, on the decode
   pod only, for engine sglang and engine vllm;
-* stall: the operator's stall sweep reads each agent's ``/metrics`` and the router's ``/debug/requests``. The
+* stall (both engines): the operator's stall sweep reads each agent's ``/metrics`` and the router's
+  ``/debug/requests``. The
   router here is a stand-in that merges the agents' ``/debug/requests`` rows per pair, which is what pdstack's
   router does with ``--worker-agent-port``; the stall verdict, its Event and the status come from the operator's
   own code. A decode engine with running requests and a frozen generation counter is ``Stalled`` in
@@ -208,10 +209,11 @@ async def test_injected_env_in_the_engine_process_is_config_drift_from_the_agent
         assert mapping[0]["type"] == "Warning" and f"engine {engine}" in mapping[0]["message"]
 
 
-async def test_vllm_frozen_generation_is_stalled_by_the_operators_sweep_then_clears(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_frozen_generation_is_stalled_by_the_operators_sweep_then_clears(tmp_path, monkeypatch, engine):
     monkeypatch.setenv("PDSTACK_OPERATOR_STALL_CHECK_S", "1")
-    name = "stall-vllm"
-    async with engine_stack(tmp_path, name, "vllm", router=True, stall={"seconds": 2}) as (c, kubelet):
+    name = f"stall-{engine}"
+    async with engine_stack(tmp_path, name, engine, router=True, stall={"seconds": 2}) as (c, kubelet):
         decode = c.pair_pods(name, 0)["decode"]["metadata"]["name"]
 
         def stalled():
@@ -219,13 +221,14 @@ async def test_vllm_frozen_generation_is_stalled_by_the_operators_sweep_then_cle
             return cond.get("status") == "True" and cond
         cond = await eventually(stalled, timeout=60, interval=0.2, what="Stalled from the agent's evidence")
         msg = cond["message"]
-        assert msg.startswith("pair 0 stalled in decode/running: request vllm-decode-running made no progress for"), msg
-        assert "0 tokens/s" in msg, msg  # vllm:generation_tokens_total held still (the agent's pdrt_generated_...)
+        assert msg.startswith(f"pair 0 stalled in decode/running: request {engine}-decode-running made no progress "
+                              "for"), msg
+        assert "0 tokens/s" in msg, msg  # the engine's generation_tokens_total held still (the agent's pdrt_...)
         assert c.pdd(name)["status"]["stalls"][0]["stage"] == "decode/running"
         events = await eventually(lambda: c.events(name, "Stalled"), timeout=10, what="Stalled Event")
         assert events[0]["type"] == "Warning"
 
-        async def generate() -> None:  # vLLM generates again: its counter moves on every look
+        async def generate() -> None:  # the engine generates again: its counter moves on every look
             for gen in range(50, 10**6, 5):
                 kubelet.engines[decode].set(running=2, gen=gen)
                 await asyncio.sleep(0.2)
