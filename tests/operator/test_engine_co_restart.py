@@ -40,3 +40,18 @@ async def test_deleting_the_prefill_recreates_the_groups_decode_pods(operator, e
     assert msg.startswith("pair 0 co-restarted: PodDeleted") and f"engine {engine}" in msg, msg
     assert before["0decode"] in msg and before["1decode"] in msg, msg
     await eventually(lambda: c.condition(name, "Ready").get("status") == "True", timeout=20, what="Ready again")
+
+
+def test_an_agent_restart_is_not_a_worker_restart():
+    """The pdstack-agent holds no KV state: its restarts and OOMs never make its pod count as restarted (the engine
+    container's still do), so an agent crash never co-restarts the group."""
+    from pdoperator.core.pairs import pod_view
+
+    def pod(agent_restarts, engine_restarts, agent_oom=False):
+        agent = {"name": "pdstack-agent", "restartCount": agent_restarts,
+                 **({"lastState": {"terminated": {"reason": "OOMKilled"}}} if agent_oom else {})}
+        return {"metadata": {"name": "p", "labels": {"pdstack.io/pair": "0", "pdstack.io/role": "decode"}},
+                "status": {"phase": "Running", "containerStatuses": [
+                    {"name": "decode", "restartCount": engine_restarts}, agent]}}
+    assert pod_view(pod(3, 0, agent_oom=True)).restarts == 0 and not pod_view(pod(3, 0, agent_oom=True)).oom_killed
+    assert pod_view(pod(3, 1)).restarts == 1
