@@ -401,7 +401,9 @@ class PDSpec:
         the router its gigabytes."""
         if self.router.pod.image:
             return self.router.pod.image
-        return self.runtime_image or self.image if self.pdstack_router and self.engine != "pdrt" else self.image
+        if self.pdstack_router and self.engine != "pdrt":
+            return self.runtime_image or self.image
+        return self.image
 
     @property
     def pdstack_router(self) -> bool:
