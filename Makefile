@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup tools run test test-cluster test-slow test-all test-shipping images e2e e2e-testcluster bench bench-gpu gpu-check \
+.PHONY: setup vllm-parser tools run test test-cluster test-slow test-all test-shipping images e2e e2e-testcluster bench bench-gpu gpu-check \
 	lint clean
 
 setup: $(STAMP)
@@ -21,6 +21,20 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps sglang==0.5.23 pybase64==1.5.1 pillow==13.0.0 msgspec==0.23.0 \
 		pyzmq==27.3.0 ipython==9.18.1 traitlets==5.16.1
 	touch $(STAMP)
+
+# vLLM's own argument parser for tests/operator/test_vllm_render.py: vllm without its (CUDA) deps, plus the few
+# small modules its `vllm serve` parser imports. Not part of setup: the vllm wheel alone is hundreds of MB and only
+# that one check needs it (without it the check skips, saying so). .ci/run installs it before its tests. Into its
+# own folder, which only that test puts on sys.path: nothing else sees vllm's modules (uvloop, xgrammar, ...).
+VLLM_PARSER := $(VENV)/vllm-parser/.stamp
+vllm-parser: $(VLLM_PARSER)
+
+$(VLLM_PARSER): $(STAMP)
+	rm -rf $(VENV)/vllm-parser
+	$(PY) -m pip install --quiet --no-deps --target $(VENV)/vllm-parser vllm==0.33.0 cbor2==6.3.0 openai-harmony==0.0.8 cloudpickle==3.1.3 \
+		cachetools==8.0.2 uvloop==0.23.0 py-cpuinfo==9.0.0 partial-json-parser==0.2.1.1.post7 xgrammar==0.2.8 \
+		apache-tvm-ffi==0.1.11
+	touch $(VLLM_PARSER)
 
 run: setup
 	$(VENV)/bin/pdrt up

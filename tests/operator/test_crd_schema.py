@@ -83,7 +83,9 @@ _DELETE = object()
 
 @pytest.mark.parametrize("dotted,value,expected", [
     ("spec.image", _DELETE, "spec: 'image' is a required property"),
-    ("spec.engine", "vllm", "spec.engine: 'vllm' is not one of ['pdrt', 'sglang']"),
+    ("spec.engine", "tgi", "spec.engine: 'tgi' is not one of ['pdrt', 'sglang', 'vllm']"),
+    ("spec.router.kind", "dynamo", "spec.router.kind: 'dynamo' is not one of ['pdstack', 'sglang', 'vllm']"),
+    ("spec.vllm.nixlSideChannelPort", 80, "spec.vllm.nixlSideChannelPort: 80 is less than the minimum of 1024"),
     ("spec.pairs", -1, "spec.pairs: -1 is less than the minimum of 0"),
     ("spec.pairs", "2", "spec.pairs: '2' is not of type 'integer'"),
     ("spec.prefill.replicas", 17, "spec.prefill.replicas: 17 is greater than the maximum of 16"),

@@ -74,7 +74,11 @@ class ProcessKubelet(Kubelet):
         log = open(os.path.join(self.log_dir, f"{name}.log"), "wb")
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "pdruntime.server", *cmd[1:]], env=env,
                                             stdout=log, stderr=subprocess.STDOUT)
-        task = asyncio.get_running_loop().create_task(self._ready_when_healthy(name, f"http://{ip}:{PORT}"))
+        self.ready_when_healthy(name, f"http://{ip}:{PORT}")
+
+    def ready_when_healthy(self, name: str, url: str) -> None:
+        """Mark pod ``name`` Ready once ``url``/health answers 200 (in the background, while its process lives)."""
+        task = asyncio.get_running_loop().create_task(self._ready_when_healthy(name, url))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

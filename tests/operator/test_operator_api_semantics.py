@@ -15,7 +15,7 @@ import pytest
 from kmock._internal.k8s import KubernetesError
 from prometheus_client import REGISTRY
 
-from pdop_harness import NS, PODS, eventually, manifest
+from pdop_harness import IMAGE, NS, PODS, eventually, manifest
 from pdop_k8s_emulator import NODES, R
 
 SERVICES = R("", "v1", "services")
@@ -43,8 +43,11 @@ async def test_steady_state_has_no_false_drift_and_a_kubectl_edit_names_the_fiel
     c.apply(manifest("steady", pairs=1, prefill={"resources": {"gpus": 1, **quantities}},
                      router={"resources": {"requests": {"cpu": "0.5", "memory": "1024Mi"}}}))
     # sglang's router renders `env: []`, which a real server omits from what it returns
-    c.apply(manifest("sgl", pairs=1, engine="sglang", model={"source": "/models/m"}))
-    for name in ("steady", "sgl"):
+    c.apply(manifest("sgl", pairs=1, engine="sglang", model={"source": "/models/m"}, runtimeImage=IMAGE,
+                     router={"kind": "sglang"}))
+    # vLLM with the agent sidecar (shareProcessNamespace, a valueFrom env, a second container) and pdstack's router
+    c.apply(manifest("vl", pairs=1, engine="vllm", model={"source": "/models/m"}, runtimeImage=IMAGE))
+    for name in ("steady", "sgl", "vl"):
         await eventually(lambda: ready(c, name), timeout=30, what=f"{name} Ready")
     # the server did rewrite what was applied: these would all read as drift under a value comparison
     pod = c.pair_pods("steady", 0)["prefill"]
@@ -56,7 +59,7 @@ async def test_steady_state_has_no_false_drift_and_a_kubectl_edit_names_the_fiel
     assert router["resources"]["requests"] == {"cpu": "500m", "memory": "1Gi"}
 
     # three detection intervals: three more full reconciles while steady, ConfigDrift False in every one
-    for name in ("steady", "sgl"):
+    for name in ("steady", "sgl", "vl"):
         for i in range(3):
             before = reconciles(name)
             pdd = c.pdd(name)

@@ -128,15 +128,19 @@ def test_role_fields_override_shared_template_and_defaults():
 
 def test_router_image_follows_the_runtime_image_unless_set():
     """No image the user never named: on kind (only loaded images) or air-gapped, a hard-coded registry tag never
-    pulls. The router runs spec.image unless spec.router.image says otherwise, for every engine."""
-    for engine in ("pdrt", "sglang"):
-        raw = {"image": "registry.local/pdstack/runtime:dev", "engine": engine, "model": {"source": "/m"}}
+    pulls. The router runs the image that has it unless spec.router.image says otherwise: spec.image for pdrt and
+    for the engine's own router, spec.runtimeImage for pdstack's router (and the agent) beside SGLang or vLLM."""
+    runtime, engine_image = "registry.local/pdstack/runtime:dev", "registry.local/engine:dev"
+    for engine, kind, router_image in (("pdrt", "pdstack", runtime), ("sglang", "pdstack", runtime),
+                                       ("vllm", "pdstack", runtime), ("sglang", "sglang", engine_image)):
+        raw = {"image": runtime if engine == "pdrt" else engine_image, "engine": engine, "model": {"source": "/m"},
+               "router": {"kind": kind}, **({"runtimeImage": runtime} if engine != "pdrt" else {})}
         objs = render(parse_spec(raw), Owner("x", "ns", "u"), "r", kv_token="t")
         router = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
-        assert router["image"] == "registry.local/pdstack/runtime:dev", engine
+        assert router["image"] == router_image, (engine, kind)
         images = {c["image"] for o in objs if o["kind"] in ("Pod", "Deployment")
                   for c in (o["spec"].get("template", o)["spec"]["containers"])}
-        assert images == {"registry.local/pdstack/runtime:dev"}, images
+        assert images == {runtime} | ({engine_image} if engine != "pdrt" else set()), images
     objs = render(parse_spec({"image": "runtime:cuda", "router": {"image": "mine:1"}}), Owner("x", "ns", "u"), "r",
                   kv_token="t")
     assert next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"] \

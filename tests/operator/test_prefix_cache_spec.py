@@ -53,7 +53,7 @@ def test_bad_values_are_refused_naming_the_field_and_what_is_accepted(field, say
 
 
 def test_max_pages_is_refused_with_engine_sglang_and_enabled_false_renders_sglangs_flag():
-    base = {"image": "img", "engine": "sglang", "model": {"source": "/models/m"}}
+    base = {"image": "img", "engine": "sglang", "model": {"source": "/models/m"}, "runtimeImage": "pdrt:1"}
     with pytest.raises(SpecError, match="accepted with engine 'sglang': enabled only"):
         parse_spec({**base, "prefixCache": {"maxPages": 8}})
     cmd = worker_command(parse_spec({**base, "prefixCache": {"enabled": False}}), OWNER, "decode")

@@ -20,7 +20,8 @@ from pdruntime.util.ports import free_port as _free_port
 
 
 def _container(raw: dict | None = None, engine: str = "pdrt") -> dict:
-    spec = parse_spec({"image": "x", "engine": engine, "model": {"source": "/m"}, "probes": raw or {}})
+    spec = parse_spec({"image": "x", "engine": engine, "model": {"source": "/m"}, "probes": raw or {},
+                       **({"runtimeImage": "pdrt:1"} if engine != "pdrt" else {})})
     return worker_pod(spec, Owner("llm", "ns", "u"), "r", 0, "decode", "0")["spec"]["containers"][0]
 
 

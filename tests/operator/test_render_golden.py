@@ -23,7 +23,8 @@ UPDATE = os.environ.get("PDSTACK_UPDATE_GOLDEN") == "1"
 
 SGLANG = {"apiVersion": "pdstack.io/v1alpha1", "kind": "PDDeployment",
           "metadata": {"name": "sg", "namespace": "serving"},
-          "spec": {"engine": "sglang", "image": "lmsysorg/sglang:v0.4", "pairs": 2,
+          "spec": {"engine": "sglang", "image": "lmsysorg/sglang:v0.4", "pairs": 2, "router": {"kind": "sglang"},
+                   "runtimeImage": "ghcr.io/pdstack/runtime:0.1.0",
                    "model": {"source": "meta-llama/Llama-3.1-8B-Instruct", "servedName": "llama"},
                    "prefill": {"resources": {"gpus": 2}}, "decode": {"resources": {"gpus": 2},
                                                                     "args": ["--mem-fraction-static", "0.85"]}}}

@@ -14,7 +14,7 @@ import yaml
 from netpol import Cluster, Endpoint, connection_allowed, pod_endpoint
 from pdoperator.core.config import OperatorConfig
 from pdoperator.core.render import HTTP_PORT, Owner, PolicyPeers, render
-from pdoperator.core.spec import BOOTSTRAP_PORT, parse_spec
+from pdoperator.core.spec import AGENT_PORT, BOOTSTRAP_PORT, parse_spec
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 OWNER = Owner("llm", "serving", "uid-1")
@@ -32,7 +32,8 @@ OP_NEIGHBOUR = Endpoint("10.244.0.6", OP_NS, {"app": "something-else"}, name="ne
 
 def _stack(peers: PolicyPeers, engine: str = "pdrt"):
     """(cluster, workers, router) of one rendered 2-pair PDDeployment, pods given IPs as a kubelet would."""
-    raw = {"image": "rt:1", "pairs": 2, "engine": engine, "model": {"source": "/m"}}
+    raw = {"image": "rt:1", "pairs": 2, "engine": engine, "model": {"source": "/m"},
+           **({"runtimeImage": "rt:1"} if engine != "pdrt" else {})}
     objs = render(parse_spec(raw, name=OWNER.name), OWNER, "rev1", kv_token="t", peers=peers)
     workers = []
     for i, o in enumerate(o for o in objs if o["kind"] == "Pod"):
@@ -106,12 +107,19 @@ def test_bad_peers_are_refused_with_what_is_accepted(raw):
         OperatorConfig.from_environ({"PDSTACK_OPERATOR_NETWORK_PEERS": raw})
 
 
-def test_sglang_workers_keep_their_runtime_ports_among_themselves_only():
-    cluster, workers, router = _stack(CHART_PEERS, engine="sglang")
-    assert connection_allowed(cluster, workers[0], workers[1], 40000)  # ZMQ / transfer engine
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_engine_workers_keep_their_runtime_ports_among_themselves_only(engine):
+    cluster, workers, router = _stack(CHART_PEERS, engine=engine)
+    assert connection_allowed(cluster, workers[0], workers[1], 40000)  # ZMQ / transfer engine / NIXL's UCX
     assert not connection_allowed(cluster, router, workers[1], 40000)
     assert not connection_allowed(cluster, OPERATOR, workers[1], 40000)
     assert connection_allowed(cluster, OPERATOR, workers[1], HTTP_PORT)
+    # the agent: /config and /metrics for the operator, /debug/requests for the router
+    assert connection_allowed(cluster, OPERATOR, workers[1], AGENT_PORT)
+    assert connection_allowed(cluster, router, workers[1], AGENT_PORT)
+    if engine == "vllm":  # NIXL's side channel: between workers only
+        assert connection_allowed(cluster, workers[0], workers[1], 5600)
+        assert not connection_allowed(cluster, router, workers[1], 5600)
 
 
 def test_rendered_policy_and_budget_are_valid_kubernetes():

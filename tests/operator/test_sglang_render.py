@@ -62,7 +62,12 @@ def test_a_disabled_prefix_cache_is_sglangs_own_disable_radix_cache():
 
 
 def test_the_router_line_is_parsed_by_sglang_routers_own_argparse_with_every_member():
-    dep = next(o for o in _children() if o["kind"] == "Deployment")
+    doc = yaml.safe_load(yaml.safe_dump(EXAMPLE))
+    doc["spec"]["router"]["kind"] = "sglang"
+    objs = _children(doc)
+    assert not any(o["kind"] == "Secret" and o["metadata"]["name"].endswith("-router-admin") for o in objs)
+    dep = next(o for o in objs if o["kind"] == "Deployment")
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "lmsysorg/sglang:v0.5.3"
     cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
     assert cmd[:3] == ["python", "-m", "sglang_router.launch_router"]
     parser = argparse.ArgumentParser()
@@ -73,6 +78,27 @@ def test_the_router_line_is_parsed_by_sglang_routers_own_argparse_with_every_mem
     assert all(p[1] == "8998" for p in a.prefill)
     assert sorted(d[0] for d in a.decode) == sorted(f"http://sg-{k}-{s}.sg-workers.serving.svc:8000"
                                                     for k in (0, 1) for s in ("decode", "decode-1"))
+
+
+def test_pdstack_router_is_the_default_in_sglangs_protocol_from_the_runtime_image():
+    dep = next(o for o in _children() if o["kind"] == "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    i = c["command"].index("--worker-protocol")
+    assert c["command"][:4] == ["pdrt", "serve", "--role", "router"]
+    assert c["command"][i:i + 4] == ["--worker-protocol", "sglang", "--worker-agent-port", "8090"]
+    assert c["image"] == "ghcr.io/pdstack/runtime:0.1.0"
+
+
+def test_every_sglang_worker_has_the_agent_and_exposes_its_metrics():
+    for pod in (o for o in _children() if o["kind"] == "Pod"):
+        role = pod["metadata"]["labels"]["pdstack.io/role"]
+        engine, agent = pod["spec"]["containers"][:2]
+        assert _sglang_parse(engine["command"]).enable_metrics  # the agent translates SGLang's /metrics
+        assert pod["spec"]["shareProcessNamespace"] is True
+        assert agent["name"] == "pdstack-agent" and agent["command"][:6] == ["pdrt", "agent", "--engine", "sglang",
+                                                                           "--role", role]
+        assert agent["securityContext"]["runAsUser"] == engine["securityContext"]["runAsUser"] == 10001
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in agent["volumeMounts"]
 
 
 def test_mooncake_over_rdma_passes_the_ib_device_and_rdma_resources():
@@ -106,12 +132,13 @@ def test_network_policy_admits_sglang_bootstrap_and_zmq_ports_between_group_pods
     stranger = {"app": "other"}
     for port in (8000, 8998, 5757, 17001, 40123):  # HTTP, bootstrap, ZMQ / transfer ports SGLang picks at runtime
         assert _admits(pol, worker, port), port
-    assert _admits(pol, router, 8000) and not _admits(pol, router, 17001)  # the router needs HTTP only
+    assert _admits(pol, router, 8000) and not _admits(pol, router, 17001)  # the router needs HTTP ...
+    assert _admits(pol, router, 8090)  # ... and the agents' /debug/requests
     assert not any(_admits(pol, stranger, p) for p in (8000, 8998, 17001))
     # pdrt keeps the two fixed ports only
     pdrt = yaml.safe_load(yaml.safe_dump(EXAMPLE))
     pdrt["spec"]["engine"] = "pdrt"
-    del pdrt["spec"]["sglang"]
+    del pdrt["spec"]["sglang"], pdrt["spec"]["runtimeImage"]
     pol = next(o for o in render_manifest(pdrt) if o["kind"] == "NetworkPolicy")
     assert _admits(pol, worker, 8998) and not _admits(pol, worker, 17001)
 

@@ -21,7 +21,9 @@ def test_defaults():
 @pytest.mark.parametrize("spec,name,message", [
     ({}, "demo", "spec.image is required; accepted: a non-empty string"),
     ({"image": "  "}, "demo", "spec.image='  ' is invalid; accepted: a non-empty string"),
-    (dict(BASE, engine="vllm"), "demo", "spec.engine='vllm' is invalid; accepted: pdrt | sglang"),
+    (dict(BASE, engine="tgi"), "demo", "spec.engine='tgi' is invalid; accepted: pdrt | sglang | vllm"),
+    (dict(BASE, engine="vllm"), "demo", "spec.model.source is required with engine 'vllm'"),
+    (dict(BASE, engine="vllm", model={"source": "m"}), "demo", "spec.runtimeImage is required with engine 'vllm'"),
     (dict(BASE, engine="sglang"), "demo", "spec.model.source is required with engine 'sglang'"),
     (dict(BASE, pairs=-1), "demo", "spec.pairs=-1 is invalid; accepted: an integer in [0, 256]"),
     (dict(BASE, pairs=True), "demo", "spec.pairs=True is invalid; accepted: an integer in [0, 256]"),

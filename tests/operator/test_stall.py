@@ -163,6 +163,18 @@ def test_metric_sum_over_workers():
     assert stall.metric_sum([], "pdrt_watchdog_fired_total") == 0
 
 
+def test_a_series_the_agent_omits_is_unknown_where_pdrts_absent_counter_is_zero():
+    """A pdrt worker's labelled counter appears with its first increment (absent = 0 so far); the pdstack agent
+    beside SGLang/vLLM omits what its engine does not expose (pdruntime/agent/tables.py): unknown, never 0 tokens/s."""
+    pdrt = "# TYPE pdrt_live_requests gauge\npdrt_live_requests{role=\"decode\"} 1.0\n"
+    agent = "# TYPE pdrt_agent_engine_up gauge\npdrt_agent_engine_up 1\n"
+    assert stall.metric_sum([pdrt], "pdrt_generated_tokens_total", role="decode") == 0
+    assert stall.metric_sum([agent], "pdrt_generated_tokens_total", role="decode") is None
+    assert stall.metric_sum([pdrt, agent], "pdrt_generated_tokens_total", role="decode") is None
+    known = agent + '# TYPE pdrt_generated_tokens counter\npdrt_generated_tokens_total{role="decode"} 7.0\n'
+    assert stall.metric_sum([known], "pdrt_generated_tokens_total", role="decode") == 7
+
+
 def test_status_condition_and_stalls_list():
     plan = Plan((), (PairState(0, "r1", True, "Ready", PairMemory()), PairState(1, "r1", True, "Ready", PairMemory())))
     base = build_status({}, plan, Facts(1, "r1", router_ready=True), 1000.0)

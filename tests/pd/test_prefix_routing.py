@@ -338,9 +338,10 @@ def test_the_crd_routing_field_is_validated_and_leaves_revisions_alone():
     assert err.value.problems == [
         "spec.router.routing.policy='cache_aware' is invalid; accepted: least-load | round-robin | prefix",
         "spec.router.routing.cacheThreshold=2 is invalid; accepted: a number in [0.0, 1.0]"]
-    with pytest.raises(SpecError, match="spec.router.routing is pdrt's router's; accepted with engine 'sglang'"):
-        parse_spec({"image": "img", "engine": "sglang", "model": {"source": "m"},
-                    "router": {"routing": {"policy": "prefix"}}})
+    with pytest.raises(SpecError, match="spec.router.routing is pdstack's router's; accepted with router kind "
+                                        "'sglang'"):
+        parse_spec({"image": "img", "engine": "sglang", "model": {"source": "m"}, "runtimeImage": "pdrt:1",
+                    "router": {"kind": "sglang", "routing": {"policy": "prefix"}}})
     plain = parse_spec({"image": "img"})
     prefix = parse_spec({"image": "img", "router": {"routing": {"policy": "prefix"}}})
     assert revision_hash(prefix) == revision_hash(plain)  # a router setting never rolls the pairs

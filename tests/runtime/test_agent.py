@@ -1,6 +1,6 @@
-"""``pdrt agent`` against real processes on loopback: a fake engine (a python HTTP server whose command line
-contains the engine's launch string, serving an engine-shaped /metrics with the names of
-pdruntime/agent/tables.py) and the agent as ``python -m pdruntime.cli agent``."""
+"""``pdrt agent`` against real processes on loopback: a fake engine (tests/support/fake_engine.py: a python HTTP
+server whose command line contains the engine's launch string, serving an engine-shaped /metrics with the names
+of pdruntime/agent/tables.py) and the agent as ``python -m pdruntime.cli agent``."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+from fake_engine import FakeEngine
 from pd_harness import wait_for
 from pdoperator.core import drift, stall
 from pdoperator.core.render import worker_env
@@ -24,46 +24,6 @@ from pdruntime.util.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'runtime'}:{ROOT / 'operator'}"}
-
-FAKE_ENGINE = textwrap.dedent('''
-    import json, sys
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-    port, state = int(sys.argv[-2]), sys.argv[-1]
-    class H(BaseHTTPRequestHandler):
-        def log_message(self, *a): pass
-        def do_GET(self):
-            s = json.load(open(state))
-            body = s["text"].encode()
-            self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
-            self.wfile.write(body)
-    HTTPServer(("127.0.0.1", port), H).serve_forever()
-''')
-
-# names and types from the engines' source (see pdruntime/agent/tables.py)
-SGLANG_TEXT = """# TYPE sglang:num_running_reqs gauge
-sglang:num_running_reqs{{model_name="m"}} {running}
-# TYPE sglang:num_queue_reqs gauge
-sglang:num_queue_reqs{{model_name="m"}} 1
-# TYPE sglang:num_decode_prealloc_queue_reqs gauge
-sglang:num_decode_prealloc_queue_reqs{{model_name="m"}} 0
-# TYPE sglang:num_decode_transfer_queue_reqs gauge
-sglang:num_decode_transfer_queue_reqs{{model_name="m"}} 2
-# TYPE sglang:prompt_tokens counter
-sglang:prompt_tokens_total{{model_name="m"}} 100
-# TYPE sglang:generation_tokens counter
-sglang:generation_tokens_total{{model_name="m"}} {gen}
-"""
-VLLM_TEXT = """# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{{engine="0",model_name="m"}} {running}
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{{engine="0",model_name="m"}} 0
-# TYPE vllm:prompt_tokens counter
-vllm:prompt_tokens_total{{engine="0",model_name="m"}} 50
-# TYPE vllm:generation_tokens counter
-vllm:generation_tokens_total{{engine="0",model_name="m"}} {gen}
-"""
-TEXTS = {"sglang": SGLANG_TEXT, "vllm": VLLM_TEXT}
-LAUNCH = {"sglang": ["-m", "sglang.launch_server"], "vllm": ["vllm", "serve"]}
 
 
 def get(url: str):
@@ -75,29 +35,15 @@ def get(url: str):
         return e.code, e.read().decode()
 
 
-class Engine:
-    """The fake engine: ``python <script> <launch words> PORT STATE``; /metrics from the STATE file."""
+class Engine(FakeEngine):
+    """The fake engine on 127.0.0.1 with the test's extra env, started once it serves /metrics."""
 
     def __init__(self, tmp: Path, engine: str, extra_env: dict[str, str]):
-        self.engine, self.port, self.extra_env = engine, free_port(), extra_env
-        self.script, self.state = tmp / "fake_engine.py", tmp / "state.json"
-        self.script.write_text(FAKE_ENGINE)
-        self.set(running=2, gen=10)
-        self.proc: subprocess.Popen | None = None
-
-    def set(self, running: int, gen: int) -> None:
-        self.state.write_text(json.dumps({"text": TEXTS[self.engine].format(running=running, gen=gen)}))
+        super().__init__(tmp, engine, "127.0.0.1", free_port(), env={**ENV, **extra_env})
 
     def start(self) -> None:
-        # the engine's launch words in the command line, as the real one has ("-m sglang.launch_server", "vllm serve")
-        cmd = [sys.executable, str(self.script), *LAUNCH[self.engine], str(self.port), str(self.state)]
-        self.proc = subprocess.Popen(cmd, env={**ENV, **self.extra_env})
+        super().start()
         wait_for(lambda: _ok(f"http://127.0.0.1:{self.port}/metrics"), 20, "the fake engine")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 def _ok(url: str) -> bool:
@@ -133,11 +79,11 @@ def stack(tmp_path, request):
 
 
 def declared_env(engine: str, role: str) -> dict:
-    """The env _process_drift compares against: render.worker_env of an ``engine: sglang`` spec; for vLLM
-    (``engine: vllm`` is added to spec.py in parallel) a hand-built declared env."""
+    """The env _process_drift compares against: render.worker_env of an ``engine: sglang|vllm`` spec (the vLLM one
+    declares NCCL_DEBUG=WARN on decode, which the process sees as INFO)."""
+    raw = {"engine": engine, "image": f"{engine}:v1", "runtimeImage": "pdrt:1", "model": {"source": "/models/m"}}
     if engine == "vllm":
-        return {"NCCL_DEBUG": "WARN"}
-    raw = {"engine": "sglang", "image": "lmsysorg/sglang:v0.5.0", "model": {"source": "/models/m"}}
+        raw["decode"] = {"env": [{"name": "NCCL_DEBUG", "value": "WARN"}]}
     spec = parse_spec(raw, name="t")
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in worker_env(spec, role)}
 

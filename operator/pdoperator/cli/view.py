@@ -215,7 +215,7 @@ async def _admin_token(kube: Any, ns: str, name: str) -> str:
     raw = ((secret or {}).get("data") or {}).get(ADMIN_KEY)
     if not raw:
         raise ViewError(f"no router-admin token: Secret {ns}/{admin_secret_name(name)} is missing or has no "
-                        f"'{ADMIN_KEY}' key (the operator creates it for engine pdrt)")
+                        f"'{ADMIN_KEY}' key (the operator creates it for router kind pdstack)")
     return base64.b64decode(raw).decode()
 
 

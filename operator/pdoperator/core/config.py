@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from .pairs import DRAIN_CONFIRM_TIMEOUT_S, LOST_NODE_MARGIN_S
 from .render import PolicyPeers
-from .spec import HTTP_PORT
+from .spec import AGENT_PORT, HTTP_PORT, PDSpec
 
 PREFIX = "PDSTACK_OPERATOR_"
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # the API server sets it on every namespace
@@ -55,10 +55,16 @@ class OperatorConfig:
     router_timeout_s: float = 2.0  # one /config or push request to a router pod
     cluster_pod_read: bool = False  # rbac.OPTIONAL_RULES granted: count GPUs other workloads hold
     process_drift_s: float = 60.0  # read each ready worker's /config this often (drift source "process"); 0 = off
-    worker_port: int = HTTP_PORT  # where worker pods serve /config
+    worker_port: int = HTTP_PORT  # where pdrt worker pods serve /config
+    agent_port: int = AGENT_PORT  # where the agent beside an SGLang or vLLM worker serves it
     stall_check_s: float = 15.0  # read the routers' /debug/requests and workers' /metrics this often; 0 = off
     # admitted to the workers' http port by each PDDeployment's NetworkPolicy (the operator itself, Prometheus)
     network_peers: PolicyPeers = field(default_factory=PolicyPeers)
+
+    def evidence_port(self, spec: PDSpec) -> int:
+        """Where a worker of ``spec`` serves /config, /metrics and /debug/requests in pdrt's shapes: pdrt's own
+        port, or the agent sidecar's (engines sglang, vllm)."""
+        return self.agent_port if spec.has_agent else self.worker_port
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "OperatorConfig":
@@ -84,6 +90,7 @@ class OperatorConfig:
             cluster_pod_read=env.get(PREFIX + "CLUSTER_POD_READ", "0") == "1",
             process_drift_s=get("PROCESS_DRIFT_S", 60.0, float),
             worker_port=int(get("WORKER_PORT", HTTP_PORT, int)),
+            agent_port=int(get("AGENT_PORT", AGENT_PORT, int)),
             stall_check_s=get("STALL_CHECK_S", 15.0, float),
             network_peers=network_peers(env.get(PREFIX + "NETWORK_PEERS"), env.get("POD_NAMESPACE")),
         )

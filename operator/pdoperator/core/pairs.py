@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
-from .render import LABEL_MEMBER, LABEL_PAIR, LABEL_REVISION, LABEL_ROLE, ROLES, slot_name
+from .render import AGENT_CONTAINER, LABEL_MEMBER, LABEL_PAIR, LABEL_REVISION, LABEL_ROLE, ROLES, slot_name
 from .spec import GPU_RESOURCE, CoRestartSpec
 
 # co-restart reasons (also the `reason` label of pdstack_operator_co_restarts_total)
@@ -95,7 +95,8 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
         return None
     status = pod.get("status", {}) or {}
     conds = {c.get("type"): c for c in status.get("conditions", []) or []}
-    statuses = status.get("containerStatuses", []) or []
+    # the agent sidecar holds no KV state: its restart (or OOM) is no reason to co-restart the pair
+    statuses = [cs for cs in status.get("containerStatuses", []) or [] if cs.get("name") != AGENT_CONTAINER]
     oom = any(
         (cs.get(key, {}) or {}).get("terminated", {}).get("reason") == "OOMKilled"
         for cs in statuses for key in ("state", "lastState")

@@ -11,13 +11,15 @@ owner reference to the PDDeployment, so deleting it deletes them.
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import yaml
 
-from .spec import (BOOTSTRAP_PORT, GPU_RESOURCE, GROUP, HTTP_PORT, KIND, VERSION, PDSpec, PodTemplate, RoleSpec,
-                   RoutingSpec, default_of)
+from .engines import vllm_kv_lease_s
+from .spec import (AGENT_PORT, BOOTSTRAP_PORT, GPU_RESOURCE, GROUP, HTTP_PORT, KIND, VERSION, VLLM_KV_CONNECTOR,
+                   WORKER_UID, PDSpec, PodTemplate, RoleSpec, RoutingSpec, default_of)
 
 LABEL_DEPLOYMENT = "pdstack.io/deployment"
 LABEL_PAIR = "pdstack.io/pair"
@@ -132,24 +134,12 @@ def _meta(owner: Owner, name: str, labels: Mapping[str, str] | None = None, **ex
 
 # ---------------------------------------------------------------- command lines
 def worker_command(spec: PDSpec, owner: Owner, role: str) -> list[str]:
-    """The container command of a prefill/decode worker for the spec's engine."""
+    """The container command of a prefill/decode worker for the spec's engine (then the role's args)."""
     r: RoleSpec = spec.prefill if role == "prefill" else spec.decode
     if spec.engine == "sglang":
-        cmd = ["python", "-m", "sglang.launch_server", "--model-path", str(spec.model.source),
-               "--disaggregation-mode", role, "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
-        if spec.model.served_name:
-            cmd += ["--served-model-name", spec.model.served_name]
-        if role == "prefill":
-            cmd += ["--disaggregation-bootstrap-port", str(BOOTSTRAP_PORT)]
-        # explicit: SGLang's default (mooncake over RDMA) fails on nodes without an RDMA device
-        cmd += ["--disaggregation-transfer-backend", spec.sglang.transfer_backend]
-        if spec.sglang.ib_device:
-            cmd += ["--disaggregation-ib-device", spec.sglang.ib_device]
-        if r.tp_size > 1:
-            cmd += ["--tp-size", str(r.tp_size)]
-        if not spec.prefix_cache.enabled:
-            cmd += ["--disable-radix-cache"]
-        return cmd + list(r.args)
+        return sglang_command(spec, role, r) + list(r.args)
+    if spec.engine == "vllm":
+        return vllm_command(spec, r) + list(r.args)
     cmd = ["pdrt", "serve", "--role", role, "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
     if role == "prefill":
         cmd += ["--bootstrap-port", str(BOOTSTRAP_PORT)]
@@ -165,8 +155,75 @@ def worker_command(spec: PDSpec, owner: Owner, role: str) -> list[str]:
     return cmd + list(r.args)
 
 
+def sglang_command(spec: PDSpec, role: str, r: RoleSpec) -> list[str]:
+    """``python -m sglang.launch_server`` (flags: sglang/srt/server_args.py)."""
+    cmd = ["python", "-m", "sglang.launch_server", "--model-path", str(spec.model.source),
+           "--disaggregation-mode", role, "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
+    if spec.model.served_name:
+        cmd += ["--served-model-name", spec.model.served_name]
+    if role == "prefill":
+        cmd += ["--disaggregation-bootstrap-port", str(BOOTSTRAP_PORT)]
+    # explicit: SGLang's default (mooncake over RDMA) fails on nodes without an RDMA device
+    cmd += ["--disaggregation-transfer-backend", spec.sglang.transfer_backend]
+    if spec.sglang.ib_device:
+        cmd += ["--disaggregation-ib-device", spec.sglang.ib_device]
+    if r.tp_size > 1:
+        cmd += ["--tp-size", str(r.tp_size)]
+    if spec.model.dtype != "auto":
+        cmd += ["--dtype", ENGINE_DTYPES[spec.model.dtype]]
+    if not spec.prefix_cache.enabled:
+        cmd += ["--disable-radix-cache"]
+    return cmd + ["--enable-metrics"]  # its /metrics, which the agent translates (off by default in SGLang)
+
+
+# spec.model.dtype -> the name SGLang's and vLLM's --dtype take (both: auto, half, float16, bfloat16, float, float32)
+ENGINE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def vllm_kv_transfer_config(spec: PDSpec) -> str:
+    """vLLM's PD connector as llm-d deploys it: NIXL, both sides kv_both (the router's kv_transfer_params pick the
+    roles), and prefill's KV lease from spec.watchdog.transferTimeoutSeconds (engines.py)."""
+    return json.dumps({"kv_connector": VLLM_KV_CONNECTOR, "kv_role": "kv_both",
+                       "kv_connector_extra_config": {"kv_lease_duration": vllm_kv_lease_s(spec)}},
+                      separators=(",", ":"))
+
+
+def vllm_command(spec: PDSpec, r: RoleSpec) -> list[str]:
+    """``vllm serve MODEL`` (flags: vllm/engine/arg_utils.py, vllm/entrypoints/openai/cli_args.py). Prefill and
+    decode run the same line: with kv_role kv_both the request's kv_transfer_params say which side a worker is."""
+    v = spec.vllm
+    cmd = ["vllm", "serve", str(spec.model.source), "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
+    if spec.model.served_name:
+        cmd += ["--served-model-name", spec.model.served_name]
+    cmd += ["--tensor-parallel-size", str(r.tp_size)]
+    if spec.model.dtype != "auto":
+        cmd += ["--dtype", ENGINE_DTYPES[spec.model.dtype]]
+    cmd += ["--kv-transfer-config", vllm_kv_transfer_config(spec)]
+    if not spec.prefix_cache.enabled:
+        cmd += ["--no-enable-prefix-caching"]
+    if v.max_model_len is not None:
+        cmd += ["--max-model-len", str(v.max_model_len)]
+    if v.gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", _num(v.gpu_memory_utilization)]
+    if v.enforce_eager:
+        cmd += ["--enforce-eager"]
+    return cmd
+
+
+def agent_command(spec: PDSpec, role: str) -> list[str]:
+    """The pdstack agent beside the engine (``pdrt agent``, runtime/pdruntime/cli.py): /config from the engine
+    process's env, /metrics and /debug/requests translated from the engine's /metrics."""
+    cmd = ["pdrt", "agent", "--engine", spec.engine, "--role", role, "--host", "0.0.0.0", "--port", str(AGENT_PORT),
+           "--engine-url", f"http://127.0.0.1:{HTTP_PORT}"]
+    if spec.model.source and spec.model.source.startswith("/"):  # a path, not a hub id: its weights get hashed
+        cmd += ["--model-path", spec.model.source]
+    if spec.engine == "vllm":  # SGLANG_* is a family /config always reports; VLLM_* is vLLM's
+        cmd += ["--report-env", "VLLM_*"]
+    return cmd
+
+
 def router_command(spec: PDSpec, owner: Owner) -> list[str]:
-    if spec.engine == "sglang":
+    if spec.router_kind == "sglang":
         # SGLang's router takes a static list; worker DNS names are stable across co-restarts.
         cmd = ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
         for k in range(spec.pairs):
@@ -177,9 +234,13 @@ def router_command(spec: PDSpec, owner: Owner) -> list[str]:
             for m in range(spec.decode.replicas):
                 cmd += ["--decode", f"http://{worker_dns(owner, k, slot_name('decode', m))}:{HTTP_PORT}"]
         return cmd + ["--host", "0.0.0.0", "--port", str(HTTP_PORT)] + list(spec.router.args)
-    return ["pdrt", "serve", "--role", "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
-            "--topology-file", f"{TOPOLOGY_DIR}/{TOPOLOGY_KEY}",
-            "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_KEY}"] + routing_args(spec.routing) + list(spec.router.args)
+    # pdstack's router for every engine: SGLang's and vLLM's workers in their own protocol, their evidence
+    # (/debug/requests) from the agent beside each
+    protocol = ["--worker-protocol", spec.engine, "--worker-agent-port", str(AGENT_PORT)] if spec.has_agent else []
+    return (["pdrt", "serve", "--role", "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+             "--topology-file", f"{TOPOLOGY_DIR}/{TOPOLOGY_KEY}",
+             "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_KEY}"] + protocol + routing_args(spec.routing)
+            + list(spec.router.args))
 
 
 ROUTING_FLAGS = {"policy": "--routing-policy", "balance_abs_threshold": "--balance-abs-threshold",
@@ -198,9 +259,13 @@ def routing_args(routing: RoutingSpec) -> list[str]:
     return out
 
 
-def worker_env(spec: PDSpec, role: str) -> list[dict[str, str]]:
+def worker_env(spec: PDSpec, role: str) -> list[dict[str, Any]]:
     """Env of a worker: operator-owned knobs first (from typed fields), then the user's env."""
     r = spec.prefill if role == "prefill" else spec.decode
+    if spec.engine == "vllm":  # vLLM reads none of pdrt's knobs: its NIXL side channel (vllm/envs.py)
+        return [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(spec.vllm.nixl_side_channel_port)}
+                ] + user_env(r)
     # the decode kernel's CTA target is a decode knob, set only when given (unset = 0 = derive from the
     # device, the runtime's default), so that a diff of two revisions reads ``<unset> -> 512``
     env = ([{"name": "PDRT_DECODE_TARGET_CTAS", "value": str(spec.kernel.decode_target_ctas)}]
@@ -311,7 +376,11 @@ def readiness_timeout(spec: PDSpec) -> int:
     """Seconds one /health probe may take: SGLang's /health runs a one-token generation, pdrt's is a lookup."""
     if spec.probes.readiness_timeout_s is not None:
         return spec.probes.readiness_timeout_s
-    return 10 if spec.engine == "sglang" else 2
+    return READINESS_TIMEOUT_S[spec.engine]
+
+
+# seconds: SGLang's /health runs a one-token generation; vLLM's asks its engine-core process (IPC); pdrt's a lookup
+READINESS_TIMEOUT_S = {"pdrt": 2, "sglang": 10, "vllm": 5}
 
 
 STARTUP_PERIOD_S = 10
@@ -429,6 +498,26 @@ def _container_image(container: dict[str, Any], image: str, pod: PodTemplate) ->
     return container
 
 
+AGENT_CONTAINER = "pdstack-agent"
+# the agent: a stdlib HTTP server reading /proc and the engine's /metrics (hashing the weights once, streamed)
+AGENT_RESOURCES = {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"cpu": "500m", "memory": "256Mi"}}
+
+
+def agent_container(spec: PDSpec, role: str, pod: PodTemplate, uid: int,
+                    mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``pdstack-agent`` sidecar of an SGLang or vLLM worker: the runtime image, non-root as ``uid`` (the
+    engine container's), the restricted container defaults, ready once it has found the engine process."""
+    c = _container_image({"name": AGENT_CONTAINER}, str(spec.runtime_image), pod)
+    c.update({"command": agent_command(spec, role),
+              "ports": [{"name": "agent", "containerPort": AGENT_PORT}],
+              "readinessProbe": {"httpGet": {"path": "/health", "port": "agent"}, "periodSeconds": 5,
+                                 "failureThreshold": 3, "timeoutSeconds": 2},
+              "resources": copy.deepcopy(AGENT_RESOURCES),
+              "securityContext": {**copy.deepcopy(CONTAINER_SECURITY), "runAsUser": uid},
+              "volumeMounts": copy.deepcopy(mounts)})
+    return c
+
+
 # ---------------------------------------------------------------- children
 def worker_pod(spec: PDSpec, owner: Owner, revision: str, pair: int, slot: str, suffix: str) -> dict[str, Any]:
     """One worker Pod of group ``pair`` at ``slot`` (``prefill``, ``decode``, ``decode-1``...); ``suffix`` makes
@@ -457,17 +546,30 @@ def worker_pod(spec: PDSpec, owner: Owner, revision: str, pair: int, slot: str, 
     res = _resources(r, spec.sglang.rdma_resources if spec.engine == "sglang" else None)
     if res:
         container["resources"] = res
+    agent: list[dict[str, Any]] = []
+    pod_fields = pod_template_fields(pod, worker=True)
+    if spec.has_agent:
+        # the agent reads the engine's /proc/PID/environ: the same UID for both (a pod-level runAsUser alone
+        # would not hold against a container-level override of the engine's)
+        uid = container["securityContext"].get("runAsUser", pod_fields["securityContext"].get("runAsUser",
+                                                                                            WORKER_UID))
+        pod_fields["securityContext"].setdefault("runAsUser", uid)
+        container["securityContext"]["runAsUser"] = uid
+        # the weights it hashes for /config: the model volume and the role's own mounts, read-only
+        mounts = scratch_mounts[:1] + model_mounts + [{**m, "readOnly": True} for m in r.volume_mounts]
+        agent = [agent_container(spec, role, pod, uid, mounts)]
     pod_spec: dict[str, Any] = {
         "hostname": worker_hostname(owner.name, pair, slot),
         "subdomain": workers_service_name(owner.name),
         "restartPolicy": "Always",
         "terminationGracePeriodSeconds": termination_grace(spec, pod),
+        **({"shareProcessNamespace": True} if spec.has_agent else {}),  # the agent finds the engine under /proc
         **({"initContainers": model_init} if model_init else {}),
-        "containers": [container] + sidecars(pod),
+        "containers": [container] + agent + sidecars(pod),
         "volumes": [{"name": "kv-auth", "secret": {"secretName": kv_secret_name(owner.name)}}] + scratch
         + model_vols + [dict(v) for v in r.volumes],
         **_placement(spec),
-        **pod_template_fields(pod, worker=True),
+        **pod_fields,
     }
     if spec.placement.node_selector and pod.node_selector:  # the role's keys over spec.placement's
         pod_spec["nodeSelector"] = {**spec.placement.node_selector, **pod.node_selector}
@@ -553,7 +655,7 @@ def workers_service(owner: Owner) -> dict[str, Any]:
 
 def router_deployment(spec: PDSpec, owner: Owner) -> dict[str, Any]:
     labels = {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "router"}
-    admin = spec.engine == "pdrt"  # the router-admin token; the KV-transfer token never reaches the router
+    admin = spec.pdstack_router  # the router-admin token; the KV-transfer token never reaches the router
     pod = spec.router.pod
     scratch, scratch_mounts = scratch_volumes(pod)
     container: dict[str, Any] = _container_image({"name": "router"}, spec.router_image(), pod)
@@ -596,7 +698,9 @@ def router_service(owner: Owner) -> dict[str, Any]:
                      "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": HTTP_PORT}]}}
 
 
-SGLANG_PEER_PORTS = (1024, 65535)  # TCP: SGLang's ZMQ sockets and transfer engines bind ports chosen at runtime
+# TCP: SGLang's ZMQ sockets and transfer engines, and NIXL's UCX TCP transport (both engines), bind ports chosen
+# at runtime
+ENGINE_PEER_PORTS = (1024, 65535)
 
 
 @dataclass(frozen=True)
@@ -614,19 +718,25 @@ class PolicyPeers:
 
 def network_policy(spec: PDSpec, owner: Owner, peers: PolicyPeers = PolicyPeers()) -> dict[str, Any]:
     """Workers accept traffic from pods of the same PDDeployment (router and peers) on the http and bootstrap
-    ports, and from ``peers`` (the operator, Prometheus) on the http port only (/config, /metrics). With SGLang,
-    its workers also reach each other on the ZMQ / transfer-engine ports they open at runtime (not fixed ports):
-    TCP 1024-65535, from worker pods of the same deployment only."""
+    ports (and the agent's, with SGLang and vLLM: the router reads its /debug/requests), and from ``peers`` (the
+    operator, Prometheus) on the http and agent ports only (/config, /metrics). With SGLang and vLLM, the workers
+    also reach each other on the ports they open at runtime (SGLang's ZMQ / transfer engines, NIXL over UCX): TCP
+    1024-65535, and vLLM's NIXL side channel (VLLM_NIXL_SIDE_CHANNEL_PORT), from worker pods of the same
+    deployment only."""
+    agent = [{"port": AGENT_PORT}] if spec.has_agent else []
     ingress: list[dict[str, Any]] = [{"from": [{"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name}}}],
-                                      "ports": [{"port": HTTP_PORT}, {"port": BOOTSTRAP_PORT}]}]
+                                      "ports": [{"port": HTTP_PORT}, {"port": BOOTSTRAP_PORT}] + agent}]
     readers = [copy.deepcopy(dict(p)) for p in peers.operator + peers.prometheus]
     if readers:
-        ingress.append({"from": readers, "ports": [{"protocol": "TCP", "port": HTTP_PORT}]})
-    if spec.engine == "sglang":
-        lo, hi = SGLANG_PEER_PORTS
-        ingress.append({"from": [{"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name,
-                                                                  LABEL_COMPONENT: "worker"}}}],
-                        "ports": [{"protocol": "TCP", "port": lo, "endPort": hi}]})
+        ingress.append({"from": readers, "ports": [{"protocol": "TCP", "port": HTTP_PORT}]
+                        + [{"protocol": "TCP", **p} for p in agent]})
+    workers = [{"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "worker"}}}]
+    if spec.engine == "vllm":  # the NIXL handshake: decode asks prefill's listener for its KV memory descriptors
+        ingress.append({"from": copy.deepcopy(workers),
+                        "ports": [{"protocol": "TCP", "port": spec.vllm.nixl_side_channel_port}]})
+    if spec.has_agent:
+        lo, hi = ENGINE_PEER_PORTS
+        ingress.append({"from": workers, "ports": [{"protocol": "TCP", "port": lo, "endPort": hi}]})
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": _meta(owner, workers_service_name(owner.name), {LABEL_COMPONENT: "worker"}),
             "spec": {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "worker"}},
@@ -676,6 +786,6 @@ def render(spec: PDSpec, owner: Owner, revision: str, *, kv_token: str,
                              prefill_hosts=tuple(worker_dns(owner, k, s) for s in slots if s.startswith("prefill")),
                              decode_hosts=tuple(worker_dns(owner, k, s) for s in slots if s.startswith("decode")))
                 for k in range(spec.pairs)]
-    admin = [admin_secret(owner, admin_token)] if spec.engine == "pdrt" else []
+    admin = [admin_secret(owner, admin_token)] if spec.pdstack_router else []
     return [kv_secret(owner, kv_token)] + admin + pods + static_children(spec, owner, revision, topology,
                                                                            peers=peers)

@@ -28,7 +28,7 @@ ANN_KNOWN_GOOD = "pdstack.io/known-good-since"
 #: (pairs, rollout, coRestart, drift, stall, router, revisionHistoryLimit) are not part of a revision and
 #: a rollback keeps them as they are
 REVISION_KEYS = ("engine", "image", "model", "podTemplate", "prefill", "decode", "placement", "kernel",
-                 "watchdog", "probes", "sglang")
+                 "watchdog", "probes", "sglang", "vllm", "runtimeImage")
 UNSET = "<unset>"
 
 REVISION_LEN = 10
@@ -92,8 +92,15 @@ def effective_config(spec: PDSpec) -> dict[str, Any]:
             "tickSeconds": spec.watchdog.tick_s,
         },
         **({"probes": asdict(spec.probes)} if spec.probes != Probes() else {}),
-        **({"sglang": _jsonable(asdict(spec.sglang))} if spec.engine == "sglang" else {}),
+        **_engine_config(spec),
     }
+
+
+def _engine_config(spec: PDSpec) -> dict[str, Any]:
+    """The engine's own section, and the agent sidecar's image (both in every worker pod of those engines)."""
+    return {**({"sglang": _jsonable(asdict(spec.sglang))} if spec.engine == "sglang" else {}),
+            **({"vllm": _jsonable(asdict(spec.vllm))} if spec.engine == "vllm" else {}),
+            **({"runtimeImage": spec.runtime_image} if spec.has_agent else {})}
 
 
 def canonical_json(data: Any) -> str:
@@ -230,7 +237,7 @@ def effective_view(spec: PDSpec) -> dict[str, Any]:
         "decode": _role_view(spec, "decode"),
         "placement": _jsonable(effective_config(spec)["placement"]),
         **({"probes": asdict(spec.probes)} if spec.probes != Probes() else {}),
-        **({"sglang": _jsonable(asdict(spec.sglang))} if spec.engine == "sglang" else {}),
+        **_engine_config(spec),
     }
 
 

@@ -35,7 +35,11 @@ VERSION = "v1alpha1"
 PLURAL = "pddeployments"
 KIND = "PDDeployment"
 
-ENGINES = ("pdrt", "sglang")
+ENGINES = ("pdrt", "sglang", "vllm")
+AGENT_ENGINES = ("sglang", "vllm")  # engines whose worker pods carry the pdstack agent sidecar (pdrt agent)
+# pdstack: pdstack's router (pdrt serve --role router) for every engine; sglang: sglang-router (engine sglang);
+# vllm: accepted by the schema only to say why it is not rendered (vLLM ships no PD router command; docs/crd.md)
+ROUTER_KINDS = ("pdstack", "sglang", "vllm")
 CO_RESTART_POLICIES = ("Pair", "Never")
 DRIFT_POLICIES = ("Report", "Revert")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")  # mirrors pdruntime.env.ATTENTION_BACKENDS
@@ -46,8 +50,12 @@ PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 DEFAULT_STARTUP_SECONDS = 1800  # a 70B+ checkpoint from network storage can take tens of minutes
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?$")
 
-HTTP_PORT = 8000  # every pdrt/sglang server: HTTP API, /health, /metrics
-BOOTSTRAP_PORT = 8998  # prefill: KV-transfer bootstrap
+HTTP_PORT = 8000  # every pdrt/sglang/vllm server: HTTP API, /health, /metrics
+BOOTSTRAP_PORT = 8998  # prefill: KV-transfer bootstrap (pdrt, sglang)
+AGENT_PORT = 8090  # the pdstack agent sidecar (runtime/pdruntime/agent AGENT_PORT): /config, /metrics, /debug/requests
+# the UID both containers of an sglang/vllm worker pod run as (the pdstack images' fixed non-root user,
+# images/runtime/Dockerfile): the agent reads the engine's /proc/PID/environ, which needs the same UID
+WORKER_UID = 10001
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -245,6 +253,23 @@ class SglangSpec:
     rdma_resources: Mapping[str, str] = field(default_factory=dict)  # e.g. {"rdma/ib": "1"}: requests == limits
 
 
+VLLM_KV_CONNECTOR = "NixlConnector"  # vLLM's PD connector as llm-d deploys it (kv_role kv_both on both sides)
+
+
+@dataclass(frozen=True)
+class VllmSpec:
+    """engine: vllm only. Flags and env from vLLM's own source (vllm/engine/arg_utils.py, vllm/envs.py); the
+    connector is always NixlConnector with kv_role kv_both, as llm-d renders it."""
+
+    # VLLM_NIXL_SIDE_CHANNEL_PORT: the NIXL handshake listener (vllm/envs.py default 5600; + the data-parallel
+    # index, 0 here); the NetworkPolicy admits it between the deployment's workers
+    nixl_side_channel_port: int = knob("nixlSideChannelPort", 5600, lo=1024, hi=65535)
+    max_model_len: int | None = knob("maxModelLen", None, kind="integer", lo=1, hi=1 << 24)  # --max-model-len
+    # --gpu-memory-utilization: share of each GPU vLLM may take (its default 0.9)
+    gpu_memory_utilization: float | None = knob("gpuMemoryUtilization", None, kind="number", lo=0.01, hi=1)
+    enforce_eager: bool = knob("enforceEager", False)  # --enforce-eager: no CUDA graphs
+
+
 @dataclass(frozen=True)
 class KernelKnobs:
     # 0 = derive from the device (SMs x waves)
@@ -359,16 +384,36 @@ class PDSpec:
     revision_history_limit: int = knob("revisionHistoryLimit", 10, lo=1, hi=1000)
     probes: Probes = section("probes", Probes)
     sglang: SglangSpec = section("sglang", SglangSpec)
+    vllm: VllmSpec = section("vllm", VllmSpec)
+    # the pdstack runtime image for the agent sidecar (engines sglang, vllm) and pdstack's router with them
+    runtime_image: str | None = knob("runtimeImage", None, kind="string")
+    router_kind: str = knob("router.kind", "pdstack", choices=ROUTER_KINDS)  # spec.router.kind
     rollout: RolloutSpec = section("rollout", RolloutSpec)
     stall: StallSpec = section("stall", StallSpec)
     prefix_cache: PrefixCacheSpec = section("prefixCache", PrefixCacheSpec)
     routing: RoutingSpec = section("router.routing", RoutingSpec)  # spec.router.routing (the router's policy)
 
     def router_image(self) -> str:
-        """spec.router.image, else spec.image. Never an image the user did not name: a hard-coded registry tag
-        never pulls on kind (only loaded images run) or air-gapped clusters. The router is CPU-only, so with a
-        CUDA spec.image set spec.router.image to the CPU runtime image to spare the router its gigabytes."""
-        return self.router.pod.image or self.image
+        """spec.router.image, else the image that has the router: spec.image for engine pdrt and for the engine's
+        own router, spec.runtimeImage for pdstack's router in front of SGLang or vLLM. Never an image the user did
+        not name: a hard-coded registry tag never pulls on kind (only loaded images run) or air-gapped clusters.
+        The router is CPU-only, so with a CUDA spec.image set spec.router.image to the CPU runtime image to spare
+        the router its gigabytes."""
+        if self.router.pod.image:
+            return self.router.pod.image
+        if self.pdstack_router and self.engine != "pdrt":
+            return self.runtime_image or self.image
+        return self.image
+
+    @property
+    def pdstack_router(self) -> bool:
+        """pdstack's router fronts the groups (pushed topology: drain before delete, canary, /debug/requests)."""
+        return self.router_kind == "pdstack"
+
+    @property
+    def has_agent(self) -> bool:
+        """Worker pods carry the pdstack agent sidecar (the engine is not pdrt, which serves /config itself)."""
+        return self.engine in AGENT_ENGINES
 
     @property
     def gpus_per_pair(self) -> int:
@@ -416,6 +461,9 @@ OPERATOR_OWNED_ENV = {
     **{k.knob.env: f"spec.{k.path}" for k in spec_knobs() if k.knob.env},
     "PDRT_KV_AUTH_TOKEN_FILE": "the operator (it mounts the KV-transfer Secret)",
     "PDRT_KV_AUTH_TOKEN": "the operator (it mounts the KV-transfer Secret)",
+    # engine vllm (render.worker_env): the NIXL side channel
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "the operator (the pod's IP)",
+    "VLLM_NIXL_SIDE_CHANNEL_PORT": "spec.vllm.nixlSideChannelPort",
 }
 
 
@@ -652,9 +700,9 @@ def _pod_template(r: _Reader, d: Mapping[str, Any], path: str) -> PodTemplate:
     sidecars = r.list_of_obj(d, "containers", path)
     for i, c in enumerate(sidecars):
         if not isinstance(c.get("name"), str) or not _DNS_LABEL.match(c.get("name", "")) \
-                or c.get("name") in ("prefill", "decode", "router"):
+                or c.get("name") in ("prefill", "decode", "router", "pdstack-agent"):
             r.fail(f"{path}.containers[{i}].name", c.get("name"),
-                   "a DNS label other than prefill/decode/router (the operator's own container)")
+                   "a DNS label other than prefill/decode/router/pdstack-agent (the operator's own containers)")
     return PodTemplate(
         image=r.str_(d, "image", path),
         image_pull_policy=pull,
@@ -691,8 +739,8 @@ def _model(r: _Reader, d: Mapping[str, Any], engine: str) -> ModelSpec:
         r.problems.append(f"spec.model.source={model.source!r} is outside spec.model.storage.mountPath="
                           f"{model.storage.mount_path!r}; accepted: a path under the mount, e.g. "
                           f"{model.storage.mount_path.rstrip('/')}/model.gguf")
-    if engine == "sglang" and not model.source:
-        r.problems.append("spec.model.source is required with engine 'sglang'; accepted: a model path or HF id")
+    if engine != "pdrt" and not model.source:
+        r.problems.append(f"spec.model.source is required with engine '{engine}'; accepted: a model path or HF id")
     return model
 
 
@@ -743,21 +791,56 @@ def _prefix_cache(r: _Reader, d: Mapping[str, Any], engine: str) -> PrefixCacheS
     pc = r.obj(d.get("prefixCache"), "spec.prefixCache")
     out = PrefixCacheSpec(**{a: r.take(pc, "spec.prefixCache", PrefixCacheSpec, a)
                              for a in PrefixCacheSpec.__dataclass_fields__})
-    if out.max_pages is not None and engine == "sglang":
-        r.problems.append("spec.prefixCache.maxPages is pdrt's --prefix-cache-max-pages; accepted with engine "
-                          "'sglang': enabled only (SGLang sizes its radix cache from its KV pool)")
+    if out.max_pages is not None and engine != "pdrt":
+        r.problems.append(f"spec.prefixCache.maxPages is pdrt's --prefix-cache-max-pages; accepted with engine "
+                          f"'{engine}': enabled only (the engine sizes its prefix cache from its KV pool)")
     return out
 
 
-def _routing(r: _Reader, d: Mapping[str, Any], engine: str) -> RoutingSpec:
+def _router_kind(r: _Reader, d: Mapping[str, Any], engine: str) -> str:
+    router = d.get("router")
+    kind = r.take(router if isinstance(router, Mapping) else {}, "spec.router", PDSpec, "router_kind")
+    if kind == "vllm":
+        r.problems.append("spec.router.kind='vllm' is not rendered: vLLM ships no PD router command (only example "
+                          "proxies; vllm-router is a separate project); accepted: kind pdstack, whose router speaks "
+                          "vLLM's kv_transfer_params exchange")
+    elif kind == "sglang" and engine != "sglang":
+        r.problems.append(f"spec.router.kind='sglang' with engine '{engine}'; accepted: kind sglang only with engine "
+                          "sglang, kind pdstack with any engine")
+    return kind
+
+
+def _routing(r: _Reader, d: Mapping[str, Any], kind: str) -> RoutingSpec:
     router = d.get("router")  # not an object: _role has said so
     ro = r.obj(router.get("routing") if isinstance(router, Mapping) else None, "spec.router.routing")
     routing = RoutingSpec(**{a: r.take(ro, "spec.router.routing", RoutingSpec, a)
                              for a in RoutingSpec.__dataclass_fields__})
-    if ro and engine == "sglang":
-        r.problems.append("spec.router.routing is pdrt's router's; accepted with engine 'sglang': sglang-router's "
-                          "own flags in spec.router.args (e.g. --policy cache_aware)")
+    if ro and kind != "pdstack":
+        r.problems.append(f"spec.router.routing is pdstack's router's; accepted with router kind '{kind}': "
+                          "sglang-router's own flags in spec.router.args (e.g. --policy cache_aware)")
     return routing
+
+
+def _engine_sections(r: _Reader, d: Mapping[str, Any], engine: str) -> tuple[SglangSpec, VllmSpec, str | None]:
+    """spec.sglang, spec.vllm (each only with its engine) and spec.runtimeImage (required with the agent)."""
+    sg = r.obj(d.get("sglang"), "spec.sglang")
+    sglang = SglangSpec(
+        transfer_backend=r.take(sg, "spec.sglang", SglangSpec, "transfer_backend"),
+        ib_device=r.str_(sg, "ibDevice", "spec.sglang"),
+        rdma_resources=r.str_map(sg, "rdmaResources", "spec.sglang"),
+    )
+    vl = r.obj(d.get("vllm"), "spec.vllm")
+    vllm = VllmSpec(**{a: r.take(vl, "spec.vllm", VllmSpec, a) for a in VllmSpec.__dataclass_fields__})
+    for key, given in (("sglang", sg), ("vllm", vl)):
+        if given and engine != key:
+            r.problems.append(f"spec.{key} is set but spec.engine is '{engine}'; accepted: spec.{key} only with "
+                              f"engine '{key}'")
+    runtime_image = r.take(d, "spec", PDSpec, "runtime_image")
+    if engine in AGENT_ENGINES and not runtime_image:
+        r.problems.append(f"spec.runtimeImage is required with engine '{engine}'; accepted: the pdstack runtime "
+                          "image (its agent sidecar serves /config and /metrics beside the engine, and pdstack's "
+                          "router runs it)")
+    return sglang, vllm, runtime_image
 
 
 def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
@@ -781,14 +864,7 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
         for i, c in enumerate(x.pod.containers):
             if c.get("name") == role:
                 r.fail(f"spec.{role}.containers[{i}].name", role, "a name other than the operator's container")
-    sg = r.obj(d.get("sglang"), "spec.sglang")
-    sglang = SglangSpec(
-        transfer_backend=r.take(sg, "spec.sglang", SglangSpec, "transfer_backend"),
-        ib_device=r.str_(sg, "ibDevice", "spec.sglang"),
-        rdma_resources=r.str_map(sg, "rdmaResources", "spec.sglang"),
-    )
-    if sg and engine != "sglang":
-        r.problems.append("spec.sglang is set but spec.engine is 'pdrt'; accepted: spec.sglang only with engine 'sglang'")
+    sglang, vllm, runtime_image = _engine_sections(r, d, engine)
     pr = r.obj(d.get("probes"), "spec.probes")
     probes = Probes(**{a: r.take(pr, "spec.probes", Probes, a) for a in Probes.__dataclass_fields__})
     if prefill.tp_size != decode.tp_size:
@@ -812,7 +888,8 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
     rollout = _rollout(r, ro)
     st = r.obj(d.get("stall"), "spec.stall")
     stall = StallSpec(seconds=r.take(st, "spec.stall", StallSpec, "seconds"))
-    routing = _routing(r, d, engine)
+    router_kind = _router_kind(r, d, engine)
+    routing = _routing(r, d, router_kind)
     prefix_cache = _prefix_cache(r, d, engine)
     spec = PDSpec(
         image=image,
@@ -832,6 +909,9 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
         revision_history_limit=r.take(d, "spec", PDSpec, "revision_history_limit"),
         probes=probes,
         sglang=sglang,
+        vllm=vllm,
+        runtime_image=runtime_image,
+        router_kind=router_kind,
         rollout=rollout,
         stall=stall,
         routing=routing,

@@ -36,6 +36,9 @@ from .render import group_of
 
 WATCHDOG_METRIC = "pdrt_watchdog_fired_total"
 TOKENS_METRIC = "pdrt_generated_tokens_total"
+# only the pdstack agent (beside SGLang and vLLM) exposes it: a series its text lacks is one the engine does not
+# expose (unknown), where a pdrt worker's absent counter is one that has not counted yet (0)
+AGENT_METRIC = "pdrt_agent_engine_up"
 #: (role, stage) before the first decoded token; a request older than stall.seconds here is stuck
 PRE_DECODE = {("router", "dispatching"), ("router", "waiting_first_token"), ("prefill", "bootstrap"),
               ("prefill", "waiting"), ("prefill", "inflight"), ("decode", "prealloc"), ("decode", "transfer")}
@@ -145,17 +148,24 @@ def rows_by_pair(docs: Iterable[Mapping[str, Any]]) -> tuple[dict[int, list[Row]
 
 
 def metric_sum(texts: Iterable[str | None], name: str, **labels: str) -> float | None:
-    """Sum of the samples called ``name`` with these labels over Prometheus texts; None when any is unreadable."""
+    """Sum of the samples called ``name`` with these labels over Prometheus texts; None when any is unreadable,
+    or is an agent's (:data:`AGENT_METRIC`) without the series. A pdrt worker's missing series counts 0: its
+    labelled counters appear with their first increment."""
     total = 0.0
     for text in texts:
         if text is None:
             return None
+        found = agent = False
         try:
             for family in text_string_to_metric_families(text):
                 for s in family.samples:
+                    agent = agent or s.name == AGENT_METRIC
                     if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                         total += s.value
+                        found = True
         except ValueError:
+            return None
+        if agent and not found:
             return None
     return total
 

@@ -42,8 +42,8 @@ async def plan_rollout(ctx: Context, crs: Mapping[str, Mapping[str, Any]]) -> tu
     spec, revision, old_status, name = ctx.spec, ctx.revision, ctx.old_status, ctx.name
     specs: dict[str, Any] = {revision: spec}
     prior = rollout_safety.CanaryState.from_status(old_status.get("canary"))
-    # (engine sglang: its router takes a static list and cannot hold a pair out of traffic; no canary)
-    canary = rollout_safety.plan_canary(spec.rollout.canary if spec.engine == "pdrt" else None, pairs=spec.pairs,
+    # (sglang-router takes a static list and cannot hold a pair out of traffic: no canary with router kind sglang)
+    canary = rollout_safety.plan_canary(spec.rollout.canary if spec.pdstack_router else None, pairs=spec.pairs,
                                         desired=revision, current=old_status.get("currentRevision"), prior=prior,
                                         known_good=old_status.get("lastKnownGoodRevision"), now=ctx.now)
     if canary is not None:
@@ -158,7 +158,7 @@ async def _advance_canary(ctx: Context, obs: Observed, state: Any, plan: Plan, r
     if task is None:  # just started, or the operator restarted while probing: (re)start it once a router is up
         if router_ips and token:
             headers = {"X-PDStack-Pair": str(state.pair), "X-PDStack-Admin-Token": token}
-            metrics_urls = [f"http://{ip}:{ctx.config.worker_port}/metrics"
+            metrics_urls = [f"http://{ip}:{ctx.config.evidence_port(ctx.spec)}/metrics"
                             for ip in (pair.members or {}).values() if ip]
             probes[state.revision] = asyncio.create_task(_canary_probe(
                 http, f"http://{router_ips[0]}:{http.port}", headers, ctx.spec, metrics_urls))

@@ -109,8 +109,9 @@ class Context:
 
     @property
     def drains(self) -> bool:
-        """Drain before delete through the routers (engine pdrt; pdstack's router takes pushed topology)."""
-        return self.spec.engine == "pdrt" and self.router is not None
+        """Drain before delete through the routers (router kind pdstack, any engine: pdstack's router takes pushed
+        topology)."""
+        return self.spec.pdstack_router and self.router is not None
 
     def say(self, level: int, message: str) -> None:
         """One log line naming the deployment."""
@@ -122,7 +123,7 @@ class Observed:
     """What the observe phase read from the cluster and the routers."""
 
     crs: Mapping[str, Mapping[str, Any]]  # revision -> its ControllerRevision
-    token: str | None  # the router-admin token (engine pdrt)
+    token: str | None  # the router-admin token (router kind pdstack)
     owned: list[dict[str, Any]]  # our worker pods
     views: list[Any]  # pairs.PodView of each
     prior: Any  # the canary in status (canary.CanaryState | None)

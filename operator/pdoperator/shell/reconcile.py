@@ -31,6 +31,7 @@ import yaml
 
 from ..core import drift, stall
 from ..core.config import OperatorConfig
+from ..core.engines import watchdog_mapping
 from ..core.drift import DriftEntry
 from ..core.pairs import (CoRestart, CreatePods, DeletePods, DrainPair, ForceDelete, Plan, PlanInput, RolloutPair,
                           RouterView, plan_pairs, pod_view, unschedulable_message)
@@ -108,7 +109,7 @@ async def observe(ctx: Context) -> Observed:
     # the KV-transfer token (workers only) and the router-admin token (router only; authenticates our pushes)
     await steps.run(_secret_token(kube, owner, kv_secret_name(ctx.name), KV_AUTH_KEY, kv_secret))
     token = (await steps.run(_secret_token(kube, owner, admin_secret_name(ctx.name), ADMIN_KEY, admin_secret))
-             if ctx.spec.engine == "pdrt" else None)
+             if ctx.spec.pdstack_router else None)
 
     selector = f"{LABEL_DEPLOYMENT}={ctx.name},{LABEL_COMPONENT}=worker"
     raw_pods = await kube.list(path("v1", "Pod", ctx.namespace), label_selector=selector)
@@ -295,6 +296,7 @@ async def act(ctx: Context, obs: Observed, planned: Planned) -> Acted:
     unsched = await _unschedulable(ctx, plan_)
     entries = await _apply_children(ctx, planned) + obs.pod_drift
     entries += await _runtime_drift(ctx, obs, entries)
+    await _watchdog_mapping(ctx)
     stalls = await _stall_sweep(ctx, obs) if ctx.drains else None
     router_obj = await steps.run(ctx.kube.get(path("apps/v1", "Deployment", ctx.namespace, router_name(ctx.name))),
                                  default={})
@@ -328,8 +330,8 @@ async def _execute(ctx: Context, obs: Observed, plan_: Plan) -> None:
             await _delete_pods(ctx, a.pods, uids)
             state = plan_.pairs[a.pair]
             wait = ctx.spec.co_restart.backoff(state.memory.streak)
-            msg = (f"pair {a.pair} co-restarted: {a.reason} ({a.detail}); deleted pods {list(a.pods)}; "
-                   f"recreating both after {wait:g}s backoff (co-restart #{state.memory.restarts})")
+            msg = (f"pair {a.pair} co-restarted: {a.reason} ({a.detail}); engine {ctx.spec.engine}; deleted pods "
+                   f"{list(a.pods)}; recreating both after {wait:g}s backoff (co-restart #{state.memory.restarts})")
             ctx.say(logging.WARNING, msg)
             metrics.CO_RESTARTS.labels(ctx.namespace, ctx.name, a.reason).inc()
             await ctx.events("Warning", "CoRestart", msg)
@@ -417,6 +419,17 @@ async def _runtime_drift(ctx: Context, obs: Observed, children: list[DriftEntry]
     return image + process
 
 
+async def _watchdog_mapping(ctx: Context) -> None:
+    """Engines sglang and vllm: one Event ``WatchdogMapping`` per revision naming the ``spec.watchdog`` fields the
+    engine enforces (and through which of its variables) and those it does not (Warning when any)."""
+    mapping = watchdog_mapping(ctx.spec)
+    if mapping is None or ctx.state.posted_watchdog == ctx.revision:
+        return
+    ctx.state.posted_watchdog = ctx.revision
+    ctx.say(logging.WARNING if mapping.unenforced else logging.INFO, f"revision {ctx.revision}: {mapping.message}")
+    await ctx.events("Warning" if mapping.unenforced else "Normal", "WatchdogMapping", mapping.message)
+
+
 async def _process_drift(ctx: Context, views: list[Any]) -> list[DriftEntry]:
     """Drift source "process": every ready worker's ``/config`` env against the env its role declares,
     at most every ``process_drift_s`` (between sweeps, the last sweep's entries). An unreadable
@@ -430,7 +443,8 @@ async def _process_drift(ctx: Context, views: list[Any]) -> list[DriftEntry]:
     declared = {role: {e["name"]: e.get("value", e.get("valueFrom")) for e in worker_env(ctx.spec, role)}
                 for role in ("prefill", "decode")}
     workers = [v for v in views if v.ready and v.ip and not v.terminating]
-    configs = await asyncio.gather(*(ctx.router.get_json(f"http://{v.ip}:{cfg.worker_port}/config")  # type: ignore
+    port = cfg.evidence_port(ctx.spec)
+    configs = await asyncio.gather(*(ctx.router.get_json(f"http://{v.ip}:{port}/config")  # type: ignore
                                      for v in workers))
     entries: list[DriftEntry] = []
     for v, c in zip(workers, configs):
@@ -457,7 +471,7 @@ async def _stall_sweep(ctx: Context, obs: Observed) -> list[stall.Evidence] | No
     workers = [v for v in obs.views if v.ready and v.ip and not v.terminating]
     docs, texts = await asyncio.gather(
         asyncio.gather(*(http.debug_requests(ip, obs.token) for ip in obs.router_ips)),
-        asyncio.gather(*(http.get_text(f"http://{v.ip}:{cfg.worker_port}/metrics") for v in workers)))
+        asyncio.gather(*(http.get_text(f"http://{v.ip}:{cfg.evidence_port(ctx.spec)}/metrics") for v in workers)))
     if not any(docs):
         return None
     at = time.monotonic()

@@ -28,6 +28,7 @@ class DeploymentState:
     # drift source "process": (monotonic time of the last /config sweep, its drift entries)
     process_sweep: tuple[float, list[Any]] | None = None
     posted_drift: tuple[str, ...] = ()  # process/image drift lines already posted as a ConfigDrift Event
+    posted_watchdog: str | None = None  # the revision whose WatchdogMapping Event was posted
     # stall detection: (monotonic time of the last sweep, its evidence per pair)
     stall_sweep: tuple[float, dict[int, Any]] | None = None
     probes: dict[str, asyncio.Task] = field(default_factory=dict)  # revision -> its canary probe (background)
@@ -61,6 +62,7 @@ class DeploymentState:
         self.close()
         self.process_sweep = self.stall_sweep = None
         self.posted_drift = ()
+        self.posted_watchdog = None
         self.no_canary_logged.clear()
 
 
