@@ -343,11 +343,15 @@ class WorkerBase:
         hints = self.leg_hints(request)
         if held:
             hints["held"] = True
+        self.inject_faults(request, greq)
         return await self.run_generate(greq, client_of(request), shape, usage, **hints)
 
     def leg_hints(self, request: Request) -> dict:
         """run_generate's keywords from the router's hint headers (each role reads its own)."""
         return {}
+
+    def inject_faults(self, request: Request, greq: Any) -> None:
+        """Test-only fault knobs of a role (faults.py), for /generate and the /v1 routes alike; none by default."""
 
     def _check_model(self, model: str) -> None:
         path = str(self.loaded.info.path or "")

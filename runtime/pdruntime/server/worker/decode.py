@@ -335,9 +335,12 @@ class DecodeWorker(WorkerBase):
     # ---- HTTP ----------------------------------------------------------------------------------
     async def generate(self, request: Request):
         greq = await read_generate(request)
+        self.inject_faults(request, greq)
+        return await self.run_generate(greq, client_of(request), **self.leg_hints(request))
+
+    def inject_faults(self, request: Request, greq: GenerateRequest) -> None:
         if self.stall_fault is not None and greq.bootstrap_room is not None:
             STALL_THIS_REQUEST.set(self.stall_fault.admit(connection_of(request.headers, request.scope)))
-        return await self.run_generate(greq, client_of(request), **self.leg_hints(request))
 
     def leg_hints(self, request: Request) -> dict:
         return {"interval_s": stream_interval(request.headers), "busy_grace_s": busy_grace(request.headers)}
