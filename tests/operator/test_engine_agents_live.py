@@ -10,31 +10,32 @@ The pod is Ready when the agent's ``/health`` says it found the engine process.
   each agent's ``/config`` on the agent port and shows ``ConfigDrift`` source ``process`` naming it, on the decode
   pod only, for engine sglang and engine vllm;
 * stall (both engines): the operator's stall sweep reads each agent's ``/metrics`` and the router's
-  ``/debug/requests``. The
-  router here is a stand-in that merges the agents' ``/debug/requests`` rows per pair, which is what pdstack's
-  router does with ``--worker-agent-port``; the stall verdict, its Event and the status come from the operator's
-  own code. A decode engine with running requests and a frozen generation counter is ``Stalled`` in
-  ``decode/running``; when the counter moves again the condition clears.
+  ``/debug/requests``. The router is pdstack's own, started from its rendered Deployment (``--worker-protocol
+  sglang|vllm --worker-agent-port 8090``): it merges the agents' ``/debug/requests`` rows per pair; the stall
+  verdict, its Event and the status come from the operator's own code. A decode engine with running requests and a
+  frozen generation counter is ``Stalled`` in ``decode/running``; when the counter moves again the condition
+  clears.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
-import json
 import os
 import random
 import sys
-import threading
-import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 import kmock
 import pytest
 
+import yaml
+
+from emu_kubelet import DEPLOYMENTS
 from fake_engine import FakeEngine
+from live_stack import CONFIGMAPS, SECRETS, start_router, stop
 from pdop_harness import IMAGE, NS, PODS, Cluster, eventually, manifest, running_operator, write_kubeconfig
 from pdop_k8s_emulator import Kubelet, PDEmulator
 from pdoperator.core.spec import AGENT_PORT, HTTP_PORT
@@ -108,47 +109,6 @@ class AgentKubelet(ProcessKubelet):
                 agent.wait(10)
 
 
-class StandInRouter:
-    """On the router pod's IP: ``/debug/requests`` merging each worker agent's rows (``workers: [{pair, role, url,
-    requests}]``, the shape pdstack's router serves); nothing else (the operator's topology pushes go unanswered)."""
-
-    def __init__(self, ip: str) -> None:
-        self.ip = ip
-        self.workers: list[tuple[int, str, str]] = []  # (pair, role, agent URL)
-        router = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:  # noqa: N802
-                if self.path.split("?")[0] != "/debug/requests":
-                    self.send_response(404)
-                    self.end_headers()
-                    return
-                workers = []
-                for pair, role, url in router.workers:
-                    with urllib.request.urlopen(url + "/debug/requests", timeout=3) as r:
-                        workers.append({"pair": pair, "role": role, "url": url, **json.loads(r.read())})
-                body = json.dumps({"requests": [], "workers": workers}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.server = ThreadingHTTPServer((ip, HTTP_PORT), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> "StandInRouter":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def ready_pods(c: Cluster, name: str, n: int) -> list[dict[str, Any]] | None:
     pods = [p for p in c.pods(name) if not p["metadata"].get("deletionTimestamp")]
     ok = len(pods) == n and all(any(x["type"] == "Ready" and x["status"] == "True"
@@ -161,29 +121,35 @@ async def engine_stack(tmp_path: Path, name: str, engine: str, *, inject: tuple[
                        router: bool = False, **spec: Any) -> AsyncIterator[tuple[Cluster, AgentKubelet]]:
     """One pair of ``engine`` workers under the real operator; yields once both pods are Ready."""
     net = random.randint(100, 250)
+    router_proc = None
     async with PDEmulator() as api, kmock.Server(api) as server:
         write_kubeconfig(str(server.url).rstrip("/"))
         kubelet = AgentKubelet(api, net, str(tmp_path))
         kubelet.add_node("gpu-a", 8)
         kubelet.inject = dict([inject]) if inject else {}
-        stand_in = StandInRouter(f"127.0.{net}.2") if router else None
-        if stand_in is not None:
-            kubelet.router_ip = stand_in.ip
+        if router:
+            kubelet.router_ip = f"127.0.{net}.2"
         try:
             async with kubelet:
                 c = Cluster(api, kubelet, str(server.url))
-                with stand_in or contextlib.nullcontext():
-                    async with running_operator(c):
-                        c.apply(manifest(name, pairs=1, gpus=1, engine=engine, runtimeImage=IMAGE,
-                                         model={"source": "/models/m", "servedName": "m"}, **spec))
-                        await eventually(lambda: ready_pods(c, name, 2), timeout=60, interval=0.2,
-                                         what=f"both {engine} pods Ready (their agents found the engines)")
-                        if stand_in is not None:
-                            stand_in.workers = [(0, p["metadata"]["labels"]["pdstack.io/role"],
-                                                 f"http://{p['status']['podIP']}:{AGENT_PORT}") for p in c.pods(name)]
-                        yield c, kubelet
+                async with running_operator(c):
+                    c.apply(manifest(name, pairs=1, gpus=1, engine=engine, runtimeImage=IMAGE,
+                                     model={"source": "/models/m", "servedName": "m"}, **spec))
+                    if router:  # pdstack's router from what the operator wrote: its Deployment, ConfigMap, Secret
+                        secret = await eventually(lambda: api.read(SECRETS, NS, f"{name}-router-admin"), what="secret")
+                        cm = await eventually(lambda: api.read(CONFIGMAPS, NS, f"{name}-topology"), what="topology")
+                        deploy = await eventually(lambda: api.read(DEPLOYMENTS, NS, f"{name}-router"), what="router")
+                        cmd = deploy["spec"]["template"]["spec"]["containers"][0]["command"]
+                        assert cmd[cmd.index("--worker-protocol") + 1] == engine, cmd
+                        router_proc = start_router(kubelet.router_ip, yaml.safe_load(cm["data"]["topology.yaml"]),
+                                                   base64.b64decode(secret["data"]["token"]).decode(), tmp_path, cmd)
+                    await eventually(lambda: ready_pods(c, name, 2), timeout=60, interval=0.2,
+                                     what=f"both {engine} pods Ready (their agents found the engines)")
+                    yield c, kubelet
         finally:
             kubelet.stop_all()
+            if router_proc is not None:
+                stop(router_proc)
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
@@ -216,10 +182,10 @@ async def test_frozen_generation_is_stalled_by_the_operators_sweep_then_clears(t
     async with engine_stack(tmp_path, name, engine, router=True, stall={"seconds": 2}) as (c, kubelet):
         decode = c.pair_pods(name, 0)["decode"]["metadata"]["name"]
 
-        def stalled():
+        def stalled():  # with the rate measured: the first look has no earlier counter to rate against
             cond = c.condition(name, "Stalled")
-            return cond.get("status") == "True" and cond
-        cond = await eventually(stalled, timeout=60, interval=0.2, what="Stalled from the agent's evidence")
+            return cond.get("status") == "True" and "0 tokens/s" in cond.get("message", "") and cond
+        cond = await eventually(stalled, timeout=60, interval=0.2, what="Stalled from the agent's evidence, 0 tokens/s")
         msg = cond["message"]
         assert msg.startswith(f"pair 0 stalled in decode/running: request {engine}-decode-running made no progress "
                               "for"), msg
