@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +17,9 @@ import emu_apiext as apiext
 from pdoperator.cli.kubectl_pd import render_manifest
 from pdoperator.core.engines import watchdog_mapping
 from pdoperator.core.spec import SpecError, parse_spec
+from vllm_parser import import_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
-PARSER_DIR = Path(sys.prefix) / "vllm-parser"  # `make vllm-parser` installs vllm there (the venv's folder)
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "pddeployment-vllm.yaml").read_text())
 CRD = yaml.safe_load((ROOT / "crds" / "pddeployment.yaml").read_text())
 SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
@@ -47,23 +45,12 @@ def _vllm_serve_parser():
     builds it (vllm/entrypoints/cli/serve.py: a ``serve`` subparser of vLLM's FlexibleArgumentParser filled by
     vllm/entrypoints/common/cli_args.py make_arg_parser: the positional model, the OpenAI server's options and every
     AsyncEngineArgs option), without importing serve.py itself, which imports the whole engine at module level.
-    Its defaults need a platform: VLLM_TARGET_DEVICE=cpu, vLLM's own switch, while the parser is built."""
-    if PARSER_DIR.is_dir() and str(PARSER_DIR) not in sys.path:
-        sys.path.append(str(PARSER_DIR))  # after the venv's own packages: it only adds what they lack
-    env = dict(os.environ)  # importing vllm may set variables (as sglang's import does): later tests must not see them
-    try:
-        os.environ["VLLM_TARGET_DEVICE"] = "cpu"
-        pytest.importorskip("vllm", reason="vLLM's own argument parser comes from the vllm package, installed "
-                            f"--no-deps into {PARSER_DIR} by `make vllm-parser` (.ci/run runs it; `make test` alone "
-                            "skips this check)")
-        from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-        parser = FlexibleArgumentParser(prog="vllm")
-        make_arg_parser(parser.add_subparsers(dest="subparser").add_parser("serve"))
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
+    Its defaults need a platform: VLLM_TARGET_DEVICE=cpu, vLLM's own switch, while it is imported
+    (tests/support/vllm_parser.py)."""
+    cli_args, argparse_utils = import_vllm("vllm.entrypoints.common.cli_args", "vllm.utils.argparse_utils")
+    parser = argparse_utils.FlexibleArgumentParser(prog="vllm")
+    cli_args.make_arg_parser(parser.add_subparsers(dest="subparser").add_parser("serve"))
+    validate_parsed_serve_args = cli_args.validate_parsed_serve_args
     return parser, validate_parsed_serve_args
 
 

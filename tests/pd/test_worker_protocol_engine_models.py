@@ -1,7 +1,8 @@
 """Every body pdstack's router sends a real engine is one that engine's own request model takes, field for field:
 SGLang's ``ChatCompletionRequest`` / ``CompletionRequest`` (sglang 0.5.23, ``sglang.srt.entrypoints.openai.protocol``,
 installed --no-deps by ``make setup``) for ``--worker-protocol sglang``, and vLLM's (vllm 0.33,
-``vllm.entrypoints.openai.{chat_completion,completion}.protocol``, from ``make vllm-parser``) for ``vllm``.
+``vllm.entrypoints.openai.{chat_completion,completion}.protocol``, from ``make vllm-parser``, imported as
+tests/support/vllm_parser.py imports it for every test) for ``vllm``.
 
 Both engines' models take fields they do not define without an error (SGLang drops them, vLLM logs and ignores
 them), so validating alone would pass a misspelt field: every field of every body must also be one the model
@@ -11,16 +12,14 @@ sglang-router never sends)."""
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
 from pdruntime.server.router.legs import Outbound
 from pdruntime.server.router.protocol import SGLangProtocol, VLLMProtocol
 from pdruntime.server.router.topology import Pair
+from vllm_parser import import_vllm
 
-ROOT = Path(__file__).resolve().parents[2]
 PAIR = Pair(0, True, "http://10.0.0.11:8000", "10.0.0.11", 8998, "http://10.0.0.12:8000")
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "temperature": 0.7,
         "top_p": 0.9, "stop": ["\n\n"], "seed": 7, "stream_options": {"include_usage": True}, "user": "agent-1"}
@@ -51,14 +50,9 @@ def _engine_models(engine: str):
             protocol = pytest.importorskip("sglang.srt.entrypoints.openai.protocol",
                                            reason="sglang (installed --no-deps by `make setup`)")
             return protocol.ChatCompletionRequest, protocol.CompletionRequest
-        parser_dir = ROOT / ".venv" / "vllm-parser"
-        if not (parser_dir / ".stamp").exists():
-            pytest.skip("vLLM's request models come from `make vllm-parser` (.venv/vllm-parser; .ci/run runs it)")
-        if str(parser_dir) not in sys.path:
-            sys.path.insert(0, str(parser_dir))
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-        return ChatCompletionRequest, CompletionRequest
+        chat, completion = import_vllm("vllm.entrypoints.openai.chat_completion.protocol",
+                                       "vllm.entrypoints.openai.completion.protocol")
+        return chat.ChatCompletionRequest, completion.CompletionRequest
     finally:
         os.environ.clear()
         os.environ.update(env)
