@@ -125,18 +125,9 @@ class Response:
         try:
             async with asyncio.timeout(self._read_s):
                 return await coro
-        except TimeoutError:
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError) as exc:
             self._fail()
-            raise httpx.ReadTimeout(f"no data from {self.request.url} within {self._read_s}s") from None
-        except asyncio.IncompleteReadError:
-            self._fail()
-            raise httpx.RemoteProtocolError(f"{self.request.url}: the peer closed the connection mid-body") from None
-        except (ConnectionError, OSError) as exc:
-            self._fail()
-            raise httpx.ReadError(f"{self.request.url}: {type(exc).__name__} {exc}") from None
-        except asyncio.LimitOverrunError:
-            self._fail()
-            raise httpx.RemoteProtocolError(f"{self.request.url}: a chunk-size line is too long") from None
+            raise _io_error(exc, self.request.url, self._read_s, "mid-body", "a chunk-size line") from None
 
     def _fail(self) -> None:
         if self._conn is not None:
@@ -319,22 +310,12 @@ class Client:
             async with asyncio.timeout(read_s):
                 await conn.writer.drain()
                 head = await conn.reader.readuntil(b"\r\n\r\n")
-        except TimeoutError:
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError) as exc:
             conn.close()
-            raise httpx.ReadTimeout(f"no answer from {req.url} within {read_s}s") from None
-        except asyncio.IncompleteReadError as exc:
-            conn.close()
-            if conn.reused and not exc.partial:
+            nothing_read = isinstance(exc, OSError) or (isinstance(exc, asyncio.IncompleteReadError) and not exc.partial)
+            if conn.reused and nothing_read and not isinstance(exc, TimeoutError):
                 raise _Stale() from None
-            raise httpx.RemoteProtocolError(f"{req.url}: the peer closed the connection without an answer") from None
-        except asyncio.LimitOverrunError:
-            conn.close()
-            raise httpx.RemoteProtocolError(f"{req.url}: the answer's head exceeds {HEAD_LIMIT} bytes") from None
-        except (ConnectionError, OSError) as exc:
-            conn.close()
-            if conn.reused:
-                raise _Stale() from None
-            raise httpx.ReadError(f"{req.url}: {type(exc).__name__} {exc}") from None
+            raise _io_error(exc, req.url, read_s, "without an answer", "the answer's head") from None
         status, headers, keep = _parse_head(head, req.url)
         return Response(self, conn, req, status, headers, read_s, keep)
 
@@ -357,6 +338,18 @@ class Client:
 
 class _Stale(Exception):
     """A reused connection failed before any byte of the answer."""
+
+
+def _io_error(exc: BaseException, url: str, read_s: float | None, closed: str, too_long: str) -> httpx.HTTPError:
+    """httpx's exception for a failed read of an answer from ``url``: ``closed`` says where the peer closed
+    (``mid-body``, ``without an answer``), ``too_long`` what overran :data:`HEAD_LIMIT`."""
+    if isinstance(exc, TimeoutError):
+        return httpx.ReadTimeout(f"no data from {url} within {read_s}s")
+    if isinstance(exc, asyncio.IncompleteReadError):
+        return httpx.RemoteProtocolError(f"{url}: the peer closed the connection {closed}")
+    if isinstance(exc, asyncio.LimitOverrunError):
+        return httpx.RemoteProtocolError(f"{url}: {too_long} exceeds {HEAD_LIMIT} bytes")
+    return httpx.ReadError(f"{url}: {type(exc).__name__} {exc}")
 
 
 def _parse_head(head: bytes, url: str) -> tuple[int, Headers, bool]:
