@@ -6,7 +6,7 @@ toy_proxy_server.py`` (``send_request_to_service``: kv_transfer_params {do_remot
 false, remote_engine_id/remote_block_ids/remote_host/remote_port: null}, max_tokens 1, stream false); prefill's answer,
 ``vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py`` (``NixlConnectorScheduler.request_finished``:
 do_remote_prefill, do_remote_decode, remote_block_ids, remote_engine_id, remote_request_id, remote_host, remote_port,
-tp_size); the lease, vLLM's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` (a prefill whose decode never comes frees its
+tp_size); the lease (``--kv-lease-s``, a fixed span) (a prefill whose decode never comes frees its
 blocks after it): pdrt's ``--kv-lease-s``.
 
 Recording proxies in front of both workers show what each leg got; a second router in pdrt's own protocol on the
@@ -103,7 +103,7 @@ def test_streamed_chat_equals_pdrt_protocol_output(stack, vllm_router):
 
 
 def test_a_held_prefill_whose_decode_never_comes_frees_its_pages_after_the_lease(stack):
-    """vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT, pdrt's --kv-lease-s: the lease watchdog frees the held pages."""
+    """pdrt's --kv-lease-s: the lease watchdog frees the held pages of a request no decode pulls."""
     fired = stack.metric(stack.prefill, "pdrt_watchdog_fired_total", {"phase": "lease"})
     body = {**chat(stack.model, "a prompt nobody decodes, long enough for a few pages " * 3),
             "kv_transfer_params": VLLM_PREFILL_KV_PARAMS, "max_tokens": 1, "stream": False}

@@ -160,8 +160,8 @@ def register(subparsers: Any) -> None:
                             "worker's host, where /config and /debug/requests are read; 0: the worker URL itself")
     serve.add_argument("--kv-lease-s", type=_positive_float, default=KV_LEASE_S,
                        help="prefill: seconds it holds the KV of a vLLM-protocol prefill (kv_transfer_params "
-                            "do_remote_decode) for its decode to pull; then the pages are freed (vLLM's "
-                            "VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+                            "do_remote_decode) for its decode to pull; then the pages are freed (one unrenewed span, as "
+                            "older vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
     _routing_flags(serve)
     _engine_flags(serve)
     serve.set_defaults(func=cmd_serve, handler=cmd_serve)

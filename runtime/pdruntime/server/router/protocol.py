@@ -153,6 +153,9 @@ class _OpenAIProtocol(WorkerProtocol):
     def reader(self, out: "Outbound") -> Callable[[dict], list[TokenEvent]]:
         return OpenAIStreamReader(out.n, out.chat).events
 
+    def first_token_logprobs(self, prefill_result: dict | None) -> tuple[Any, Any]:
+        return None, None  # prefill's OpenAI answer is not merged: decode's stream carries every token's
+
 
 class SGLangProtocol(_OpenAIProtocol):
     name = "sglang"
@@ -181,9 +184,6 @@ class SGLangProtocol(_OpenAIProtocol):
         first = room[0] if isinstance(room, list) else room
         return f"room-{first}"  # a pdrt worker's id of a body without rid (worker/prompts.py request_id)
 
-    def first_token_logprobs(self, prefill_result: dict | None) -> tuple[Any, Any]:
-        return None, None
-
 
 class VLLMProtocol(_OpenAIProtocol):
     name = "vllm"
@@ -210,9 +210,6 @@ class VLLMProtocol(_OpenAIProtocol):
     def worker_rid(self, out: "Outbound", room: Any, prefill_result: dict | None) -> str:
         params = (prefill_result or {}).get("kv_transfer_params") or {}
         return str(params.get("remote_request_id") or out.rid)  # the router sends its rid as X-Request-Id
-
-    def first_token_logprobs(self, prefill_result: dict | None) -> tuple[Any, Any]:
-        return None, None
 
     async def model_info(self, client: "h1.Client", url: str, timeout: float) -> dict | None:
         """vLLM serves no /get_model_info: its /v1/models (id, root, max_model_len) says the same."""

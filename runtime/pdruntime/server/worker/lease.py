@@ -7,20 +7,26 @@ its KV pages under a lease and answers with ``kv_transfer_params`` naming itself
 do_remote_decode, remote_block_ids, remote_engine_id, remote_request_id, remote_host, remote_port, tp_size. Here
 remote_host/remote_port are the prefill's KV (bootstrap) address and remote_request_id its id of the held request.
 The proxy passes them to decode, which attaches to that address as for any PD request (room: :func:`held_room` of
-the id) and pulls the pages; prefill frees them on decode's receipt, or when the lease runs out (:data:`KV_LEASE_S`,
-the meaning of vLLM's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``: a decode that never comes must not hold pages forever).
+the id) and pulls the pages; prefill frees them on decode's receipt, or when the lease runs out (:data:`KV_LEASE_S`:
+a decode that never comes must not hold pages forever). vLLM 0.33's NixlConnector leases the KV for
+``kv_lease_duration`` (30 s) and decode renews it by heartbeat (``nixl/base_scheduler.py``); a pdrt decode sends no
+heartbeat, so the lease here is one fixed span, the 480 s older vLLM held it for (``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pdruntime.server.openai.schemas import MAX_ID_CHARS, ApiError, KVTransferParams, _PDFields
+if TYPE_CHECKING:
+    from pdruntime.server.openai.schemas import KVTransferParams, _PDFields
 
-#: seconds a prefill holds the KV of a vLLM-protocol request for its decode (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
-#: default, vllm/envs.py); ``pdrt serve --role prefill --kv-lease-s``
+# The schemas (pydantic, ~0.17 s) are imported where a request needs them, not here: every `pdrt` command line
+# imports this module for KV_LEASE_S (the --kv-lease-s default), and only the workers parse OpenAI bodies.
+
+#: seconds a prefill holds the KV of a vLLM-protocol request for its decode, unrenewed (older vLLM's fixed
+#: VLLM_NIXL_ABORT_REQUEST_TIMEOUT default); ``pdrt serve --role prefill --kv-lease-s``
 KV_LEASE_S = 480.0
 
 
@@ -33,14 +39,18 @@ def held_room(rid: str) -> int:
 def held_rid(header: str | None) -> str:
     """The id of a held request: the router's X-Request-Id (vLLM's proxy convention; pdstack's router sends its
     own id there), else a fresh one."""
+    from pdruntime.server.openai.schemas import MAX_ID_CHARS
+
     if header and 0 < len(header) <= MAX_ID_CHARS and header.isprintable():
         return header
     return uuid.uuid4().hex
 
 
-def pd_fields(kv: KVTransferParams, role: str, header_rid: str | None) -> tuple[_PDFields, bool]:
+def pd_fields(kv: "KVTransferParams", role: str, header_rid: str | None) -> tuple["_PDFields", bool]:
     """(the request's PD fields, held) of a body with vLLM's kv_transfer_params; ApiError(400) for params that do not
     fit this worker's role. ``held``: a prefill that computes now and holds its KV for a decode."""
+    from pdruntime.server.openai.schemas import ApiError, _PDFields
+
     if kv.do_remote_decode:
         if role != "prefill":
             raise ApiError(400, "kv_transfer_params.do_remote_decode asks a prefill worker to hold the KV for a remote "
