@@ -98,8 +98,9 @@ class System:
 
 
 async def one_round(client: httpx.AsyncClient, model: str, messages: list[dict], max_tokens: int,
-                    pdstack: bool) -> tuple[float, str, int, int]:
-    """Stream one completion: (seconds to the first token, the reply, prompt tokens, cached tokens)."""
+                    pdstack: bool) -> tuple[float, str, int, int, float]:
+    """Stream one completion: (seconds to the first token, the reply, prompt tokens, cached tokens, the
+    monotonic time it ended)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     if pdstack:
@@ -125,7 +126,8 @@ async def one_round(client: httpx.AsyncClient, model: str, messages: list[dict],
                 usage = ev.get("usage") or usage
             break
     cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
-    return (ttft if ttft is not None else time.monotonic() - t0), reply, usage.get("prompt_tokens"), cached
+    return ((ttft if ttft is not None else time.monotonic() - t0), reply, usage.get("prompt_tokens"), cached,
+            time.monotonic())
 
 
 async def run_system(sys_: System, model: str, args) -> dict:
@@ -138,14 +140,15 @@ async def run_system(sys_: System, model: str, args) -> dict:
     async with httpx.AsyncClient(base_url=sys_.url, timeout=600, limits=limits) as client:
         t0 = time.monotonic()
         for r in range(args.rounds):
-            b0 = sys_.kv_bytes()
+            b0, r0 = sys_.kv_bytes(), time.monotonic()
             res = await asyncio.gather(*(one_round(client, model, convs[a], args.max_tokens, sys_.prefill_url is not None)
                                          for a in range(args.agents)))
-            b1 = sys_.kv_bytes()
-            for a, (_, reply, _, _) in enumerate(res):
+            b1, r1 = sys_.kv_bytes(), time.monotonic()
+            for a, (_, reply, *_) in enumerate(res):
                 convs[a].append({"role": "assistant", "content": reply})
                 convs[a].append({"role": "user", "content": "Tool result:\n" + tool_result(a, r, args.tool_tokens)})
-            rounds.append({"round": r + 1, "ttft_s": sum(x[0] for x in res) / len(res),
+            rounds.append({"round": r + 1, "ttft_s": sum(x[0] for x in res) / len(res), "wall_s": r1 - r0,
+                           "ttfts_s": sorted(x[0] for x in res), "ends_s": sorted(x[4] - r0 for x in res),
                            "prompt_tokens": None if res[0][2] is None else sum(x[2] for x in res) / len(res),
                            "cached_tokens": sum(x[3] for x in res) / len(res),
                            "kv_bytes": None if b0 is None else (b1 - b0) / args.agents})
@@ -190,12 +193,12 @@ def report(results: list[dict]) -> str:
     out = []
     for res in results:
         out.append(f"\n{res['system']}: wall {res['wall_s']:.1f} s")
-        out.append("| round | mean TTFT, s | prompt tokens | cached tokens | KV bytes / request |")
-        out.append("|---:|---:|---:|---:|---:|")
+        out.append("| round | mean TTFT, s | round wall, s | prompt tokens | cached tokens | KV bytes / request |")
+        out.append("|---:|---:|---:|---:|---:|---:|")
         for r in res["rounds"]:
             kv = "-" if r["kv_bytes"] is None else f"{r['kv_bytes'] / 1024:.0f} KiB"
             pt = "-" if r["prompt_tokens"] is None else f"{r['prompt_tokens']:.0f}"  # llama.cpp streams no usage
-            out.append(f"| {r['round']} | {r['ttft_s']:.3f} | {pt} | {r['cached_tokens']:.0f} | {kv} |")
+            out.append(f"| {r['round']} | {r['ttft_s']:.3f} | {r['wall_s']:.1f} | {pt} | {r['cached_tokens']:.0f} | {kv} |")
     by = {r["system"]: r for r in results}
     on, off = by.get("pdstack, prefix cache on"), by.get("pdstack, prefix cache off")
     llama = by.get("llama.cpp server, prompt cache on")

@@ -45,8 +45,9 @@ class Verdict:
 
 def verdict(rate: float | None, prompt_tokens: int, backlog: list[int], seconds_left: float | None) -> Verdict | None:
     """None: admit. A refusal only with a measured rate and a deadline to meet. ``backlog``: the prompt tokens each
-    queued request still has to compute. Prefill shares each step max-min fairly (engine/scheduler.py fair_chunks),
-    so a queued request delays this one by at most this one's own length: it waits ``sum(min(r, prompt))``."""
+    queued request still has to compute. Prefill gives each step to the fewest remaining tokens first,
+    above a floor for every prompt (engine/scheduler.py prefill_grants), so a queued request delays this one by at
+    most this one's own length: it waits at most ``sum(min(r, prompt))``."""
     if rate is None or rate <= 0 or seconds_left is None:
         return None
     ahead = sum(min(r, prompt_tokens) for r in backlog)

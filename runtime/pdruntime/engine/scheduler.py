@@ -9,9 +9,11 @@ Policy:
   With the prefix cache, the longest cached page-aligned prefix of its tokens (at most all but the last
   token, whose logits must be computed) is shared instead of allocated, and prefill starts after it.
 * Prefill runs in chunks of at most ``max_prefill_tokens`` tokens per step, shared across sequences,
-  so new requests join while the running batch keeps decoding. The budget is shared max-min fairly
-  (:func:`fair_chunks`): a long prompt takes what the others leave, never the whole step while another
-  prompt waits, so a short request's first token waits about one chunk-time, not the long prompt's length.
+  so new requests join while the running batch keeps decoding. The budget goes to the prompts with the
+  fewest tokens left first, above a floor every prompt gets (:func:`prefill_grants`): a long prompt takes
+  what the others leave, never the whole step while another prompt waits, so a short request's first token
+  waits about one chunk-time, not the long prompt's length; and equal prompts finish one after another,
+  not all together at the end.
 """
 
 from __future__ import annotations
@@ -36,28 +38,31 @@ class StepPlan:
         return not self.decode and not self.prefill
 
 
-def fair_chunks(remaining: list[int], budget: int) -> list[int]:
-    """Max-min fair split of ``budget`` prompt tokens over sequences needing ``remaining`` tokens each.
+def prefill_grants(remaining: list[int], budget: int) -> list[int]:
+    """Split one step's ``budget`` prompt tokens over the sequences needing ``remaining`` tokens each.
 
-    Water-filling: every sequence gets min(its need, an equal share), what the small ones leave is shared
-    again among the rest. Pure; sum(result) == min(budget, sum(remaining)); the earliest get the remainder
-    tokens of an uneven split (admission order breaks ties)."""
-    grant = [0] * len(remaining)
+    Fewest remaining tokens first, every prompt advancing: each open sequence first gets a floor of an
+    eighth of an equal share (``budget // (8 * open)``, at most its need), then the rest of the budget goes
+    to the sequences with the fewest tokens left, whole, in that order (admission order breaks ties).
+
+    Shortest-remaining-first is what minimises mean time to first token: eight equal prompts finish one or
+    two a step, not all eight together at the end as an equal split makes them; a short prompt behind a long
+    one is done in the next step; and a long one is behind a shorter one by at most that one's length (the
+    bound ``disagg/prefill_rate.py`` estimates a queued request's wait with). The floor keeps every prompt
+    advancing every step, so a long prompt is never starved by a stream of short ones, and its progress
+    (what the watchdogs measure) never stops. Pure; sum(result) == min(budget, sum(remaining))."""
     open_ = [i for i, r in enumerate(remaining) if r > 0]
-    left = budget
-    while open_ and left > 0:
-        share, extra = divmod(left, len(open_))
-        still = []
-        for rank, i in enumerate(open_):
-            want = remaining[i] - grant[i]
-            give = min(want, share + (1 if rank < extra else 0))
-            grant[i] += give
-            left -= give
-            if grant[i] < remaining[i]:
-                still.append(i)
-        if len(still) == len(open_):  # nobody was capped by its need: the split is final
+    if not open_:
+        return [0] * len(remaining)
+    floor = budget // (8 * len(open_))
+    grant = [min(r, floor) if r > 0 else 0 for r in remaining]
+    left = budget - sum(grant)
+    for i in sorted(open_, key=lambda i: (remaining[i] - grant[i], i)):
+        if left <= 0:
             break
-        open_ = still
+        give = min(remaining[i] - grant[i], left)
+        grant[i] += give
+        left -= give
     return grant
 
 
@@ -135,9 +140,9 @@ class Scheduler:
             if not self._admit(self.waiting[0]):
                 break
             self.waiting.popleft()
-        # 3. prefill chunks within the token budget, shared fairly (admission order breaks ties)
+        # 3. prefill chunks within the token budget: fewest remaining tokens first, every prompt advancing
         filling = [s for s in self.active
                    if s.status is Status.PREFILLING and (only is None or s.request_id in only)]
-        grants = fair_chunks([s.num_tokens - s.num_cached for s in filling], self.config.max_prefill_tokens)
+        grants = prefill_grants([s.num_tokens - s.num_cached for s in filling], self.config.max_prefill_tokens)
         plan.prefill = [(s, s.num_cached, s.num_cached + g) for s, g in zip(filling, grants) if g > 0]
         return plan
