@@ -3,7 +3,7 @@
 llama.cpp's server with its prompt cache, in one run on the same GGUF.
 
     .venv/bin/python bench/agents_prefix.py [--agents 8] [--rounds 10] [--tool-tokens 200] [--max-tokens 32]
-        [--llama-python /work/peers-venv/bin/python] [--systems on off llama]
+        [--llama-python /work/peers-venv/bin/python] [--systems on off llama] [--threads 2] [--dtype auto]
 
 Each of AGENTS agents holds one chat conversation. Every round it streams a chat completion of MAX_TOKENS
 tokens (greedy, EOS ignored where the server allows), then appends the assistant's reply and a tool result of
@@ -12,7 +12,8 @@ agents' round r are concurrent, round r+1 starts when all of round r ended, so e
 
 Measured per round: mean time to first token over the agents, and for pdstack the KV bytes prefill sent to
 decode (the workers' own counter ``pdrt_kv_transfer_size_bytes_sum`` on prefill's /metrics, delta over the
-round, per agent). Wall time is all rounds. pdstack: ``pdrt up --pairs 1`` with SmolLM2 (fp32, CPU), with
+round, per agent), and each round's wall time. Wall time is all rounds. pdstack: ``pdrt up --pairs 1 --threads
+THREADS`` with SmolLM2 (fp32, CPU), with
 ``--prefix-cache`` and ``--no-prefix-cache``. llama.cpp: ``python -m llama_cpp.server`` (llama-cpp-python,
 built from source for this CPU) on the same GGUF file, its RAM prompt cache on (``--cache true``), 2 threads.
 
@@ -166,8 +167,8 @@ def systems(args, log_dir: str) -> list[System]:
         if which in ("on", "off"):
             base = free_port_block(3)
             argv = [os.path.join(os.path.dirname(sys.executable), "pdrt"), "up", "--pairs", "1", "--port", str(port),
-                    "--base-port", str(base), "--model", gguf, "--threads", "1", "--max-model-len", "8192",
-                    "--kv-cache-mib", "2048",
+                    "--base-port", str(base), "--model", gguf, "--threads", str(args.threads), "--max-model-len", "8192",
+                    "--kv-cache-mib", "2048", "--dtype", args.dtype,
                     "--prefix-cache" if which == "on" else "--no-prefix-cache"]
             out.append(System(f"pdstack, prefix cache {which}", argv, port, log_dir, f"http://127.0.0.1:{base}"))
         else:
@@ -231,6 +232,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="llama.cpp's RAM prompt cache (LRU, one state saved per request, ~23 KB a token for "
                          "SmolLM2, so 2 GiB keeps ~35 states of 2,500 tokens: every agent's latest, 8 agents). "
                          "The cap counts KV only: each state also holds an uncounted ~100 MB copy of logits")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="pdstack's torch threads per worker (default 2: each worker may use both cores, as "
+                         "llama.cpp's 2 threads do; the two workers' busy spells only partly overlap)")
+    ap.add_argument("--dtype", default="auto", help="pdstack's --dtype (auto: fp32 on the CPU)")
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded SmolLM2)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

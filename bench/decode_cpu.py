@@ -33,11 +33,21 @@ PROMPTS = [
 ]
 
 
-def make_engine(path: str, weights: str, max_seqs: int):
-    from pdruntime.engine import Engine, EngineConfig
+FORMATS = ("fp32", "int8", "bf16")  # bf16: --dtype bf16 (the GGUF dequantised to bf16, bf16 KV cache)
+
+
+def load_format(path: str, fmt: str):
+    """The model in one of FORMATS: a --weights format, or bf16 as pdrt's --dtype bf16 loads it."""
     from pdruntime.model import load_model
 
-    return Engine(load_model(path, weights=weights), EngineConfig(max_num_seqs=max_seqs, kv_cache_mib=256))
+    return load_model(path, dtype=torch.bfloat16) if fmt == "bf16" else load_model(path, weights=fmt)
+
+
+def make_engine(path: str, weights: str, max_seqs: int):
+    from pdruntime.engine import Engine, EngineConfig
+
+    return Engine(load_format(path, weights), EngineConfig(max_num_seqs=max_seqs, kv_cache_mib=256,
+                                                          dtype="bf16" if weights == "bf16" else "fp32"))
 
 
 def bench_ours(engine, prompts: list[list[int]], max_tokens: int) -> float:
@@ -100,7 +110,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    ap.add_argument("--weights", nargs="+", default=["fp32", "int8"], choices=["fp32", "int8"])
+    ap.add_argument("--weights", nargs="+", default=["fp32", "int8"], choices=FORMATS)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--model", default=None, help="GGUF path (default: embedded SmolLM2)")
     ap.add_argument("--repeat", type=int, default=1,

@@ -1,6 +1,6 @@
 """What each weight format costs in accuracy against fp32, on the default model and fixed prompts.
 
-    .venv/bin/python bench/weights_accuracy.py [--new-tokens 48] [--weights int8]
+    .venv/bin/python bench/weights_accuracy.py [--new-tokens 48] [--weights int8 bf16]
 
 For each of bench/decode_cpu.py's 16 prompts: fp32 greedy-continues it by --new-tokens tokens; then every format
 scores that same token sequence in one teacher-forced prefill (every position's logits). Reported per format:
@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_cpu import PROMPTS  # noqa: E402
+from decode_cpu import FORMATS, PROMPTS, load_format  # noqa: E402
 
 
 def all_logits(loaded, ids: list[int]) -> torch.Tensor:
@@ -26,15 +26,16 @@ def all_logits(loaded, ids: list[int]) -> torch.Tensor:
 
     c = loaded.model.config
     pages = -(-len(ids) // 16)
-    kv = KVCache(c.num_layers, pages, 16, c.num_kv_heads, c.head_dim)
+    kv = KVCache(c.num_layers, pages, 16, c.num_kv_heads, c.head_dim, dtype=loaded.model.embed.dtype)
     with torch.inference_mode():
-        return loaded.model.prefill(torch.tensor(ids), 0, kv.k, kv.v, torch.arange(pages), all_logits=True)
+        return loaded.model.prefill(torch.tensor(ids), 0, kv.k, kv.v, torch.arange(pages), all_logits=True).float()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--weights", nargs="+", default=["int8"], choices=["int8"])
+    ap.add_argument("--weights", nargs="+", default=["int8", "bf16"], choices=FORMATS[1:],
+                    help="bf16: --dtype bf16 (the GGUF dequantised to bf16, bf16 KV cache)")
     ap.add_argument("--model", default=None, help="GGUF path (default: the embedded SmolLM2)")
     args = ap.parse_args()
     from pdruntime.engine import Engine, EngineConfig, SamplingParams
@@ -54,7 +55,7 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|")
     print(f"| fp32 | 100.00% | 0 | 0 | {len(seqs)} / {len(seqs)} |")
     for w in args.weights:
-        q = load_model(path, weights=w)
+        q = load_format(path, w)
         agree = total = 0
         worst = worst_rel = 0.0
         for s, rl in zip(seqs, ref_logits):
@@ -64,7 +65,7 @@ def main() -> int:
             err = (ql - rl).abs().amax(-1)
             worst = max(worst, float(err.max()))
             worst_rel = max(worst_rel, float((err / (rl.amax(-1) - rl.amin(-1))).max()))
-        same = sum(c == o for c, o in zip(conts, Engine(q, EngineConfig(max_num_seqs=16, kv_cache_mib=256))
+        same = sum(c == o for c, o in zip(conts, Engine(q, EngineConfig(max_num_seqs=16, kv_cache_mib=256, dtype="bf16" if w == "bf16" else "fp32"))
                                           .generate(prompts, params)))
         print(f"| {w} | {100 * agree / total:.2f}% | {worst:.3f} | {100 * worst_rel:.2f}% | {same} / {len(seqs)} |")
     return 0
