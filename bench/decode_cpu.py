@@ -43,11 +43,15 @@ def load_format(path: str, fmt: str):
     return load_model(path, dtype=torch.bfloat16) if fmt == "bf16" else load_model(path, weights=fmt)
 
 
-def make_engine(path: str, weights: str, max_seqs: int):
+def engine_for(loaded, fmt: str, max_seqs: int):
+    """An engine over a model load_format loaded as ``fmt`` (its config's dtype is the model's)."""
     from pdruntime.engine import Engine, EngineConfig
 
-    return Engine(load_format(path, weights), EngineConfig(max_num_seqs=max_seqs, kv_cache_mib=256,
-                                                          dtype="bf16" if weights == "bf16" else "fp32"))
+    return Engine(loaded, EngineConfig(max_num_seqs=max_seqs, kv_cache_mib=256, dtype="bf16" if fmt == "bf16" else "fp32"))
+
+
+def make_engine(path: str, weights: str, max_seqs: int):
+    return engine_for(load_format(path, weights), weights, max_seqs)
 
 
 def bench_ours(engine, prompts: list[list[int]], max_tokens: int) -> float:

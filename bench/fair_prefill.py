@@ -159,5 +159,6 @@ def main() -> None:
           f"equal prompts' mean TTFT: max-min / pdstack = {em['mean_s'] / ef['mean_s']:.2f}x | load avg at end "
           f"{os.getloadavg()[0]:.2f}")
 
+
 if __name__ == "__main__":
     main()

@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_cpu import FORMATS, PROMPTS, load_format  # noqa: E402
+from decode_cpu import FORMATS, PROMPTS, engine_for, load_format  # noqa: E402
 
 
 def all_logits(loaded, ids: list[int]) -> torch.Tensor:
@@ -38,14 +38,14 @@ def main() -> int:
                     help="bf16: --dtype bf16 (the GGUF dequantised to bf16, bf16 KV cache)")
     ap.add_argument("--model", default=None, help="GGUF path (default: the embedded SmolLM2)")
     args = ap.parse_args()
-    from pdruntime.engine import Engine, EngineConfig, SamplingParams
+    from pdruntime.engine import SamplingParams
     from pdruntime.model import default_model_path, load_model
 
     path = args.model or default_model_path()
     ref = load_model(path)
     prompts = [ref.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
-    conts = Engine(ref, EngineConfig(max_num_seqs=16, kv_cache_mib=256)).generate(prompts, params)
+    conts = engine_for(ref, "fp32", 16).generate(prompts, params)
     seqs = [p + c for p, c in zip(prompts, conts)]
     ref_logits = [all_logits(ref, s) for s in seqs]
     print(f"model: {os.path.basename(path)} | {len(seqs)} prompts + {args.new_tokens} fp32 greedy tokens each, "
@@ -65,8 +65,7 @@ def main() -> int:
             err = (ql - rl).abs().amax(-1)
             worst = max(worst, float(err.max()))
             worst_rel = max(worst_rel, float((err / (rl.amax(-1) - rl.amin(-1))).max()))
-        same = sum(c == o for c, o in zip(conts, Engine(q, EngineConfig(max_num_seqs=16, kv_cache_mib=256, dtype="bf16" if w == "bf16" else "fp32"))
-                                          .generate(prompts, params)))
+        same = sum(c == o for c, o in zip(conts, engine_for(q, w, 16).generate(prompts, params)))
         print(f"| {w} | {100 * agree / total:.2f}% | {worst:.3f} | {100 * worst_rel:.2f}% | {same} / {len(seqs)} |")
     return 0
 

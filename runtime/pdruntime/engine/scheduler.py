@@ -55,7 +55,7 @@ def prefill_grants(remaining: list[int], budget: int) -> list[int]:
     if not open_:
         return [0] * len(remaining)
     floor = budget // (8 * len(open_))
-    grant = [min(r, floor) if r > 0 else 0 for r in remaining]
+    grant = [min(r, floor) for r in remaining]
     left = budget - sum(grant)
     for i in sorted(open_, key=lambda i: (remaining[i] - grant[i], i)):
         if left <= 0:
