@@ -33,7 +33,7 @@ PROMPTS = [
 ]
 
 
-FORMATS = ("fp32", "int8", "bf16")  # bf16: --dtype bf16 (the GGUF dequantised to bf16, bf16 KV cache)
+FORMATS = ("fp32", "int4", "int8", "bf16")  # bf16: --dtype bf16 (the GGUF dequantised to bf16, bf16 KV cache)
 
 
 def load_format(path: str, fmt: str):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 PREFIX = "PDRT_"
-ATTENTION_BACKENDS = ("auto", "triton", "torch")
+ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
 
 #: families of variables ``/config`` reports as the process sees them (drift against the declared spec)
 REPORTED_PREFIXES = ("PDRT_", "SGLANG_", "NCCL_", "CUDA_", "TORCH_")
@@ -133,7 +133,7 @@ class RuntimeEnv:
     """Effective PDRT_* configuration of one runtime process."""
 
     # kernels: paged split-K decode attention
-    attention_backend: str = "auto"  # auto | triton | torch
+    attention_backend: str = "auto"  # auto | triton | cpu | torch
     decode_target_ctas: int = 0  # CTAs to aim for per decode step; 0 = derive from the device (SMs x waves)
     max_kv_splits: int = 32  # upper bound on KV splits per sequence
 

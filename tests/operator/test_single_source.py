@@ -346,9 +346,9 @@ def test_runtime_checker_names_a_default_and_a_range_the_runtime_does_not_share(
                         "[0, 4096], the runtime accepts it as 4097"]
     fewer = runtime_disagreements(mutated("kernel.attentionBackend", choices=("auto", "triton")))
     assert fewer == []  # a runtime accepting an extra choice is caught by test_runtime_attention_backends_...
-    more = runtime_disagreements(mutated("kernel.attentionBackend", choices=("auto", "triton", "torch", "flash")))
+    more = runtime_disagreements(mutated("kernel.attentionBackend", choices=("auto", "triton", "cpu", "torch", "flash")))
     assert more == ["kernel.attentionBackend='flash': rendered PDRT_ATTENTION_BACKEND='flash', the runtime rejects "
-                    "it (PDRT_ATTENTION_BACKEND='flash' is not accepted; accepted: auto, triton, torch)"]
+                    "it (PDRT_ATTENTION_BACKEND='flash' is not accepted; accepted: auto, triton, cpu, torch)"]
 
 
 def test_runtime_checker_names_a_value_the_render_drops():

@@ -26,7 +26,7 @@ def test_values_are_parsed_and_typed():
     ("PDRT_DECODE_TARGET_CTAS", "lots", "not an integer"),
     ("PDRT_DECODE_TARGET_CTAS", "-1", "out of range"),
     ("PDRT_MAX_KV_SPLITS", "0", "out of range"),
-    ("PDRT_ATTENTION_BACKEND", "cuda", "accepted: auto, triton, torch"),
+    ("PDRT_ATTENTION_BACKEND", "cuda", "accepted: auto, triton, cpu, torch"),
     ("PDRT_TRANSFER_TIMEOUT_S", "soon", "not a number"),
     ("PDRT_WATCHDOG_TICK_S", "0", "out of range"),
 ])

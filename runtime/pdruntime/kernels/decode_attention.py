@@ -1,13 +1,18 @@
 """Paged decode attention: public entry point, backend choice and effective kernel config.
 
 ``decode_attention`` is what the engine's decode step calls. It runs the Triton
-flash-decoding kernel (``triton_decode_attention.py``) where Triton can run, and the
+flash-decoding kernel (``triton_decode_attention.py``) where Triton can run, pdstack's
+native CPU kernel (``cpu/attention.py``, pages read in place) on the CPU, and the
 vectorised torch path (``reference.py``) otherwise:
 
-* ``PDRT_ATTENTION_BACKEND=auto`` (default): Triton when the engine's device is CUDA, torch on CPU
-  (the device comes from the engine configuration, never from ``torch.cuda.is_available()``).
-  The Triton CPU interpreter is a test tool (orders of magnitude slower than torch), so
-  ``auto`` never picks it, even when ``TRITON_INTERPRET=1`` is set.
+* ``PDRT_ATTENTION_BACKEND=auto`` (default): Triton when the engine's device is CUDA; on the CPU
+  the native kernel when it builds here, else torch (the device comes from the engine
+  configuration, never from ``torch.cuda.is_available()``). The Triton CPU interpreter is a
+  test tool (orders of magnitude slower than torch), so ``auto`` never picks it, even when
+  ``TRITON_INTERPRET=1`` is set.
+* ``PDRT_ATTENTION_BACKEND=cpu``: the native CPU kernel; a host where it cannot be built (no C
+  compiler) fails start-up with a ``ConfigError`` saying why. fp32 caches (the CPU default);
+  a bf16/fp16 cache takes the torch path.
 * ``PDRT_ATTENTION_BACKEND=triton``: Triton, also on CPU when Triton's interpreter is
   active (``TRITON_INTERPRET=1`` set before ``import triton``); a host where Triton
   cannot run fails start-up with a ``ConfigError``.
@@ -35,6 +40,7 @@ from pdruntime.kernels.split_heuristic import BLOCK_N, effective_target_ctas, nu
 
 TRITON = "triton"
 TORCH = "torch"
+CPU = "cpu"
 
 
 def triton_importable() -> bool:
@@ -63,15 +69,31 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def select_backend(env: RuntimeEnv, device: torch.device | str | None = None) -> str:
-    """Start-up choice of the decode-attention backend: ``"triton"`` or ``"torch"``.
+def cpu_kernels_unavailable() -> str | None:
+    """None when pdstack's native CPU kernels build and load here, else why not."""
+    from pdruntime.kernels.cpu.native import unavailable_reason
 
-    Raises ``ConfigError`` when ``PDRT_ATTENTION_BACKEND=triton`` is forced on a host
-    where Triton cannot run, rather than falling back silently.
+    return unavailable_reason()
+
+
+def select_backend(env: RuntimeEnv, device: torch.device | str | None = None) -> str:
+    """Start-up choice of the decode-attention backend: ``"triton"``, ``"cpu"`` or ``"torch"``.
+
+    Raises ``ConfigError`` when ``PDRT_ATTENTION_BACKEND=triton`` or ``cpu`` is forced where
+    it cannot run, rather than falling back silently.
     """
     device = torch.device(device) if device is not None else _default_device()
     if env.attention_backend == TORCH:
         return TORCH
+    if env.attention_backend == CPU:
+        if device.type != "cpu":
+            raise ConfigError(f"PDRT_ATTENTION_BACKEND=cpu but the device is {device.type}; accepted here: "
+                              "triton, torch or auto")
+        why = cpu_kernels_unavailable()
+        if why:
+            raise ConfigError(f"PDRT_ATTENTION_BACKEND=cpu but pdstack's CPU kernels cannot be used here: {why}; "
+                              "accepted here: torch or auto")
+        return CPU
     on_cuda = device.type == "cuda" and torch.cuda.is_available()
     if env.attention_backend == TRITON:
         if not triton_importable():
@@ -82,14 +104,18 @@ def select_backend(env: RuntimeEnv, device: torch.device | str | None = None) ->
                               "interpreter is not active (TRITON_INTERPRET=1 must be set before triton is "
                               "imported); accepted here: torch or auto")
         return TRITON
-    return TRITON if on_cuda and triton_importable() else TORCH
+    if on_cuda and triton_importable():
+        return TRITON
+    if device.type == "cpu" and cpu_kernels_unavailable() is None:
+        return CPU
+    return TORCH
 
 
 @dataclass(frozen=True)
 class KernelConfig:
     """Effective decode-attention configuration of one process (reported at ``/config``)."""
 
-    backend: str  # triton | torch
+    backend: str  # triton | cpu | torch
     device: str  # e.g. "cuda:0", "cpu"
     num_sms: int  # SMs of the CUDA device; CPU: torch threads (only used to size splits)
     target_ctas: int  # PDRT_DECODE_TARGET_CTAS as given; 0 = derive from the device
@@ -98,8 +124,8 @@ class KernelConfig:
     triton_interpreter: bool = False  # Triton runs on CPU through its interpreter (tests)
 
     def __post_init__(self) -> None:
-        if self.backend not in (TRITON, TORCH):
-            raise ConfigError(f"kernel backend {self.backend!r} is not accepted; accepted: triton, torch")
+        if self.backend not in (TRITON, CPU, TORCH):
+            raise ConfigError(f"kernel backend {self.backend!r} is not accepted; accepted: triton, cpu, torch")
         if self.num_sms < 1 or self.max_splits < 1 or self.target_ctas < 0:
             raise ConfigError(f"num_sms={self.num_sms}, max_splits={self.max_splits} must be >= 1 and "
                               f"target_ctas={self.target_ctas} >= 0")
@@ -127,6 +153,14 @@ class KernelConfig:
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["effective_target_ctas"] = self.effective_target_ctas
+        if self.device == "cpu":  # what the CPU kernels run as here, or why they cannot
+            why = cpu_kernels_unavailable()
+            if why:
+                out["cpu_kernels"] = f"unavailable: {why}"
+            else:
+                from pdruntime.kernels.cpu.native import simd_level
+
+                out["cpu_kernels"] = simd_level()
         return out
 
 
@@ -180,8 +214,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise TypeError(f"decode_attention() got unexpected keyword arguments {sorted(split.keys() - _SPLIT_OPTIONS)}")
     num_splits, sm_scale, plan = split.get("num_splits"), split.get("sm_scale"), split.get("plan")
     cfg = config if config is not None else active_config()
-    if cfg.backend == TORCH:
-        return torch_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale, out=out)
+    if cfg.backend == CPU:
+        from pdruntime.kernels.cpu.attention import cpu_decode_attention, supports
+
+        if supports(q, k_cache):
+            return cpu_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale, out=out)
+    if cfg.backend in (CPU, TORCH):
+        return torch_decode_attention(q.contiguous(), k_cache, v_cache, block_table, seq_lens, sm_scale, out=out)
     if not q.is_cuda and not cfg.triton_interpreter:
         raise RuntimeError(f"decode attention is configured for Triton on {cfg.device} but got {q.device} tensors; "
                            "configure(device=...) with the engine's device")
@@ -243,5 +282,5 @@ def _step_plan(seq_lens: torch.Tensor, cfg: KernelConfig, num_kv_heads: int):
     return plan
 
 
-__all__ = ["KernelConfig", "TORCH", "TRITON", "active_config", "configure", "decode_attention", "kernel_config",
+__all__ = ["CPU", "KernelConfig", "TORCH", "TRITON", "active_config", "configure", "decode_attention", "kernel_config",
            "select_backend", "triton_interpreter_active", "triton_importable"]

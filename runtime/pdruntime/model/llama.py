@@ -123,6 +123,8 @@ def _linear_fn(mod: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     module itself."""
     from torch.ao.nn.quantized.dynamic import Linear as QLinear
 
+    if type(mod).__name__ == "QuantLinear":  # pdruntime.kernels.cpu.quant (imported only with int4 weights)
+        return mod.forward
     if type(mod) is QLinear and mod._packed_params.dtype == torch.qint8 and (mod.version or 0) >= 4:
         packed, op = mod._packed_params._packed_params, torch.ops.quantized.linear_dynamic
         return lambda x: op(x, packed, True)
@@ -293,6 +295,25 @@ class LlamaModel(nn.Module):
         self.weight_format = "int8-dynamic"
         self._decode_layers = None
 
+    def quantize_int4(self, threads: int | None = None) -> None:
+        """Opt-in: 4-bit weights on the CPU, run by pdstack's native kernels (``pdruntime.kernels.cpu``).
+
+        Every Linear layer becomes Q4_1 blocks and the output head Q8_0: the formats the embedded GGUF stores
+        them in, so its own blocks come back. Decode (few rows) reads 4.5 bits a weight and quantises activations
+        per block of 32 to int8, as llama.cpp does; prefill dequantises each weight for torch's matmul. The
+        embedding lookup keeps its fp32 table. fp32 models on the CPU only; raises ValueError otherwise, and
+        ``NativeUnavailable`` (saying why) where the kernels cannot be built."""
+        if self.dtype != torch.float32 or self.device.type != "cpu":
+            raise ValueError(f"int4 weights need an fp32 model on cpu, got {self.dtype} on {self.device}")
+        from pdruntime.kernels.cpu.quant import Q4_1, Q8_0, QuantLinear
+
+        for layer in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(layer, name, QuantLinear(getattr(layer, name).weight, Q4_1, threads))
+        self.lm_head = QuantLinear(self.lm_head.weight, Q8_0, threads)
+        self.weight_format = "int4"
+        self._decode_layers = None
+
     # -- forward -------------------------------------------------------------------------------
     def _mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
         gu = layer.gate_up(F.rms_norm(x, (x.shape[-1],), layer.post_norm, self.config.rms_norm_eps))
@@ -417,6 +438,8 @@ class LlamaModel(nn.Module):
         rope = self._rope_rotation(pos)  # [B, D, D]
         eps, eps_t = cfg.rms_norm_eps, self.rms_eps
         attend = self.decode_attention if attn_plan is None else functools.partial(self.decode_attention, plan=attn_plan)
+        if self.weight_format == "int4" and self.tp is None:
+            return self._decode_int4(token_ids, positions, k_cache, v_cache, block_table, seq_lens, slots, attend)
         layers, lm_head = self._decode_weights()
         x = self.embed[token_ids]  # [B, H], a fresh tensor: the residual adds below run in place
         for n, layer in enumerate(layers):
@@ -430,3 +453,26 @@ class LlamaModel(nn.Module):
             gu = layer.gate_up(_rms_norm_rows(x, layer.post_norm, eps, eps_t))  # [B, 2 I]
             x.add_(layer.down(F.silu(gu[:, : cfg.intermediate_size]).mul_(gu[:, cfg.intermediate_size:])))
         return lm_head(_rms_norm_rows(x, self.norm, eps, eps_t)).float()
+
+    def _decode_int4(self, token_ids: torch.Tensor, positions: torch.Tensor, k_cache: Sequence[torch.Tensor],
+                     v_cache: Sequence[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     slots: torch.Tensor, attend: DecodeAttention) -> torch.Tensor:
+        """:meth:`decode` with int4 weights: six native calls a layer and no torch op between them. The RMSNorms
+        and SwiGLU run inside the kernels that quantise the next matmul's activations, and the o and down products
+        add into the residual stream in place. Returns fp32 logits [B, V]."""
+        from pdruntime.kernels.cpu.attention import rope_store_kv
+        from pdruntime.kernels.cpu.quant import PRE_RMSNORM, PRE_SWIGLU
+
+        cfg = self.config
+        bsz = token_ids.shape[0]
+        hq, hkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        positions, slots = positions.contiguous(), slots.contiguous()
+        x = self.embed[token_ids]  # [B, H], a fresh tensor: o and down accumulate into it
+        for n, layer in enumerate(self.layers):
+            qkv = layer.qkv.run(x, pre=PRE_RMSNORM, norm=layer.input_norm, eps=eps)  # [B, (Hq + 2 Hkv) * D]
+            rope_store_kv(qkv, hq, hkv, d, positions, self.rope_cos, self.rope_sin, slots, k_cache[n], v_cache[n])
+            attn = attend(qkv[:, : hq * d].view(bsz, hq, d), k_cache[n], v_cache[n], block_table, seq_lens)
+            layer.o.run(attn.reshape(bsz, hq * d), out=x, accumulate=True)
+            gu = layer.gate_up.run(x, pre=PRE_RMSNORM, norm=layer.post_norm, eps=eps)  # [B, 2 I]
+            layer.down.run(gu, pre=PRE_SWIGLU, out=x, accumulate=True)
+        return self.lm_head.run(x, pre=PRE_RMSNORM, norm=self.norm, eps=eps)

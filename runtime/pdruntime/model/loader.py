@@ -18,7 +18,7 @@ from .tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_json
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-WEIGHT_FORMATS = ("fp32", "int8")
+WEIGHT_FORMATS = ("fp32", "int4", "int8")
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,8 @@ def load_model(source: str | None = None, *, dtype=torch.float32, weights: str =
     """Load a Llama checkpoint straight onto ``device`` in ``dtype`` (both from the engine configuration).
 
     source: GGUF file, or HF-layout directory (config.json + *.safetensors + tokenizer.json);
-    None = the default SmolLM2 GGUF. weights="int8" quantises Linear layers (opt-in, fp32 on cpu only).
+    None = the default SmolLM2 GGUF. weights="int4" holds the Linear layers as 4-bit blocks run by pdstack's CPU
+    kernels; "int8" quantises them with torch's dynamic int8 (both fp32 on cpu only).
     tp: a ``TPShard``: load only this rank's shard. Safetensors are read lazily, one tensor at a time,
     so a large checkpoint never sits on the host whole (or in fp32).
     Raises ModelLoadError naming the path and the problem."""
@@ -99,11 +100,14 @@ def load_model(source: str | None = None, *, dtype=torch.float32, weights: str =
     model = LlamaModel(cfg, dtype=torch_dtype, device=device, tp=tp)
     model.load_hf_state(tensors)
     del tensors
-    if weights == "int8":
+    if weights in ("int4", "int8"):
         if torch_dtype != torch.float32 or device.type != "cpu":
-            raise ModelLoadError(f"weights='int8' needs dtype fp32 on cpu, got {torch_dtype} on {device}; "
+            raise ModelLoadError(f"weights={weights!r} needs dtype fp32 on cpu, got {torch_dtype} on {device}; "
                                  "accepted: --weights fp32 with bf16/fp16 or CUDA")
-        model.quantize_int8()
+        if weights == "int8":
+            model.quantize_int8()
+        else:
+            _quantize_int4(model, path)
     model.decode_attention, model.attention_backend = resolve_decode_attention(device, env)
     model.eval()
     info = ModelInfo(
@@ -185,3 +189,16 @@ def _read_hf_dir(path: str):
     eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
     tokenizer = tokenizer_from_json(tok_path, tok_cfg, eos_ids)
     return cfg, tensors, tokenizer, files, raw_cfg.get("_name_or_path") or os.path.basename(path.rstrip("/"))
+
+
+def _quantize_int4(model, path: str) -> None:
+    """model.quantize_int4(), with the CPU kernels' build failure or a shape they cannot take as a ModelLoadError."""
+    from pdruntime.kernels.cpu.native import NativeUnavailable
+
+    try:
+        model.quantize_int4()
+    except NativeUnavailable as exc:
+        raise ModelLoadError(f"weights='int4' needs pdstack's CPU kernels, which cannot be used here: {exc}; "
+                             "accepted: --weights fp32") from None
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: weights='int4' cannot hold this model: {exc}; accepted: --weights fp32") from None

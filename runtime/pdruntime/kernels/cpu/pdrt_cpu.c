@@ -1,0 +1,504 @@
+/* pdstack's CPU kernels: block-quantised linear layers and paged decode attention.
+ *
+ * Built on first use by kernels/cpu/native.py (cc -O3 -march=native -fopenmp -shared) and called through
+ * ctypes with raw pointers: no Python object crosses this file. The OpenMP runtime is the one torch already
+ * loaded (libgomp.so.1 by soname), so these kernels and torch's own ops share one thread pool.
+ *
+ * Quantised weights, W: [N, K] (out x in features), K a multiple of 32, in blocks of 32 along K. Blocks go in
+ * pairs (2p, 2p + 1); an odd last block stands alone.
+ *   Q4_1:  wq [N, K/2] u8, block j of row n = bytes 16j..16j+15: low nibble = element 32j+i, high nibble =
+ *          element 32j+16+i (GGUF's own Q4_1 order); w = d * q + m, q in 0..15. A pair's 32 bytes hold, as
+ *          low nibbles, elements 0..15 of both blocks and, as high nibbles, elements 16..31 of both.
+ *   Q8_0:  wq [N, K] u8 holding q + 128 (q in -127..127, stored unsigned for vpdpbusd); w = d * q. A pair's 64
+ *          bytes are [b0[0:16], b1[0:16], b0[16:32], b1[16:32]] (the same halves a Q4_1 pair's nibbles give);
+ *          a lone last block is in element order.
+ *   d, m:  [N, K/32] f16, as GGUF stores them (m unused by Q8_0)
+ * Activations are quantised per 32-block of each row to int8 (x ~ dx * x8, dx = max|x| / 127), as llama.cpp's
+ * Q8_1 does, so one block's product is one integer dot:
+ *   y[b, n] = sum_j d[n, j] * dx[b, j] * dot(q[n, j], x8[b, j]) + sum_j m'[n, j] * s[b, j]
+ * Q4_1: m' = m and s = sum of the block's fp32 x (exact); Q8_0: m' = d and s = -128 * dx * sum(x8) (the +128
+ * bias of the stored weights taken back out). x8 is laid out in pairs like Q8_0's weights, and dx per pair as
+ * 8 floats [dx0 x4, dx1 x4]: one 256-bit vpdpbusd over a pair's low halves and one over its high halves leave
+ * block 2p's sum in lanes 0-3 and block 2p+1's in lanes 4-7, scaled by one multiply.
+ *
+ * Paged KV cache (the engine's layout): k, v: [num_pages, BLOCK, Hkv, D] f32; block_table [B, max_pages] i32;
+ * query head h reads KV head h / (Hq / Hkv).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define PDRT_VNNI 1
+#include <immintrin.h>
+#else
+#define PDRT_VNNI 0
+#endif
+
+#define QK 32
+typedef _Float16 f16;  /* storage only: converted to f32 on load (F16C) */
+#define NR 4           /* weight rows per micro-tile */
+#define MR 2           /* activation rows per micro-tile: NR * MR accumulators, the rest of the 32 registers hold
+                          NR decoded weight pairs and their scales */
+
+enum { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SWIGLU = 2 };
+enum { FMT_Q4_1 = 0, FMT_Q8_0 = 1 };
+
+int pdrt_simd_level(void) { return PDRT_VNNI ? 2 : 0; }  /* 2: AVX-512 VNNI, 0: portable C */
+
+/* Byte offset of element i (0..31) of block j inside a row stored in pairs (x8, Q8_0 weights). */
+static inline int64_t paired(int64_t nb, int64_t j, int i) {
+    if ((j | 1) >= nb) return j * QK + i;  /* a lone last block */
+    return (j & ~1) * QK + (i >= 16) * 32 + (j & 1) * 16 + (i & 15);
+}
+
+/* ------------------------------------------------------------------ activations */
+
+/* Per activation row: x8 [K] (paired), dxe [8 * (nb / 2) + 1] (per pair: dx0 x4, dx1 x4; then a lone block's
+ * dx), s [nb]. */
+static inline int64_t dxe_len(int64_t nb) { return 8 * (nb / 2) + 1; }
+
+/* One row of x (K floats) after its pre-op, quantised (see above); tmp: K floats of scratch. */
+static void quantize_row(const float *x, int64_t K, int pre, const float *norm_w, float eps, int fmt,
+                         int8_t *x8, float *dxe, float *s, float *tmp) {
+    const float *src = x;
+    const int64_t nb = K / QK;
+    if (pre == PRE_RMSNORM) {
+        double ss = 0.0;
+        for (int64_t i = 0; i < K; i++) ss += (double)x[i] * x[i];
+        float inv = 1.0f / sqrtf((float)(ss / K) + eps);
+        for (int64_t i = 0; i < K; i++) tmp[i] = x[i] * inv * norm_w[i];
+        src = tmp;
+    } else if (pre == PRE_SWIGLU) {  /* x: [2K] = [gate | up] -> silu(gate) * up */
+        for (int64_t i = 0; i < K; i++) {
+            float g = x[i];
+            tmp[i] = g / (1.0f + expf(-g)) * x[K + i];
+        }
+        src = tmp;
+    }
+    for (int64_t j = 0; j < nb; j++) {
+        const float *b = src + j * QK;
+        float amax = 0.0f, sum = 0.0f;
+        for (int i = 0; i < QK; i++) {
+            float a = fabsf(b[i]);
+            amax = a > amax ? a : amax;
+            sum += b[i];
+        }
+        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int isum = 0;
+        for (int i = 0; i < QK; i++) {
+            int q = (int)lrintf(b[i] * id);
+            x8[paired(nb, j, i)] = (int8_t)q;
+            isum += q;
+        }
+        if ((j | 1) < nb) {
+            for (int l = 0; l < 4; l++) dxe[(j / 2) * 8 + (j & 1) * 4 + l] = d;
+        } else {
+            dxe[8 * (nb / 2)] = d;
+        }
+        s[j] = fmt == FMT_Q4_1 ? sum : -128.0f * d * (float)isum;
+    }
+}
+
+/* ------------------------------------------------------------------ the micro-kernel */
+
+#if PDRT_VNNI
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* y[r, n0 + c] (+)= row n0 + c of W times activation row r, for c < nr (<= NR), r < mr (<= MR). */
+static inline __attribute__((always_inline)) void tile(const uint8_t *wq, const f16 *d, const f16 *m,
+        int64_t K, int64_t n0, const int nr, const int8_t *x8, const float *dxe, const float *s, const int mr,
+        float *y, int64_t ldy, int accumulate, int fmt) {
+    const int64_t nb = K / QK, np = nb / 2, row_bytes = fmt == FMT_Q4_1 ? K / 2 : K, dxl = dxe_len(nb);
+    const __m256i nib = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    __m256 acc[NR][MR];
+    for (int c = 0; c < nr; c++)
+        for (int r = 0; r < mr; r++) acc[c][r] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < np; p++) {
+        __m256i lo[NR], hi[NR];
+        __m256 dv[NR];
+        for (int c = 0; c < nr; c++) {
+            const uint8_t *w = wq + (n0 + c) * row_bytes + p * (fmt == FMT_Q4_1 ? 32 : 64);
+            if (fmt == FMT_Q4_1) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)w);
+                lo[c] = _mm256_and_si256(v, nib);
+                hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+            } else {
+                lo[c] = _mm256_loadu_si256((const __m256i *)w);
+                hi[c] = _mm256_loadu_si256((const __m256i *)(w + 32));
+            }
+            uint32_t two;  /* the pair's two f16 scales */
+            memcpy(&two, d + (n0 + c) * nb + 2 * p, sizeof two);
+            __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)two));
+            dv[c] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dd), spread);  /* [d0 x4, d1 x4] */
+        }
+        for (int r = 0; r < mr; r++) {
+            const int8_t *xr = x8 + r * K + p * 64;
+            __m256i xl = _mm256_loadu_si256((const __m256i *)xr), xh = _mm256_loadu_si256((const __m256i *)(xr + 32));
+            __m256 dxv = _mm256_loadu_ps(dxe + r * dxl + p * 8);
+            for (int c = 0; c < nr; c++) {
+                __m256i pi = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero, lo[c], xl), hi[c], xh);
+                acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pi), _mm256_mul_ps(dv[c], dxv), acc[c][r]);
+            }
+        }
+    }
+    if (nb & 1) {  /* a lone last block, elements in order */
+        const int64_t j = nb - 1;
+        for (int c = 0; c < nr; c++) {
+            const uint8_t *w = wq + (n0 + c) * row_bytes + j * (fmt == FMT_Q4_1 ? 16 : 32);
+            __m256i wv;
+            if (fmt == FMT_Q4_1) {
+                __m128i v = _mm_loadu_si128((const __m128i *)w);
+                wv = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1), nib);
+            } else {
+                wv = _mm256_loadu_si256((const __m256i *)w);
+            }
+            float dj = (float)d[(n0 + c) * nb + j];
+            for (int r = 0; r < mr; r++) {
+                __m256i pi = _mm256_dpbusd_epi32(zero, wv, _mm256_loadu_si256((const __m256i *)(x8 + r * K + j * QK)));
+                acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pi), _mm256_set1_ps(dj * dxe[r * dxl + 8 * np]), acc[c][r]);
+            }
+        }
+    }
+    const f16 *mm = fmt == FMT_Q4_1 ? m : d;
+    for (int c = 0; c < nr; c++) {
+        const f16 *mrow = mm + (n0 + c) * nb;
+        for (int r = 0; r < mr; r++) {
+            const float *srow = s + r * nb;
+            __m256 t = _mm256_setzero_ps();
+            int64_t j = 0;
+            for (; j + 8 <= nb; j += 8)
+                t = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mrow + j))), _mm256_loadu_ps(srow + j), t);
+            float v = hsum8(acc[c][r]) + hsum8(t);
+            for (; j < nb; j++) v += (float)mrow[j] * srow[j];
+            float *out = y + r * ldy + n0 + c;
+            *out = accumulate ? *out + v : v;
+        }
+    }
+}
+#else
+/* Block j of weight row w (Q4_1 nibbles, or Q8_0 paired) dotted with block j of x8 (paired). */
+static inline int block_dot(const uint8_t *row, const int8_t *x8, int64_t nb, int64_t j, int fmt) {
+    int acc = 0;
+    for (int i = 0; i < QK; i++) {
+        int w = fmt == FMT_Q8_0 ? row[paired(nb, j, i)]
+                                : (i < 16 ? row[j * 16 + i] & 15 : row[j * 16 + i - 16] >> 4);
+        acc += w * x8[paired(nb, j, i)];
+    }
+    return acc;
+}
+
+static inline void tile(const uint8_t *wq, const f16 *d, const f16 *m, int64_t K, int64_t n0, const int nr,
+        const int8_t *x8, const float *dxe, const float *s, const int mr, float *y, int64_t ldy, int accumulate,
+        int fmt) {
+    const int64_t nb = K / QK, row_bytes = fmt == FMT_Q4_1 ? K / 2 : K, dxl = dxe_len(nb);
+    const f16 *mm = fmt == FMT_Q4_1 ? m : d;
+    for (int c = 0; c < nr; c++) {
+        const uint8_t *row = wq + (n0 + c) * row_bytes;
+        for (int r = 0; r < mr; r++) {
+            float v = 0.0f;
+            for (int64_t j = 0; j < nb; j++) {
+                float dx = (j | 1) < nb ? dxe[r * dxl + (j / 2) * 8 + (j & 1) * 4] : dxe[r * dxl + 8 * (nb / 2)];
+                v += (float)d[(n0 + c) * nb + j] * dx * (float)block_dot(row, x8 + r * K, nb, j, fmt)
+                     + (float)mm[(n0 + c) * nb + j] * s[r * nb + j];
+            }
+            float *out = y + r * ldy + n0 + c;
+            *out = accumulate ? *out + v : v;
+        }
+    }
+}
+#endif
+
+/* Rows [n_lo, n_hi) of y for activation rows [r0, r0 + mr). */
+static void rows_range(const uint8_t *wq, const f16 *d, const f16 *m, int64_t K, int64_t n_lo, int64_t n_hi,
+                       const int8_t *x8, const float *dxe, const float *s, int64_t r0, int mr, float *y, int64_t ldy,
+                       int accumulate, int fmt) {
+    const int64_t nb = K / QK;
+    const int8_t *xr = x8 + r0 * K;
+    const float *dxr = dxe + r0 * dxe_len(nb), *sr = s + r0 * nb;
+    float *yr = y + r0 * ldy;
+    int64_t n = n_lo;
+#define PDRT_TILE(NRV, MRV) tile(wq, d, m, K, n, NRV, xr, dxr, sr, MRV, yr, ldy, accumulate, fmt)
+#define PDRT_TILES(NRV) if (mr == 1) PDRT_TILE(NRV, 1); else PDRT_TILE(NRV, 2);
+    const int64_t row_bytes = fmt == FMT_Q4_1 ? K / 2 : K, ahead = 2 * NR;
+    for (; n + NR <= n_hi; n += NR) {
+        /* Weight rows are read once per call, straight from DRAM: fetch the tile two tiles ahead (its quants and
+         * scales), so its lines are in flight while this tile computes. */
+        if (r0 == 0 && n + ahead + NR <= n_hi) {
+            const char *w = (const char *)(wq + (n + ahead) * row_bytes);
+            for (int64_t off = 0; off < NR * row_bytes; off += 64) __builtin_prefetch(w + off, 0, 0);
+            const char *dd = (const char *)(d + (n + ahead) * nb), *mm = (const char *)(m ? m + (n + ahead) * nb : 0);
+            for (int64_t off = 0; off < NR * nb * 2; off += 64) {
+                __builtin_prefetch(dd + off, 0, 0);
+                if (mm) __builtin_prefetch(mm + off, 0, 0);
+            }
+        }
+        PDRT_TILES(NR)
+    }
+    for (; n < n_hi; n++) { PDRT_TILES(1) }
+#undef PDRT_TILES
+#undef PDRT_TILE
+}
+
+/* y[M, N] (+)= pre(x)[M, K] @ W^T for a Q4_1 or Q8_0 W (see the header). x rows are ldx floats apart (for
+ * PRE_SWIGLU a row holds [gate K | up K]); y rows ldy apart. pre: PRE_NONE | PRE_RMSNORM (norm_w [K], eps) |
+ * PRE_SWIGLU. accumulate: add into y (the residual) instead of overwriting it. Returns 0, or -1 when out of
+ * memory (nothing written). */
+int pdrt_quant_linear(const float *x, int64_t M, int64_t ldx, int64_t K, int pre, const float *norm_w, float eps,
+                      const uint8_t *wq, const f16 *d, const f16 *m, int64_t N, int fmt,
+                      float *y, int64_t ldy, int accumulate, int nthreads) {
+    const int64_t nb = K / QK, dxl = dxe_len(nb);
+    int8_t *x8 = malloc((size_t)(M * K));
+    float *dxe = malloc(sizeof(float) * (size_t)(M * (dxl + nb + K)));
+    if (!x8 || !dxe) { free(x8); free(dxe); return -1; }
+    float *s = dxe + M * dxl, *tmp = s + M * nb;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
+    for (int64_t r = 0; r < M; r++)
+        quantize_row(x + r * ldx, K, pre, norm_w, eps, fmt, x8 + r * K, dxe + r * dxl, s + r * nb, tmp + r * K);
+    /* Split N into chunks of whole tiles; each chunk runs every activation tile over its weight rows, so a
+     * chunk's weights are read from memory once and stay in cache across the activation tiles. */
+    const int64_t chunk = NR * 8, nchunks = (N + chunk - 1) / chunk;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t c = 0; c < nchunks; c++) {
+        int64_t lo = c * chunk, hi = lo + chunk < N ? lo + chunk : N;
+        for (int64_t r0 = 0; r0 < M; r0 += MR)
+            rows_range(wq, d, m, K, lo, hi, x8, dxe, s, r0, (int)(M - r0 < MR ? M - r0 : MR), y, ldy, accumulate, fmt);
+    }
+    free(x8);
+    free(dxe);
+    return 0;
+}
+
+/* W back to f32, out: [N, K] (the prefill path: many activation rows go through a BLAS matmul instead). */
+void pdrt_dequantize(const uint8_t *wq, const f16 *d, const f16 *m, int64_t N, int64_t K, int fmt, float *out,
+                     int nthreads) {
+    const int64_t nb = K / QK;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t j = 0; j < nb; j++) {
+            float dd = (float)d[n * nb + j], *o = out + n * K + j * QK;
+            if (fmt == FMT_Q8_0) {
+                const uint8_t *q = wq + n * K;
+                for (int i = 0; i < QK; i++) o[i] = dd * (float)((int)q[paired(nb, j, i)] - 128);
+            } else {
+                const uint8_t *q = wq + n * (K / 2) + j * (QK / 2);
+                float mm = (float)m[n * nb + j];
+                for (int i = 0; i < QK / 2; i++) {
+                    o[i] = dd * (float)(q[i] & 15) + mm;
+                    o[i + QK / 2] = dd * (float)(q[i] >> 4) + mm;
+                }
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ decode attention */
+
+/* RoPE (rotate-half, sin sign-folded as the model keeps it: out[i] = x[i] cos[i] + x[(i - D/2) mod D] sin[i])
+ * on q and k of each row of qkv [B, (Hq + 2 Hkv) * D] in place, then k and v stored at each row's slot. */
+void pdrt_rope_store_kv(float *qkv, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const int64_t *positions,
+                        const float *cos_tab, const float *sin_tab, const int64_t *slots, float *k_cache,
+                        float *v_cache) {
+    const int64_t row = (Hq + 2 * Hkv) * D, half = D / 2;
+    float tmp[512];
+    for (int64_t b = 0; b < B; b++) {
+        float *r = qkv + b * row;
+        const float *c = cos_tab + positions[b] * D, *sn = sin_tab + positions[b] * D;
+        for (int64_t h = 0; h < Hq + Hkv; h++) {
+            float *x = r + h * D;
+            memcpy(tmp, x, sizeof(float) * (size_t)D);
+            for (int64_t i = 0; i < D; i++) x[i] = tmp[i] * c[i] + tmp[(i + D - half) % D] * sn[i];
+        }
+        memcpy(k_cache + slots[b] * Hkv * D, r + Hq * D, sizeof(float) * (size_t)(Hkv * D));
+        memcpy(v_cache + slots[b] * Hkv * D, r + (Hq + Hkv) * D, sizeof(float) * (size_t)(Hkv * D));
+    }
+}
+
+#define GMAX 16   /* query heads per KV head handled at once */
+#define TCHUNK 16 /* tokens scored before one online-softmax update */
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+#if PDRT_VNNI
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    float v = _mm512_reduce_add_ps(acc);
+    for (; i < n; i++) v += a[i] * b[i];
+    return v;
+#else
+    float v = 0.0f;
+    for (int64_t i = 0; i < n; i++) v += a[i] * b[i];
+    return v;
+#endif
+}
+
+static inline void axpy_f32(float *y, float a, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+#if PDRT_VNNI
+/* e^x for x <= 0-ish scores: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by its Taylor series to degree 7
+ * (relative error < 1e-8 before rounding; inputs below -87.3 give ~1e-38, callers zero masked lanes). */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5252733804059841e-5f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381609e-4f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* One (sequence, KV head) over tokens [t0, t1): the unnormalised softmax-weighted V of its G query heads and their
+ * running max and sum, out: acc [G, D], mx [G], sum [G]. Chunks of TCHUNK tokens: all G scores of a chunk (each
+ * K row read once), one online-softmax update per head, then V read once per head from L1.
+ * DV = D / 16 when the AVX-512 path takes it (a constant after inlining: the loops over D unroll), else 0. */
+static inline __attribute__((always_inline)) void attend_span_dv(const float *q, int64_t G, int64_t D,
+        const float *k_cache, const float *v_cache, const int32_t *pages, int64_t BLOCK, int64_t Hkv, int64_t kvh,
+        int64_t t0, int64_t t1, float scale, float *acc, float *mx, float *sum, const int DV) {
+    float sc[GMAX][TCHUNK] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < G; g++) { mx[g] = -INFINITY; sum[g] = 0.0f; }
+    memset(acc, 0, sizeof(float) * (size_t)(G * D));
+    for (int64_t c0 = t0; c0 < t1; c0 += TCHUNK) {
+        const int n = (int)(t1 - c0 < TCHUNK ? t1 - c0 : TCHUNK);
+        const float *kr[TCHUNK], *vr[TCHUNK];
+        for (int t = 0; t < n; t++) {
+            int64_t tok = c0 + t, slot = (int64_t)pages[tok / BLOCK] * BLOCK + tok % BLOCK;
+            kr[t] = k_cache + (slot * Hkv + kvh) * D;
+            vr[t] = v_cache + (slot * Hkv + kvh) * D;
+        }
+#if PDRT_VNNI
+        if (DV) {
+            for (int t = 0; t < n; t++) {
+                __m512 kv[8];
+                for (int v = 0; v < DV; v++) kv[v] = _mm512_loadu_ps(kr[t] + 16 * v);
+                for (int64_t g = 0; g < G; g++) {
+                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), kv[0]);
+                    for (int v = 1; v < DV; v++) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * v), kv[v], a);
+                    sc[g][t] = _mm512_reduce_add_ps(a) * scale;
+                }
+            }
+            const __mmask16 live = (__mmask16)((1u << n) - 1u);
+            for (int64_t g = 0; g < G; g++) {
+                __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc[g]);
+                float nmax = _mm512_reduce_max_ps(sv);
+                nmax = nmax > mx[g] ? nmax : mx[g];
+                float corr = expf(mx[g] - nmax);  /* 0 on the first chunk: exp(-inf) */
+                __m512 pv = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(nmax))));
+                _mm512_store_ps(sc[g], pv);
+                sum[g] = sum[g] * corr + _mm512_reduce_add_ps(pv);
+                mx[g] = nmax;
+                float *a = acc + g * D;
+                __m512 av[8];
+                for (int v = 0; v < DV; v++) av[v] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * v), _mm512_set1_ps(corr));
+                for (int t = 0; t < n; t++) {
+                    __m512 pt = _mm512_set1_ps(sc[g][t]);
+                    for (int v = 0; v < DV; v++) av[v] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vr[t] + 16 * v), av[v]);
+                }
+                for (int v = 0; v < DV; v++) _mm512_storeu_ps(a + 16 * v, av[v]);
+            }
+            continue;
+        }
+#endif
+        for (int64_t g = 0; g < G; g++) {
+            float cmax = -INFINITY;
+            for (int t = 0; t < n; t++) {
+                sc[g][t] = dot_f32(q + g * D, kr[t], D) * scale;
+                cmax = sc[g][t] > cmax ? sc[g][t] : cmax;
+            }
+            float nmax = cmax > mx[g] ? cmax : mx[g];
+            float corr = expf(mx[g] - nmax);
+            float *a = acc + g * D;
+            for (int64_t i = 0; i < D; i++) a[i] *= corr;
+            float ssum = sum[g] * corr;
+            for (int t = 0; t < n; t++) {
+                float p = expf(sc[g][t] - nmax);
+                ssum += p;
+                axpy_f32(a, p, vr[t], D);
+            }
+            mx[g] = nmax;
+            sum[g] = ssum;
+        }
+    }
+}
+
+static void attend_span(const float *q, int64_t G, int64_t D, const float *k_cache, const float *v_cache,
+                        const int32_t *pages, int64_t BLOCK, int64_t Hkv, int64_t kvh, int64_t t0, int64_t t1,
+                        float scale, float *acc, float *mx, float *sum) {
+#define PDRT_SPAN(DV) attend_span_dv(q, G, D, k_cache, v_cache, pages, BLOCK, Hkv, kvh, t0, t1, scale, acc, mx, sum, DV)
+    if (PDRT_VNNI && D == 64) PDRT_SPAN(4);
+    else if (PDRT_VNNI && D == 128) PDRT_SPAN(8);
+    else if (PDRT_VNNI && D == 32) PDRT_SPAN(2);
+    else PDRT_SPAN(0);
+#undef PDRT_SPAN
+}
+
+/* Decode attention over the paged cache: q [B, Hq, D] with rows ldq floats apart (q may sit inside qkv) ->
+ * out [B, Hq * D]. Each sequence's context is cut into spans of at least min_span tokens so that B * Hkv * spans
+ * work items keep nthreads busy; spans are merged by their max and sum (flash-decoding). Returns 0, or -1
+ * when out of memory (nothing written) or when Hq / Hkv exceeds GMAX. */
+int pdrt_paged_attention(const float *q, int64_t ldq, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                         const float *k_cache, const float *v_cache, int64_t BLOCK, const int32_t *block_table,
+                         int64_t max_pages, const int32_t *seq_lens, float scale, float *out, int nthreads,
+                         int64_t min_span) {
+    const int64_t G = Hq / Hkv;
+    if (G > GMAX) return -1;
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    int64_t spans = 1;
+    while (B * Hkv * spans < 2 * nthreads && max_len / (spans * 2) >= min_span) spans *= 2;
+    const int64_t items = B * Hkv * spans, per = G * (D + 2);
+    float *part = malloc(sizeof(float) * (size_t)(items * per));
+    if (!part) return -1;
+    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; it++) {
+        int64_t b = it / (Hkv * spans), kvh = (it / spans) % Hkv, sp = it % spans;
+        int64_t len = seq_lens[b], step = (len + spans - 1) / spans;
+        int64_t t0 = sp * step, t1 = t0 + step < len ? t0 + step : len;
+        float *p = part + it * per;
+        if (t0 >= t1) {  /* an empty span: a no-op in the merge */
+            for (int64_t g = 0; g < G; g++) { p[G * D + g] = -INFINITY; p[G * D + G + g] = 0.0f; }
+            continue;
+        }
+        attend_span(q + b * ldq + kvh * G * D, G, D, k_cache, v_cache, block_table + b * max_pages, BLOCK, Hkv,
+                    kvh, t0, t1, scale, p, p + G * D, p + G * D + G);
+    }
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            const float *p0 = part + (b * Hkv + kvh) * spans * per;
+            for (int64_t g = 0; g < G; g++) {
+                float gmax = -INFINITY, total = 0.0f;
+                for (int64_t sp = 0; sp < spans; sp++) {
+                    float v = p0[sp * per + G * D + g];
+                    gmax = v > gmax ? v : gmax;
+                }
+                float *o = out + b * Hq * D + (kvh * G + g) * D;
+                memset(o, 0, sizeof(float) * (size_t)D);
+                for (int64_t sp = 0; sp < spans; sp++) {
+                    const float *p = p0 + sp * per;
+                    float w = p[G * D + g] == -INFINITY ? 0.0f : expf(p[G * D + g] - gmax);
+                    total += w * p[G * D + G + g];
+                    axpy_f32(o, w, p + g * D, D);
+                }
+                float inv = 1.0f / total;
+                for (int64_t i = 0; i < D; i++) o[i] *= inv;
+            }
+        }
+    }
+    free(part);
+    return 0;
+}

@@ -1,0 +1,160 @@
+"""Block-quantised linear layers on the CPU: Q4_1 for the model's matmuls, Q8_0 for its output head.
+
+Weights keep GGUF's block formats (see ``pdrt_cpu.c``): the embedded SmolLM2 GGUF stores its linear layers as
+Q4_1 and its embedding (tied to the output head) as Q8_0, and re-quantising their dequantised values with the
+same rule (min/max over each block of 32; max|w| / 127) gives back the file's own blocks. Scales are fp16, as in
+the file: 20 bytes per 32 weights for Q4_1, 34 for Q8_0.
+
+Few activation rows (decode: one per sequence) run the native kernel, which reads 4.5 (or 8.5) bits a weight
+instead of 32 and quantises the activations per block of 32 to int8 as llama.cpp does. Many rows (prefill
+chunks) dequantise the weight into a reused fp32 buffer and take torch's BLAS matmul: that is compute-bound,
+and it keeps prefill's numerics those of the fp32 model.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from .native import native
+
+QK = 32  # weights per block
+Q4_1, Q8_0 = 0, 1  # pdrt_cpu.c's format codes
+PRE_NONE, PRE_RMSNORM, PRE_SWIGLU = 0, 1, 2  # pdrt_cpu.c's pre-ops
+
+#: activation rows up to which the native kernel beats dequantise + BLAS (measured: bench/decode_cpu.py's
+#: 16-sequence row and prefill_cpu.py's chunks, on AVX-512 and on AVX2 hosts)
+KERNEL_MAX_ROWS = 32
+
+
+def quantize_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w: [N, K] float, K % 32 == 0 -> (wq [N, K/2] uint8, d [N, K/32] f16, m [N, K/32] f16), w ~ d * q + m.
+
+    q is computed against the fp16-rounded m and d, so d * q + m is the block's best fit in what is stored."""
+    n, k = w.shape
+    blocks = w.detach().float().reshape(n, k // QK, QK)
+    lo, hi = blocks.amin(dim=-1), blocks.amax(dim=-1)  # [N, K/32]
+    m = lo.half()
+    d = ((hi - m.float()) / 15.0).half()
+    df = d.float()
+    inv = torch.where(df > 0, 1.0 / df, torch.zeros_like(df))
+    q = ((blocks - m.float()[..., None]) * inv[..., None]).round_().clamp_(0, 15).to(torch.uint8)  # [N, K/32, 32]
+    packed = q[..., : QK // 2] | (q[..., QK // 2:] << 4)  # GGUF order: low nibble i, high nibble i + 16
+    return packed.reshape(n, k // 2).contiguous(), d.contiguous(), m.contiguous()
+
+
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [N, K] float, K % 32 == 0 -> (wq [N, K] uint8 = q + 128, d [N, K/32] f16), w ~ d * q."""
+    n, k = w.shape
+    blocks = w.detach().float().reshape(n, k // QK, QK)
+    d = (blocks.abs().amax(dim=-1) / 127.0).half()
+    df = d.float()
+    inv = torch.where(df > 0, 1.0 / df, torch.zeros_like(df))
+    q = ((blocks * inv[..., None]).round_().clamp_(-127, 127).to(torch.int16) + 128).to(torch.uint8)  # [N, nb, 32]
+    return _pair_blocks(q).reshape(n, k).contiguous(), d.contiguous()
+
+
+def _pair_blocks(q: torch.Tensor) -> torch.Tensor:
+    """q: [N, nb, 32] -> the same bytes with each pair of blocks (2p, 2p + 1) as [b0[:16], b1[:16], b0[16:],
+    b1[16:]] (pdrt_cpu.c's paired layout); a lone last block stays in element order."""
+    n, nb, _ = q.shape
+    pairs = nb // 2 * 2
+    head = q[:, :pairs].reshape(n, pairs // 2, 2, 2, QK // 2).transpose(2, 3).reshape(n, pairs * QK)
+    return torch.cat([head, q[:, pairs:].reshape(n, -1)], dim=1)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class _Scratch(threading.local):
+    """Per-thread fp32 buffer the many-rows path dequantises into (grown once to the largest weight)."""
+
+    buf: torch.Tensor | None = None
+
+    def take(self, numel: int) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < numel:
+            with torch.inference_mode(False):  # an ordinary tensor, writable outside inference mode too
+                self.buf = torch.empty(numel, dtype=torch.float32)
+        return self.buf[:numel]
+
+
+_scratch = _Scratch()
+
+
+class QuantLinear(nn.Module):
+    """A bias-free Linear whose weight is held as Q4_1 or Q8_0 blocks. Call under torch.inference_mode()."""
+
+    def __init__(self, weight: torch.Tensor, fmt: int, threads: int | None = None) -> None:
+        super().__init__()
+        out_features, in_features = weight.shape
+        if in_features % QK:
+            raise ValueError(f"a quantised Linear needs in_features divisible by {QK}, got {in_features}")
+        if weight.device.type != "cpu":
+            raise ValueError(f"quantised Linear layers run on the CPU, got a weight on {weight.device}")
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.threads = threads
+        if fmt == Q4_1:
+            wq, d, m = quantize_q4_1(weight)
+        elif fmt == Q8_0:
+            (wq, d), m = quantize_q8_0(weight), None
+        else:
+            raise ValueError(f"format {fmt} is not accepted; accepted: Q4_1 ({Q4_1}), Q8_0 ({Q8_0})")
+        self.register_buffer("wq", wq)
+        self.register_buffer("d", d)
+        self.register_buffer("m", m)
+        self._lib = native()
+
+    @property
+    def format_name(self) -> str:
+        return "q4_1" if self.fmt == Q4_1 else "q8_0"
+
+    def nbytes(self) -> int:
+        """Bytes read per pass over the weight (quants and scales)."""
+        return sum(t.numel() * t.element_size() for t in (self.wq, self.d, self.m) if t is not None)
+
+    def _nthreads(self) -> int:
+        return self.threads or torch.get_num_threads()
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as f32 [N, K], in the calling thread's reused buffer (valid until its next use)."""
+        out = _scratch.take(self.out_features * self.in_features).view(self.out_features, self.in_features)
+        self._lib.pdrt_dequantize(self.wq.data_ptr(), self.d.data_ptr(), _ptr(self.m), self.out_features,
+                                  self.in_features, self.fmt, out.data_ptr(), self._nthreads())
+        return out
+
+    def run(self, x: torch.Tensor, *, pre: int = PRE_NONE, norm: torch.Tensor | None = None, eps: float = 0.0,
+            out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+        """out[M, N] (+)= pre(x) @ W^T through the native kernel. x: [M, K] f32 rows (for PRE_SWIGLU [M, 2K]:
+        gate | up), contiguous along K; pre: PRE_NONE | PRE_RMSNORM (norm [K], eps) | PRE_SWIGLU; accumulate
+        adds into ``out`` (the residual stream) instead of overwriting it."""
+        rows = x.shape[0]
+        assert x.dtype == torch.float32 and x.stride(-1) == 1, "x must be f32 rows contiguous along K"
+        assert x.shape[1] == self.in_features * (2 if pre == PRE_SWIGLU else 1), \
+            f"x has {x.shape[1]} columns for a Linear of {self.in_features} inputs (pre={pre})"
+        if out is None:
+            out = torch.empty(rows, self.out_features, dtype=torch.float32)
+        assert out.shape == (rows, self.out_features) and out.stride(-1) == 1
+        rc = self._lib.pdrt_quant_linear(x.data_ptr(), rows, x.stride(0), self.in_features, pre, _ptr(norm), eps,
+                                         self.wq.data_ptr(), self.d.data_ptr(), _ptr(self.m), self.out_features,
+                                         self.fmt, out.data_ptr(), out.stride(0), int(accumulate), self._nthreads())
+        if rc != 0:
+            raise MemoryError(f"pdrt_quant_linear could not allocate its activation buffers ({rows} x "
+                              f"{self.in_features})")
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., K] -> [..., N] in f32: the native kernel for few rows, dequantise + BLAS for many."""
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype != torch.float32 or flat.stride(-1) != 1:
+            flat = flat.float().contiguous()
+        if flat.shape[0] <= KERNEL_MAX_ROWS:
+            y = self.run(flat)
+        else:
+            y = torch.nn.functional.linear(flat, self.dequantized())
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format_name}"

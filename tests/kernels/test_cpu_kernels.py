@@ -1,0 +1,234 @@
+"""pdstack's native CPU kernels (kernels/cpu): quantised linear layers, paged decode attention, RoPE + KV store.
+
+Each kernel is checked against a torch reference written independently of it: the linear kernel against the same
+arithmetic done in float64 (activations quantised by the same rule, so the comparison is tight, not "close to
+fp32"), the attention against the float64 oracle of kernels/reference.py with NaN-filled garbage pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from pdruntime.kernels.cpu import native
+from pdruntime.kernels.cpu.attention import cpu_decode_attention, rope_store_kv
+from pdruntime.kernels.cpu.quant import (PRE_NONE, PRE_RMSNORM, PRE_SWIGLU, Q4_1, Q8_0, QuantLinear, quantize_q4_1,
+                                         quantize_q8_0)
+from pdruntime.kernels.reference import reference_decode_attention
+
+pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
+                                reason=f"pdstack's CPU kernels cannot be built here: {native.unavailable_reason()}")
+
+
+def _dequant(ql: QuantLinear) -> torch.Tensor:
+    """W [N, K] float64, from the stored blocks by torch alone (not the kernel's own dequantiser)."""
+    n, k = ql.out_features, ql.in_features
+    nb, d = k // 32, ql.d.double()
+    if ql.fmt == Q4_1:
+        b = ql.wq.view(n, nb, 16).long()
+        q = torch.cat([b & 15, b >> 4], dim=-1).double()  # [N, nb, 32]
+        return (q * d[..., None] + ql.m.double()[..., None]).reshape(n, k)
+    raw = ql.wq.view(n, k).long() - 128
+    pairs = nb // 2 * 2  # undo the paired layout: [b0[:16], b1[:16], b0[16:], b1[16:]]
+    head = raw[:, : pairs * 32].reshape(n, nb // 2, 2, 2, 16).transpose(2, 3).reshape(n, pairs, 32)
+    q = torch.cat([head, raw[:, pairs * 32:].reshape(n, nb - pairs, 32)], dim=1).double()
+    return (q * d[..., None]).reshape(n, k)
+
+
+def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> dx * x8 per block of 32 (dx = max|x| / 127, round half to even), float64."""
+    m, k = x.shape
+    b = x.double().reshape(m, k // 32, 32).float()
+    d = b.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.where(d > 0, b * (1.0 / d), torch.zeros_like(b)).round()
+    return (q.double() * d.double()).reshape(m, k)
+
+
+def _reference(ql: QuantLinear, x: torch.Tensor, pre: int, norm=None, eps=1e-5) -> torch.Tensor:
+    """What pdrt_quant_linear computes, in float64 from the same quantised activations. Q4_1's min term uses the
+    exact fp32 block sums; Q8_0 has none."""
+    k = ql.in_features
+    if pre == PRE_RMSNORM:
+        x = torch.nn.functional.rms_norm(x, (k,), norm, eps)
+    elif pre == PRE_SWIGLU:
+        x = torch.nn.functional.silu(x[:, :k]) * x[:, k:]
+    w = _dequant(ql)
+    xq = _quantized_activations(x)
+    if ql.fmt == Q8_0:
+        return xq @ w.T
+    m = ql.m.double().repeat_interleave(32, dim=1)  # the min term sees x itself, the scale term x's quantisation
+    return xq @ (w - m).T + x.double() @ m.T
+
+
+@pytest.mark.parametrize("fmt, rows, k, n", list(itertools.product((Q4_1, Q8_0), (1, 2, 3, 5), (32, 96, 576), (7, 40))))
+def test_quant_linear_equals_its_float64_arithmetic(fmt, rows, k, n):
+    """Every tile shape (rows 1..5, a lone odd block at K=96, N not a multiple of the 4-row tile) and both formats."""
+    g = torch.Generator().manual_seed(rows * 1000 + k + n)
+    ql = QuantLinear(torch.randn(n, k, generator=g), fmt, threads=2)
+    x = torch.randn(rows, k, generator=g)
+    got = ql.run(x).double()
+    ref = _reference(ql, x, PRE_NONE)
+    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+@pytest.mark.parametrize("fmt", (Q4_1, Q8_0))
+def test_pre_ops_and_accumulate(fmt):
+    g = torch.Generator().manual_seed(5)
+    ql = QuantLinear(torch.randn(24, 64, generator=g), fmt, threads=2)
+    x, norm = torch.randn(3, 64, generator=g), torch.rand(64, generator=g) + 0.5
+    got = ql.run(x, pre=PRE_RMSNORM, norm=norm, eps=1e-5).double()
+    ref = _reference(ql, x, PRE_RMSNORM, norm)
+    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+    gu = torch.randn(3, 128, generator=g)
+    ref = _reference(ql, gu, PRE_SWIGLU)
+    resid = torch.randn(3, 24, generator=g)
+    out = resid.clone()
+    assert ql.run(gu, pre=PRE_SWIGLU, out=out, accumulate=True) is out
+    assert ((out.double() - resid.double()) - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def test_many_rows_take_the_exact_dequantised_weight():
+    """Past KERNEL_MAX_ROWS (prefill chunks) the weight is dequantised for BLAS: no activation quantisation."""
+    g = torch.Generator().manual_seed(9)
+    ql = QuantLinear(torch.randn(16, 64, generator=g), Q4_1)
+    x = torch.randn(100, 64, generator=g)
+    ref = x.double() @ _dequant(ql).T
+    assert (ql(x).double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert torch.equal(ql.dequantized(), _dequant(ql).float())
+
+
+def test_shapes_the_kernel_cannot_take_are_refused():
+    with pytest.raises(ValueError, match="in_features divisible by 32"):
+        QuantLinear(torch.zeros(4, 48), Q4_1)
+    ql = QuantLinear(torch.zeros(4, 64), Q4_1)
+    with pytest.raises(AssertionError, match="64 inputs"):
+        ql.run(torch.zeros(1, 32))
+
+
+def test_gguf_blocks_come_back_exactly():
+    """Re-quantising the embedded SmolLM2 GGUF's dequantised tensors gives back the file's own Q4_1 and Q8_0 blocks:
+    int4 serves the file's weights, not a second rounding of them."""
+    from pdruntime.model.config import default_model_path
+    from pdruntime.model.gguf_loader import _parse, dequantize
+
+    path = default_model_path()
+    _, infos, data = _parse(path)
+    checked = set()
+    for t in infos:
+        if t.type_name not in ("Q4_1", "Q8_0") or t.type_name in checked:
+            continue
+        checked.add(t.type_name)
+        k, n = int(t.shape[0]), int(np.prod(t.shape[1:]))
+        raw = np.asarray(data[t.offset: t.offset + t.nbytes]).reshape(n, k // 32, -1)
+        w = torch.from_numpy(dequantize(raw.reshape(-1), t.type_name, n * k).copy()).view(n, k)
+        d_file = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0])
+        if t.type_name == "Q4_1":
+            wq, d, m = quantize_q4_1(w)
+            assert torch.equal(m, torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0]))
+            assert torch.equal(wq.view(n, k // 32, 16), torch.from_numpy(raw[..., 4:].copy()))
+        else:
+            wq, d = quantize_q8_0(w)
+            q_file = torch.from_numpy(raw[..., 2:].copy().view(np.int8)).to(torch.int16) + 128
+            q = _dequant_q8_codes(wq, n, k)
+            assert torch.equal(q, q_file.to(torch.uint8))
+        assert torch.equal(d, d_file)
+    assert checked == {"Q4_1", "Q8_0"}
+
+
+def _dequant_q8_codes(wq: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    nb = k // 32
+    pairs = nb // 2 * 2
+    head = wq[:, : pairs * 32].reshape(n, nb // 2, 2, 2, 16).transpose(2, 3).reshape(n, pairs, 32)
+    return torch.cat([head, wq[:, pairs * 32:].reshape(n, nb - pairs, 32)], dim=1)
+
+
+# ---------------------------------------------------------------- attention
+
+@pytest.mark.parametrize("lens, group, head_dim, page", [
+    ([1], 3, 64, 16), ([700], 3, 64, 16), ([5, 33, 17], 4, 32, 4), ([2500, 1, 300], 3, 64, 16),
+    ([40, 513], 2, 128, 16), ([9, 1000], 1, 16, 7), ([3000], 8, 64, 16),
+])
+def test_paged_attention_matches_float64_oracle(lens, group, head_dim, page, paged_case, rel_err):
+    """Pages scattered, NaN in every slot no sequence owns, head dims on the vector path (32/64/128) and off it (16),
+    a single long sequence (cut into spans and merged), page sizes that do not divide the lengths."""
+    q, k, v, bt, seq_lens = paged_case(lens, num_kv_heads=3, group=group, head_dim=head_dim, page=page, seed=len(lens))
+    for threads in (1, 2):
+        out = cpu_decode_attention(q, k, v, bt, seq_lens, threads=threads)
+        assert rel_err(out, reference_decode_attention(q, k, v, bt, seq_lens)) <= 2e-5
+
+
+def test_attention_reads_q_inside_qkv_rows(paged_case, rel_err):
+    """The int4 decode path hands q as a view into each qkv row (rows strided by the whole qkv width)."""
+    q, k, v, bt, seq_lens = paged_case([50, 7], num_kv_heads=3, group=3, head_dim=64, page=16, seed=3)
+    qkv = torch.randn(2, (9 + 6) * 64)
+    qkv[:, : 9 * 64] = q.reshape(2, -1)
+    view = qkv[:, : 9 * 64].view(2, 9, 64)
+    assert not view.is_contiguous()
+    assert rel_err(cpu_decode_attention(view, k, v, bt, seq_lens), reference_decode_attention(q, k, v, bt, seq_lens)) <= 2e-5
+
+
+def test_rope_store_kv_matches_the_model():
+    """RoPE + KV store in C against the model's own rotate-half formula and a plain index_copy_."""
+    from pdruntime.model.config import LlamaConfig
+    from pdruntime.model.llama import _rotate, rope_cos_sin
+
+    cfg = LlamaConfig(vocab_size=10, hidden_size=128, intermediate_size=64, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=32, max_position_embeddings=64)
+    cos, sin = rope_cos_sin(cfg, 64)
+    sin_signed = torch.cat((-sin[:, :16], sin[:, 16:]), dim=-1)
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(3, (4 + 4) * 32, generator=g)
+    pos = torch.tensor([0, 17, 63])
+    slots = torch.tensor([5, 0, 11])
+    kc, vc = torch.zeros(4, 4, 2, 32), torch.zeros(4, 4, 2, 32)
+    expect = _rotate(qkv[:, : 6 * 32].view(3, 6, 32), cos[pos][:, None], sin_signed[pos][:, None])
+    v = qkv[:, 6 * 32:].view(3, 2, 32).clone()
+    rope_store_kv(qkv, 4, 2, 32, pos, cos, sin_signed, slots, kc, vc)
+    assert torch.allclose(qkv[:, : 6 * 32].view(3, 6, 32), expect, atol=1e-6)
+    assert torch.equal(kc.view(-1, 2, 32)[slots], qkv[:, 4 * 32: 6 * 32].view(3, 2, 32))
+    assert torch.equal(vc.view(-1, 2, 32)[slots], v)
+    assert kc.view(-1, 2, 32)[[1, 2, 3]].abs().sum() == 0  # nothing else written
+
+
+# ---------------------------------------------------------------- the model
+
+def test_int4_decode_follows_fp32_on_the_tiny_model(tiny_model):
+    """int4 decode (fused norms, RoPE in C, accumulate into the residual) against the fp32 model, logits step by step."""
+    from pdruntime.engine.kv_cache import KVCache
+    from pdruntime.model import load_model
+
+    ref, q4 = load_model(tiny_model), load_model(tiny_model, weights="int4")
+    assert q4.info.weights == "int4" and q4.model.attention_backend.endswith("[cpu]")
+    c = ref.model.config
+    ids = [3, 17, 42, 9, 100, 5, 77, 31, 8, 64]
+    logits = {}
+    for name, m in (("fp32", ref.model), ("int4", q4.model)):
+        kv = KVCache(c.num_layers, 2, 16, c.num_kv_heads, c.head_dim, dtype=torch.float32)
+        table = torch.arange(2, dtype=torch.int32)[None, :]
+        with torch.inference_mode():
+            logits[name] = torch.stack([m.decode(torch.tensor([t]), torch.tensor([i]), kv.k, kv.v, table,
+                                                 torch.tensor([i + 1], dtype=torch.int32))[0] for i, t in enumerate(ids)])
+    cos = torch.nn.functional.cosine_similarity(logits["fp32"], logits["int4"], dim=-1)
+    assert cos.min() > 0.98, cos
+
+
+def test_without_a_compiler_int4_is_refused_and_attention_falls_back(tmp_path, tiny_model):
+    """No C compiler (an empty PATH) and no cached build: int4 is refused saying why, auto attention takes torch."""
+    code = ("from pdruntime.model import load_model, ModelLoadError\n"
+            f"m = load_model({str(tiny_model)!r})\n"
+            "print('backend', m.model.attention_backend)\n"
+            "try:\n"
+            f"    load_model({str(tiny_model)!r}, weights='int4')\n"
+            "except ModelLoadError as exc:\n"
+            "    print('refused', exc)\n")
+    env = {**os.environ, "PATH": str(tmp_path), "HOME": str(tmp_path), "TMPDIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "backend kernels.decode_attention[torch]" in out.stdout
+    assert "refused weights='int4' needs pdstack's CPU kernels" in out.stdout and "no C compiler" in out.stdout
