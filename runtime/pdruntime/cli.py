@@ -24,9 +24,10 @@ def _add_generate(subparsers) -> None:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--system", default=None, help="with --chat: a system message")
     g.add_argument("--model", default=None, help="GGUF file or HF-layout dir (default: PDRT_MODEL, else SmolLM2)")
-    g.add_argument("--weights", choices=("fp32", "int8"), default="fp32",
-                   help="int8 = dynamic-quantised Linear layers: ~3.6x faster on CPU, but on SmolLM2 only 55%% of "
-                        "next-token choices match fp32 (docs/benchmarks.md); fp32 is the exact default")
+    g.add_argument("--weights", choices=("auto", "fp32", "int4", "int8"), default="fp32",
+                   help="fp32: exact (default); int4: 4-bit blocks (the GGUF's own) run by pdstack's CPU kernels; "
+                        "int8: torch's dynamic int8, only 55%% of SmolLM2's next-token choices match fp32's; auto: int4 "
+                        "where it can run, else fp32 (docs/benchmarks.md)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--device", default="auto", help="auto (cuda:0 when CUDA is available, else cpu) | cpu | cuda | cuda:N")
     g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on cpu) | bf16 | fp16 | fp32")

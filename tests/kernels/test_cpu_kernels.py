@@ -232,3 +232,13 @@ def test_without_a_compiler_int4_is_refused_and_attention_falls_back(tmp_path, t
     assert out.returncode == 0, out.stderr
     assert "backend kernels.decode_attention[torch]" in out.stdout
     assert "refused weights='int4' needs pdstack's CPU kernels" in out.stdout and "no C compiler" in out.stdout
+
+
+def test_auto_weights_pick_int4_on_the_cpu_and_fp32_elsewhere(tiny_model):
+    from pdruntime.model import load_model
+    from pdruntime.model.loader import _auto_weights
+
+    assert load_model(tiny_model, weights="auto").info.weights == "int4"
+    m = load_model(tiny_model).model
+    assert _auto_weights(m, torch.bfloat16, torch.device("cpu")) == "fp32"
+    assert _auto_weights(m, torch.float32, torch.device("cuda")) == "fp32"

@@ -167,3 +167,20 @@ def test_engine_max_step_failures_flag_reaches_the_workers_pdrt_up_starts():
     assert out[out.index("--engine-max-step-failures") + 1] == "7"
     serve = parser.parse_args(["serve", "--role", "decode", "--engine-max-step-failures", "7"])
     assert serve.engine_max_step_failures == 7
+
+
+def test_weights_default_to_auto_for_pdrt_up_and_fp32_for_serve():
+    """`pdrt up` (make run) serves the fastest format that keeps SmolLM2's next-token choices (auto: int4 on the CPU);
+    `pdrt serve`, which the operator renders, stays exact unless told otherwise."""
+    import argparse
+
+    from pdruntime.server.commands import _worker_args, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    up = _worker_args(parser.parse_args(["up"]))
+    assert up[up.index("--weights") + 1] == "auto"
+    pinned = _worker_args(parser.parse_args(["up", "--weights", "fp32"]))
+    assert pinned[pinned.index("--weights") + 1] == "fp32"
+    assert parser.parse_args(["serve", "--role", "decode"]).weights == "fp32"
+    assert parser.parse_args(["serve", "--role", "decode", "--weights", "int4"]).weights == "int4"

@@ -217,6 +217,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_swap", swap.to(self.device), persistent=False)  # [D, D]
         self.register_buffer("rms_eps", torch.full((1, 1), cfg.rms_norm_eps, **kw), persistent=False)
         self._decode_layers: tuple[list[_DecodeLayer], Callable] | None = None  # built by the first decode after (re)loading
+        self._int4_decoder = None  # int4 weights: model/int4_decode.Int4Decoder, built by the first decode
         self.decode_attention: DecodeAttention = _torch_decode_attention
         self.attention_backend = "torch-fallback(engine)"
         self.weight_format = str(dtype).replace("torch.", "")
@@ -267,7 +268,7 @@ class LlamaModel(nn.Module):
                     take(p + "mlp.up_proj.weight", (i_full, h), 0, i_sz),
                 ]))
                 layer.down.weight.copy_(take(p + "mlp.down_proj.weight", (h, i_full), 1, i_sz))
-        self._decode_layers = None
+        self._decode_layers = self._int4_decoder = None
 
     def quantize_int8(self) -> None:
         """Opt-in: int8 dynamic-quantised Linear layers (fbgemm on x86). Changes numerics; fp32 only."""
@@ -312,7 +313,7 @@ class LlamaModel(nn.Module):
                 setattr(layer, name, QuantLinear(getattr(layer, name).weight, Q4_1, threads))
         self.lm_head = QuantLinear(self.lm_head.weight, Q8_0, threads)
         self.weight_format = "int4"
-        self._decode_layers = None
+        self._decode_layers = self._int4_decoder = None
 
     # -- forward -------------------------------------------------------------------------------
     def _mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
@@ -435,11 +436,11 @@ class LlamaModel(nn.Module):
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pos = positions
         slots = block_table.long().gather(1, (pos // block)[:, None])[:, 0] * block + pos % block  # [B]
-        rope = self._rope_rotation(pos)  # [B, D, D]
-        eps, eps_t = cfg.rms_norm_eps, self.rms_eps
         attend = self.decode_attention if attn_plan is None else functools.partial(self.decode_attention, plan=attn_plan)
         if self.weight_format == "int4" and self.tp is None:
             return self._decode_int4(token_ids, positions, k_cache, v_cache, block_table, seq_lens, slots, attend)
+        rope = self._rope_rotation(pos)  # [B, D, D]
+        eps, eps_t = cfg.rms_norm_eps, self.rms_eps
         layers, lm_head = self._decode_weights()
         x = self.embed[token_ids]  # [B, H], a fresh tensor: the residual adds below run in place
         for n, layer in enumerate(layers):
@@ -457,22 +458,10 @@ class LlamaModel(nn.Module):
     def _decode_int4(self, token_ids: torch.Tensor, positions: torch.Tensor, k_cache: Sequence[torch.Tensor],
                      v_cache: Sequence[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
                      slots: torch.Tensor, attend: DecodeAttention) -> torch.Tensor:
-        """:meth:`decode` with int4 weights: six native calls a layer and no torch op between them. The RMSNorms
-        and SwiGLU run inside the kernels that quantise the next matmul's activations, and the o and down products
-        add into the residual stream in place. Returns fp32 logits [B, V]."""
-        from pdruntime.kernels.cpu.attention import rope_store_kv
-        from pdruntime.kernels.cpu.quant import PRE_RMSNORM, PRE_SWIGLU
+        """:meth:`decode` with int4 weights: six native calls a layer (``model/int4_decode.py``)."""
+        if self._int4_decoder is None:
+            from .int4_decode import Int4Decoder
 
-        cfg = self.config
-        bsz = token_ids.shape[0]
-        hq, hkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-        positions, slots = positions.contiguous(), slots.contiguous()
-        x = self.embed[token_ids]  # [B, H], a fresh tensor: o and down accumulate into it
-        for n, layer in enumerate(self.layers):
-            qkv = layer.qkv.run(x, pre=PRE_RMSNORM, norm=layer.input_norm, eps=eps)  # [B, (Hq + 2 Hkv) * D]
-            rope_store_kv(qkv, hq, hkv, d, positions, self.rope_cos, self.rope_sin, slots, k_cache[n], v_cache[n])
-            attn = attend(qkv[:, : hq * d].view(bsz, hq, d), k_cache[n], v_cache[n], block_table, seq_lens)
-            layer.o.run(attn.reshape(bsz, hq * d), out=x, accumulate=True)
-            gu = layer.gate_up.run(x, pre=PRE_RMSNORM, norm=layer.post_norm, eps=eps)  # [B, 2 I]
-            layer.down.run(gu, pre=PRE_SWIGLU, out=x, accumulate=True)
-        return self.lm_head.run(x, pre=PRE_RMSNORM, norm=self.norm, eps=eps)
+            self._int4_decoder = Int4Decoder(self)
+        return self._int4_decoder.step(token_ids, positions, k_cache, v_cache, block_table, seq_lens, slots, attend,
+                                       native_attention=self.attention_backend.endswith("[cpu]"))

@@ -18,7 +18,7 @@ from .tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_json
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-WEIGHT_FORMATS = ("fp32", "int4", "int8")
+WEIGHT_FORMATS = ("auto", "fp32", "int4", "int8")
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,8 @@ def load_model(source: str | None = None, *, dtype=torch.float32, weights: str =
 
     source: GGUF file, or HF-layout directory (config.json + *.safetensors + tokenizer.json);
     None = the default SmolLM2 GGUF. weights="int4" holds the Linear layers as 4-bit blocks run by pdstack's CPU
-    kernels; "int8" quantises them with torch's dynamic int8 (both fp32 on cpu only).
+    kernels; "int8" quantises them with torch's dynamic int8 (both fp32 on cpu only); "auto" is int4 where it can
+    run (fp32 on the CPU, the kernels build here, every Linear's inputs a multiple of 32), else fp32.
     tp: a ``TPShard``: load only this rank's shard. Safetensors are read lazily, one tensor at a time,
     so a large checkpoint never sits on the host whole (or in fp32).
     Raises ModelLoadError naming the path and the problem."""
@@ -100,6 +101,8 @@ def load_model(source: str | None = None, *, dtype=torch.float32, weights: str =
     model = LlamaModel(cfg, dtype=torch_dtype, device=device, tp=tp)
     model.load_hf_state(tensors)
     del tensors
+    if weights == "auto":
+        weights = _auto_weights(model, torch_dtype, device)
     if weights in ("int4", "int8"):
         if torch_dtype != torch.float32 or device.type != "cpu":
             raise ModelLoadError(f"weights={weights!r} needs dtype fp32 on cpu, got {torch_dtype} on {device}; "
@@ -202,3 +205,16 @@ def _quantize_int4(model, path: str) -> None:
                              "accepted: --weights fp32") from None
     except ValueError as exc:
         raise ModelLoadError(f"{path}: weights='int4' cannot hold this model: {exc}; accepted: --weights fp32") from None
+
+
+def _auto_weights(model, dtype: torch.dtype, device: torch.device) -> str:
+    """``--weights auto``: int4 on the CPU in fp32 where pdstack's kernels build and every Linear layer's inputs come
+    in whole blocks of 32; fp32 (the model's own dtype) anywhere else."""
+    if dtype != torch.float32 or device.type != "cpu":
+        return "fp32"
+    from pdruntime.kernels.cpu.native import unavailable_reason
+
+    cfg = model.config
+    if any(k % 32 for k in (cfg.hidden_size, cfg.q_size, cfg.intermediate_size)) or unavailable_reason():
+        return "fp32"
+    return "int4"

@@ -16,8 +16,13 @@ from pdruntime.server.worker.lease import KV_LEASE_S
 ROLES = ("prefill", "decode", "router")
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
+def _engine_flags(p: argparse.ArgumentParser, weights: str) -> None:
     g = p.add_argument_group("engine")
+    g.add_argument("--weights", choices=("auto", "fp32", "int4", "int8"), default=weights,
+                   help=f"weight format (default {weights}): fp32 (the model's dtype, exact); int4 (CPU, fp32: 4-bit "
+                        "blocks, the GGUF's own, run by pdstack's native kernels, ~98%% of next-token choices as "
+                        "fp32's, docs/benchmarks.md); int8 (CPU: torch's dynamic int8, 55%%); auto: int4 where it "
+                        "can run, else fp32")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pages (default: from --kv-cache-mib)")
     g.add_argument("--kv-cache-mib", type=int, default=None, help="KV budget in MiB when --num-blocks is not given")
@@ -163,7 +168,7 @@ def register(subparsers: Any) -> None:
                             "do_remote_decode) for its decode to pull; then the pages are freed (one unrenewed span, as "
                             "older vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
     _routing_flags(serve)
-    _engine_flags(serve)
+    _engine_flags(serve, "fp32")
     serve.set_defaults(func=cmd_serve, handler=cmd_serve)
 
     up = subparsers.add_parser("up", help="run the whole PD stack locally (router + N pairs) and supervise it")
@@ -177,7 +182,7 @@ def register(subparsers: Any) -> None:
     up.add_argument("--ready-timeout-s", type=float, default=600.0)
     _worker_protocol_flag(up, "the router")
     _routing_flags(up)
-    _engine_flags(up)
+    _engine_flags(up, "auto")
     up.set_defaults(func=cmd_up, handler=cmd_up)
 
     chat = subparsers.add_parser("chat", help="chat with a running router (pdrt up)")
@@ -218,7 +223,8 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
                     ("--prefix-cache-max-pages", getattr(args, "prefix_cache_max_pages", None))):
         if v is not None:
             out += [flag, str(v)]
-    out += ["--device", args.device, "--dtype", args.dtype, "--tensor-parallel-size", str(args.tensor_parallel_size),
+    out += ["--device", args.device, "--dtype", args.dtype, "--weights", args.weights,
+            "--tensor-parallel-size", str(args.tensor_parallel_size),
             "--generation-config", getattr(args, "generation_config", "auto"),
             "--tool-call-parser", getattr(args, "tool_call_parser", "auto")]
     if args.cuda_graphs is not None:
@@ -272,7 +278,7 @@ def build_server(args: argparse.Namespace, env=None):
 
         torch.set_num_threads(args.threads)
     config = _engine_config(args)
-    loaded = load_for(args.model or env.model, config, threads=args.threads, env=env)
+    loaded = load_for(args.model or env.model, config, weights=args.weights, threads=args.threads, env=env)
     engine = Engine(loaded, config)
     from pdruntime.server.worker.base import WorkerOptions
 
