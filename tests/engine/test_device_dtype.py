@@ -116,7 +116,7 @@ def test_device_cpu_serves_on_a_host_that_reports_cuda(tiny_model, monkeypatch):
         assert r.json()["meta_info"]["completion_tokens"] == 6
         cfg = client.get("/config").json()["engine"]
     assert cfg["device"] == "cpu" and cfg["dtype"] == "float32" and cfg["engine"]["cuda_graphs"] is False
-    assert cfg["attention_kernel"]["backend"] == "torch" and cfg["attention_kernel"]["device"] == "cpu"
+    assert cfg["attention_kernel"]["backend"] in ("cpu", "torch") and cfg["attention_kernel"]["device"] == "cpu"
     assert cfg["kv_pages"] == 64 and cfg["max_full_context_seqs"] >= 0 and cfg["weight_bytes"] > 0
 
 

@@ -26,5 +26,5 @@ def test_int8_weights_are_close_to_fp32_and_serve(tiny, tiny_model):
 
 
 def test_unknown_weight_format_is_refused(tiny_model):
-    with pytest.raises(ModelLoadError, match="weights='int4' is not accepted; accepted: fp32, int8"):
-        load_model(tiny_model, weights="int4")
+    with pytest.raises(ModelLoadError, match="weights='int3' is not accepted; accepted: auto, fp32, int4, int8"):
+        load_model(tiny_model, weights="int3")

@@ -147,9 +147,21 @@ def test_configure_sets_what_decode_attention_and_config_report_use(monkeypatch)
     assert da.active_config() is cfg and da.kernel_config()["max_splits"] == 7
 
 
-def test_auto_picks_torch_on_cpu_even_with_the_interpreter():
-    assert da.select_backend(RuntimeEnv(attention_backend="auto"), "cpu") == "torch"
+def test_auto_never_picks_the_interpreter_on_cpu():
+    """auto on the CPU: pdstack's native kernel where it builds, else torch; Triton's interpreter never."""
+    assert da.select_backend(RuntimeEnv(attention_backend="auto"), "cpu") == "cpu"
     assert da.select_backend(RuntimeEnv(attention_backend="torch"), "cpu") == "torch"
+    assert da.select_backend(RuntimeEnv(attention_backend="cpu"), "cpu") == "cpu"
+
+
+def test_auto_falls_back_to_torch_where_the_cpu_kernels_cannot_be_built(monkeypatch):
+    monkeypatch.setattr(da, "cpu_kernels_unavailable", lambda: "no C compiler (cc, gcc or clang) on PATH")
+    assert da.select_backend(RuntimeEnv(attention_backend="auto"), "cpu") == "torch"
+    with pytest.raises(ConfigError, match="PDRT_ATTENTION_BACKEND=cpu but pdstack's CPU kernels cannot be used here: "
+                                          "no C compiler.*accepted here: torch or auto"):
+        da.select_backend(RuntimeEnv(attention_backend="cpu"), "cpu")
+    with pytest.raises(ConfigError, match="PDRT_ATTENTION_BACKEND=cpu but the device is cuda"):
+        da.select_backend(RuntimeEnv(attention_backend="cpu"), "cuda")
 
 
 def test_forced_triton_without_a_way_to_run_it_fails_start_up(monkeypatch):

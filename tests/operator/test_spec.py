@@ -41,7 +41,7 @@ def test_defaults():
     (dict(BASE, prefill={"env": [{"name": "9X"}]}), "demo",
      "spec.prefill.env[0].name='9X' is invalid; accepted: a C identifier such as MY_VAR"),
     (dict(BASE, kernel={"attentionBackend": "cuda"}), "demo",
-     "spec.kernel.attentionBackend='cuda' is invalid; accepted: auto | triton | torch"),
+     "spec.kernel.attentionBackend='cuda' is invalid; accepted: auto | triton | cpu | torch"),
     (dict(BASE, watchdog={"tickSeconds": 5, "transferTimeoutSeconds": 2}), "demo",
      "spec.watchdog.transferTimeoutSeconds=2.0 must exceed spec.watchdog.tickSeconds=5.0"),
     (dict(BASE, coRestart={"policy": "DecodeOnly"}), "demo",

@@ -37,11 +37,12 @@ class _Weight(NamedTuple):
     n: int  # out features
     k: int  # in features
     fmt: int
+    act: int  # activation bits
 
     @classmethod
     def of(cls, ql: QuantLinear) -> "_Weight":
         return cls(ql.wq.data_ptr(), ql.d.data_ptr(), None if ql.m is None else ql.m.data_ptr(), ql.out_features,
-                   ql.in_features, ql.fmt)
+                   ql.in_features, ql.fmt, ql.act_bits)
 
 
 class _Layer(NamedTuple):
@@ -79,49 +80,59 @@ class Int4Decoder:
                                             torch.empty(batch, c.q_size), torch.empty(batch, 2 * c.intermediate_size))
         return bufs
 
-    def _linear(self, w: _Weight, x: int, rows: int, ldx: int, pre: int, norm: int | None, y: int, ldy: int,
-                accumulate: bool, threads: int) -> None:
-        rc = self.lib.pdrt_quant_linear(x, rows, ldx, w.k, pre, norm, self.cfg.rms_norm_eps, w.wq, w.d, w.m, w.n,
-                                        w.fmt, y, ldy, int(accumulate), threads)
-        if rc != 0:
-            raise MemoryError(f"pdrt_quant_linear could not allocate its activation buffers ({rows} rows)")
-
-    def step(self, token_ids: torch.Tensor, positions: torch.Tensor, k_cache: Sequence[torch.Tensor],
-             v_cache: Sequence[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
+    def step(self, batch: "DecodeBatch", k_cache: Sequence[torch.Tensor], v_cache: Sequence[torch.Tensor],
              attend: Callable[..., torch.Tensor], native_attention: bool) -> torch.Tensor:
-        """One token per sequence -> fp32 logits [B, V] (arguments as :meth:`LlamaModel.decode` takes them).
+        """One token per sequence -> fp32 logits [B, V] (the batch as :meth:`LlamaModel.decode` takes it).
         native_attention: the configured attention backend is ``cpu`` (else ``attend`` runs it)."""
         c, lib = self.cfg, self.lib
-        bsz = token_ids.shape[0]
+        bsz = batch.token_ids.shape[0]
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         hidden, inter = c.hidden_size, c.intermediate_size
-        threads = torch.get_num_threads()
-        positions, slots = positions.contiguous(), slots.contiguous()
-        x = self.model.embed[token_ids]  # [B, H], a fresh tensor: o and down accumulate into it
+        threads, eps = torch.get_num_threads(), c.rms_norm_eps
+        positions, slots = batch.positions.contiguous(), batch.slots.contiguous()
+        x = self.model.embed[batch.token_ids]  # [B, H], a fresh tensor: o and down accumulate into it
         qkv, attn, gu = self._buffers(bsz)
         xp, qkvp, attnp, gup = x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gu.data_ptr()
         qkv_w = qkv.shape[1]
+
+        def linear(w: _Weight, src: tuple[int, int], dst: tuple[int, int], pre: int = PRE_NONE,
+                   norm: int | None = None, accumulate: bool = False) -> None:
+            """dst (+)= W . pre(src); src, dst: (pointer, row stride in floats) of B rows."""
+            if lib.pdrt_quant_linear(src[0], bsz, src[1], w.k, pre, norm, eps, w.wq, w.d, w.m, w.n, w.fmt, w.act,
+                                     dst[0], dst[1], int(accumulate), threads) != 0:
+                raise MemoryError(f"pdrt_quant_linear could not allocate its activation buffers ({bsz} rows)")
+
         native_attention = native_attention and supports(qkv[:, : hq * d].view(bsz, hq, d), k_cache[0])
         if native_attention:
-            assert block_table.dtype == seq_lens.dtype == torch.int32 and block_table.stride(1) == 1
-            bt, bt_stride, lens = block_table.data_ptr(), block_table.stride(0), seq_lens.contiguous()
+            table, lens = batch.block_table, batch.seq_lens.contiguous()
+            assert table.dtype == lens.dtype == torch.int32 and table.stride(1) == 1
         block = k_cache[0].shape[1]
         for n, layer in enumerate(self.layers):
             kc, vc = k_cache[n], v_cache[n]
-            self._linear(layer.qkv, xp, bsz, hidden, PRE_RMSNORM, layer.input_norm, qkvp, qkv_w, False, threads)
+            linear(layer.qkv, (xp, hidden), (qkvp, qkv_w), PRE_RMSNORM, layer.input_norm)
             lib.pdrt_rope_store_kv(qkvp, bsz, hq, hkv, d, positions.data_ptr(), self.rope[0], self.rope[1],
                                    slots.data_ptr(), kc.data_ptr(), vc.data_ptr())
             if native_attention:
-                if lib.pdrt_paged_attention(qkvp, qkv_w, bsz, hq, hkv, d, kc.data_ptr(), vc.data_ptr(), block, bt,
-                                            bt_stride, lens.data_ptr(), self.scale, attnp, threads,
-                                            MIN_SPAN_TOKENS) != 0:
+                if lib.pdrt_paged_attention(qkvp, qkv_w, bsz, hq, hkv, d, kc.data_ptr(), vc.data_ptr(), block,
+                                            table.data_ptr(), table.stride(0), lens.data_ptr(), self.scale, attnp,
+                                            threads, MIN_SPAN_TOKENS) != 0:
                     raise MemoryError(f"pdrt_paged_attention could not allocate its span buffers ({bsz} sequences)")
             else:
-                attn.view(bsz, hq, d).copy_(attend(qkv[:, : hq * d].view(bsz, hq, d), kc, vc, block_table, seq_lens))
-            self._linear(layer.o, attnp, bsz, hq * d, PRE_NONE, None, xp, hidden, True, threads)
-            self._linear(layer.gate_up, xp, bsz, hidden, PRE_RMSNORM, layer.post_norm, gup, 2 * inter, False, threads)
-            self._linear(layer.down, gup, bsz, 2 * inter, PRE_SWIGLU, None, xp, hidden, True, threads)
+                attn.view(bsz, hq, d).copy_(attend(qkv[:, : hq * d].view(bsz, hq, d), kc, vc, batch.block_table,
+                                                   batch.seq_lens))
+            linear(layer.o, (attnp, hq * d), (xp, hidden), accumulate=True)
+            linear(layer.gate_up, (xp, hidden), (gup, 2 * inter), PRE_RMSNORM, layer.post_norm)
+            linear(layer.down, (gup, 2 * inter), (xp, hidden), PRE_SWIGLU, accumulate=True)
         logits = torch.empty(bsz, self.head.n)
-        self._linear(self.head, xp, bsz, hidden, PRE_RMSNORM, self.final_norm, logits.data_ptr(), self.head.n, False,
-                     threads)
+        linear(self.head, (xp, hidden), (logits.data_ptr(), self.head.n), PRE_RMSNORM, self.final_norm)
         return logits
+
+
+class DecodeBatch(NamedTuple):
+    """One decode step's inputs, as :meth:`LlamaModel.decode` takes them (all on the CPU)."""
+
+    token_ids: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    slots: torch.Tensor  # [B] int64, flat cache rows of the new tokens
+    block_table: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32 = positions + 1

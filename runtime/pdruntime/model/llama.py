@@ -296,12 +296,13 @@ class LlamaModel(nn.Module):
         self.weight_format = "int8-dynamic"
         self._decode_layers = None
 
-    def quantize_int4(self, threads: int | None = None) -> None:
+    def quantize_int4(self, threads: int | None = None, act_bits: int = 16) -> None:
         """Opt-in: 4-bit weights on the CPU, run by pdstack's native kernels (``pdruntime.kernels.cpu``).
 
         Every Linear layer becomes Q4_1 blocks and the output head Q8_0: the formats the embedded GGUF stores
-        them in, so its own blocks come back. Decode (few rows) reads 4.5 bits a weight and quantises activations
-        per block of 32 to int8, as llama.cpp does; prefill dequantises each weight for torch's matmul. The
+        them in, so its own blocks come back. Decode (few rows) reads 5 bits a weight and quantises activations
+        per block of 32 to ``act_bits`` (16: fp32's next-token choices; 8: as llama.cpp does, cheaper and less
+        exact); prefill dequantises each weight for torch's matmul. The
         embedding lookup keeps its fp32 table. fp32 models on the CPU only; raises ValueError otherwise, and
         ``NativeUnavailable`` (saying why) where the kernels cannot be built."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
@@ -310,8 +311,8 @@ class LlamaModel(nn.Module):
 
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
-                setattr(layer, name, QuantLinear(getattr(layer, name).weight, Q4_1, threads))
-        self.lm_head = QuantLinear(self.lm_head.weight, Q8_0, threads)
+                setattr(layer, name, QuantLinear(getattr(layer, name).weight, Q4_1, threads, act_bits))
+        self.lm_head = QuantLinear(self.lm_head.weight, Q8_0, threads, act_bits)
         self.weight_format = "int4"
         self._decode_layers = self._int4_decoder = None
 
@@ -459,9 +460,9 @@ class LlamaModel(nn.Module):
                      v_cache: Sequence[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
                      slots: torch.Tensor, attend: DecodeAttention) -> torch.Tensor:
         """:meth:`decode` with int4 weights: six native calls a layer (``model/int4_decode.py``)."""
-        if self._int4_decoder is None:
-            from .int4_decode import Int4Decoder
+        from .int4_decode import DecodeBatch, Int4Decoder
 
+        if self._int4_decoder is None:
             self._int4_decoder = Int4Decoder(self)
-        return self._int4_decoder.step(token_ids, positions, k_cache, v_cache, block_table, seq_lens, slots, attend,
-                                       native_attention=self.attention_backend.endswith("[cpu]"))
+        return self._int4_decoder.step(DecodeBatch(token_ids, positions, slots, block_table, seq_lens), k_cache,
+                                       v_cache, attend, native_attention=self.attention_backend.endswith("[cpu]"))

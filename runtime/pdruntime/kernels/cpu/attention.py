@@ -11,6 +11,7 @@ path for others.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -56,14 +57,21 @@ def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out
 
 
-def rope_store_kv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, positions: torch.Tensor,
-                  cos: torch.Tensor, sin_signed: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor) -> None:
-    """RoPE on q and k of qkv [B, (Hq + 2 Hkv) * D] in place (rotate-half, ``sin_signed`` as the model keeps it),
-    then k and v stored at ``slots`` [B] int64 (flat rows of [num_pages * BLOCK, Hkv, D] caches)."""
-    assert head_dim <= MAX_HEAD_DIM and qkv.is_contiguous() and qkv.dtype == torch.float32
+class HeadShape(NamedTuple):
+    q: int  # query heads
+    kv: int  # KV heads
+    dim: int  # head dim
+
+
+def rope_store_kv(qkv: torch.Tensor, heads: HeadShape, positions: torch.Tensor, slots: torch.Tensor,
+                  rope: tuple[torch.Tensor, torch.Tensor], caches: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """RoPE on q and k of qkv [B, (Hq + 2 Hkv) * D] in place (rotate-half; rope = (cos, sin_signed) [max_pos, D] as
+    the model keeps them), then k and v stored at ``slots`` [B] int64 (flat rows of the [num_pages * BLOCK, Hkv, D]
+    caches = (k_cache, v_cache))."""
+    (cos, sin_signed), (k_cache, v_cache) = rope, caches
+    assert heads.dim <= MAX_HEAD_DIM and qkv.is_contiguous() and qkv.dtype == torch.float32
     assert positions.dtype == slots.dtype == torch.int64 and positions.is_contiguous() and slots.is_contiguous()
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.float32
-    native().pdrt_rope_store_kv(qkv.data_ptr(), qkv.shape[0], num_q_heads, num_kv_heads, head_dim,
-                                positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(),
-                                k_cache.data_ptr(), v_cache.data_ptr())
+    native().pdrt_rope_store_kv(qkv.data_ptr(), qkv.shape[0], heads.q, heads.kv, heads.dim, positions.data_ptr(),
+                                cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
+                                v_cache.data_ptr())

@@ -13,13 +13,16 @@
  *          bytes are [b0[0:16], b1[0:16], b0[16:32], b1[16:32]] (the same halves a Q4_1 pair's nibbles give);
  *          a lone last block is in element order.
  *   d, m:  [N, K/32] f16, as GGUF stores them (m unused by Q8_0)
- * Activations are quantised per 32-block of each row to int8 (x ~ dx * x8, dx = max|x| / 127), as llama.cpp's
- * Q8_1 does, so one block's product is one integer dot:
+ * Activations are quantised per 32-block of each row to 16-bit integers (x ~ dx * xq, dx = max|x| / 32767: the
+ * default, within ~1e-5 of the block's largest value, so products keep fp32's next-token choices) or to int8
+ * (dx = max|x| / 127, as llama.cpp's Q8_1 does: cheaper, and on SmolLM2 it changes 1 next-token choice in 18),
+ * so one block's product is one integer dot (vpdpwssd or vpdpbusd):
  *   y[b, n] = sum_j d[n, j] * dx[b, j] * dot(q[n, j], x8[b, j]) + sum_j m'[n, j] * s[b, j]
  * Q4_1: m' = m and s = sum of the block's fp32 x (exact); Q8_0: m' = d and s = -128 * dx * sum(x8) (the +128
- * bias of the stored weights taken back out). x8 is laid out in pairs like Q8_0's weights, and dx per pair as
- * 8 floats [dx0 x4, dx1 x4]: one 256-bit vpdpbusd over a pair's low halves and one over its high halves leave
- * block 2p's sum in lanes 0-3 and block 2p+1's in lanes 4-7, scaled by one multiply.
+ * bias of the stored weights taken back out). xq is laid out in pairs like Q8_0's weights, and dx per pair as
+ * [dx0 x L, dx1 x L] (L = 4 for int8, 8 for int16): one vpdpbusd (256-bit) or vpdpwssd (512-bit) over a pair's
+ * low halves and one over its high halves leave block 2p's sum in lanes 0..L-1 and block 2p+1's in the next L,
+ * scaled by one multiply.
  *
  * Paged KV cache (the engine's layout): k, v: [num_pages, BLOCK, Hkv, D] f32; block_table [B, max_pages] i32;
  * query head h reads KV head h / (Hq / Hkv).
@@ -47,7 +50,7 @@ enum { FMT_Q4_1 = 0, FMT_Q8_0 = 1 };
 
 int pdrt_simd_level(void) { return PDRT_VNNI ? 2 : 0; }  /* 2: AVX-512 VNNI, 0: portable C */
 
-/* Byte offset of element i (0..31) of block j inside a row stored in pairs (x8, Q8_0 weights). */
+/* Element offset of element i (0..31) of block j inside a row stored in pairs (xq, Q8_0 weights). */
 static inline int64_t paired(int64_t nb, int64_t j, int i) {
     if ((j | 1) >= nb) return j * QK + i;  /* a lone last block */
     return (j & ~1) * QK + (i >= 16) * 32 + (j & 1) * 16 + (i & 15);
@@ -55,15 +58,17 @@ static inline int64_t paired(int64_t nb, int64_t j, int i) {
 
 /* ------------------------------------------------------------------ activations */
 
-/* Per activation row: x8 [K] (paired), dxe [8 * (nb / 2) + 1] (per pair: dx0 x4, dx1 x4; then a lone block's
- * dx), s [nb]. */
-static inline int64_t dxe_len(int64_t nb) { return 8 * (nb / 2) + 1; }
+/* Per activation row: xq [K] (paired int8 or int16), dxe [dxe_len] (per pair: dx0 x L, dx1 x L; then a lone
+ * block's dx), s [nb]. */
+static inline int64_t lanes(int act) { return act == 16 ? 8 : 4; }
+static inline int64_t dxe_len(int64_t nb, int act) { return 2 * lanes(act) * (nb / 2) + 1; }
 
-/* One row of x (K floats) after its pre-op, quantised (see above); tmp: K floats of scratch. */
-static void quantize_row(const float *x, int64_t K, int pre, const float *norm_w, float eps, int fmt,
-                         int8_t *x8, float *dxe, float *s, float *tmp) {
+/* One row of x (K floats) after its pre-op, quantised to act (8 or 16) bits (see above); tmp: K floats. */
+static void quantize_row(const float *x, int64_t K, int pre, const float *norm_w, float eps, int fmt, int act,
+                         void *xq, float *dxe, float *s, float *tmp) {
     const float *src = x;
-    const int64_t nb = K / QK;
+    const int64_t nb = K / QK, L = lanes(act);
+    const float qmax = act == 16 ? 32767.0f : 127.0f;
     if (pre == PRE_RMSNORM) {
         double ss = 0.0;
         for (int64_t i = 0; i < K; i++) ss += (double)x[i] * x[i];
@@ -85,17 +90,18 @@ static void quantize_row(const float *x, int64_t K, int pre, const float *norm_w
             amax = a > amax ? a : amax;
             sum += b[i];
         }
-        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        int isum = 0;
+        float d = amax / qmax, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int64_t isum = 0;
         for (int i = 0; i < QK; i++) {
             int q = (int)lrintf(b[i] * id);
-            x8[paired(nb, j, i)] = (int8_t)q;
+            if (act == 16) ((int16_t *)xq)[paired(nb, j, i)] = (int16_t)q;
+            else ((int8_t *)xq)[paired(nb, j, i)] = (int8_t)q;
             isum += q;
         }
         if ((j | 1) < nb) {
-            for (int l = 0; l < 4; l++) dxe[(j / 2) * 8 + (j & 1) * 4 + l] = d;
+            for (int64_t l = 0; l < L; l++) dxe[(j / 2) * 2 * L + (j & 1) * L + l] = d;
         } else {
-            dxe[8 * (nb / 2)] = d;
+            dxe[2 * L * (nb / 2)] = d;
         }
         s[j] = fmt == FMT_Q4_1 ? sum : -128.0f * d * (float)isum;
     }
@@ -111,13 +117,51 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* y[r, n0 + c] (+)= row n0 + c of W times activation row r, for c < nr (<= NR), r < mr (<= MR). */
-static inline __attribute__((always_inline)) void tile(const uint8_t *wq, const f16 *d, const f16 *m,
+/* The pair's two f16 scales of weight row w as [d0 x L, d1 x L] in the low 2L float lanes. */
+static inline __m128 pair_scales(const f16 *d) {
+    uint32_t two;
+    memcpy(&two, d, sizeof two);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)two));
+}
+
+/* A pair of weight blocks as its low and high halves, one unsigned byte per element (see the header). */
+static inline void load_pair(const uint8_t *w, int fmt, __m256i *lo, __m256i *hi) {
+    if (fmt == FMT_Q4_1) {
+        const __m256i nib = _mm256_set1_epi8(0x0F);
+        __m256i v = _mm256_loadu_si256((const __m256i *)w);
+        *lo = _mm256_and_si256(v, nib);
+        *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    } else {
+        *lo = _mm256_loadu_si256((const __m256i *)w);
+        *hi = _mm256_loadu_si256((const __m256i *)(w + 32));
+    }
+}
+
+/* A lone last block, one unsigned byte per element in element order. */
+static inline __m256i load_lone(const uint8_t *w, int fmt) {
+    if (fmt == FMT_Q8_0) return _mm256_loadu_si256((const __m256i *)w);
+    __m128i v = _mm_loadu_si128((const __m128i *)w);
+    return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1),
+                            _mm256_set1_epi8(0x0F));
+}
+
+/* The m' term of row n0 + c for activation row r (see the header), plus the lanes of acc. */
+static inline float row_total(float lanes_sum, const f16 *mrow, const float *srow, int64_t nb) {
+    __m256 t = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= nb; j += 8)
+        t = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mrow + j))), _mm256_loadu_ps(srow + j), t);
+    float v = lanes_sum + hsum8(t);
+    for (; j < nb; j++) v += (float)mrow[j] * srow[j];
+    return v;
+}
+
+/* y[r, n0 + c] (+)= row n0 + c of W times int8 activation row r, for c < nr (<= NR), r < mr (<= MR). */
+static inline __attribute__((always_inline)) void tile8(const uint8_t *wq, const f16 *d, const f16 *m,
         int64_t K, int64_t n0, const int nr, const int8_t *x8, const float *dxe, const float *s, const int mr,
         float *y, int64_t ldy, int accumulate, int fmt) {
-    const int64_t nb = K / QK, np = nb / 2, row_bytes = fmt == FMT_Q4_1 ? K / 2 : K, dxl = dxe_len(nb);
-    const __m256i nib = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
-    const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const int64_t nb = K / QK, np = nb / 2, row_bytes = fmt == FMT_Q4_1 ? K / 2 : K, dxl = dxe_len(nb, 8);
+    const __m256i zero = _mm256_setzero_si256(), spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     __m256 acc[NR][MR];
     for (int c = 0; c < nr; c++)
         for (int r = 0; r < mr; r++) acc[c][r] = _mm256_setzero_ps();
@@ -125,19 +169,8 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *wq, const 
         __m256i lo[NR], hi[NR];
         __m256 dv[NR];
         for (int c = 0; c < nr; c++) {
-            const uint8_t *w = wq + (n0 + c) * row_bytes + p * (fmt == FMT_Q4_1 ? 32 : 64);
-            if (fmt == FMT_Q4_1) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)w);
-                lo[c] = _mm256_and_si256(v, nib);
-                hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-            } else {
-                lo[c] = _mm256_loadu_si256((const __m256i *)w);
-                hi[c] = _mm256_loadu_si256((const __m256i *)(w + 32));
-            }
-            uint32_t two;  /* the pair's two f16 scales */
-            memcpy(&two, d + (n0 + c) * nb + 2 * p, sizeof two);
-            __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)two));
-            dv[c] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dd), spread);  /* [d0 x4, d1 x4] */
+            load_pair(wq + (n0 + c) * row_bytes + p * (fmt == FMT_Q4_1 ? 32 : 64), fmt, &lo[c], &hi[c]);
+            dv[c] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair_scales(d + (n0 + c) * nb + 2 * p)), spread);
         }
         for (int r = 0; r < mr; r++) {
             const int8_t *xr = x8 + r * K + p * 64;
@@ -149,17 +182,10 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *wq, const 
             }
         }
     }
-    if (nb & 1) {  /* a lone last block, elements in order */
+    if (nb & 1) {
         const int64_t j = nb - 1;
         for (int c = 0; c < nr; c++) {
-            const uint8_t *w = wq + (n0 + c) * row_bytes + j * (fmt == FMT_Q4_1 ? 16 : 32);
-            __m256i wv;
-            if (fmt == FMT_Q4_1) {
-                __m128i v = _mm_loadu_si128((const __m128i *)w);
-                wv = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1), nib);
-            } else {
-                wv = _mm256_loadu_si256((const __m256i *)w);
-            }
+            __m256i wv = load_lone(wq + (n0 + c) * row_bytes + j * (fmt == FMT_Q4_1 ? 16 : 32), fmt);
             float dj = (float)d[(n0 + c) * nb + j];
             for (int r = 0; r < mr; r++) {
                 __m256i pi = _mm256_dpbusd_epi32(zero, wv, _mm256_loadu_si256((const __m256i *)(x8 + r * K + j * QK)));
@@ -168,45 +194,91 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *wq, const 
         }
     }
     const f16 *mm = fmt == FMT_Q4_1 ? m : d;
-    for (int c = 0; c < nr; c++) {
-        const f16 *mrow = mm + (n0 + c) * nb;
+    for (int c = 0; c < nr; c++)
         for (int r = 0; r < mr; r++) {
-            const float *srow = s + r * nb;
-            __m256 t = _mm256_setzero_ps();
-            int64_t j = 0;
-            for (; j + 8 <= nb; j += 8)
-                t = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mrow + j))), _mm256_loadu_ps(srow + j), t);
-            float v = hsum8(acc[c][r]) + hsum8(t);
-            for (; j < nb; j++) v += (float)mrow[j] * srow[j];
-            float *out = y + r * ldy + n0 + c;
+            float *out = y + r * ldy + n0 + c, v = row_total(hsum8(acc[c][r]), mm + (n0 + c) * nb, s + r * nb, nb);
             *out = accumulate ? *out + v : v;
         }
-    }
 }
+
+/* tile8 with int16 activations: weights widened to 16 bits, 512-bit vpdpwssd. */
+static inline __attribute__((always_inline)) void tile16(const uint8_t *wq, const f16 *d, const f16 *m,
+        int64_t K, int64_t n0, const int nr, const int16_t *x16, const float *dxe, const float *s, const int mr,
+        float *y, int64_t ldy, int accumulate, int fmt) {
+    const int64_t nb = K / QK, np = nb / 2, row_bytes = fmt == FMT_Q4_1 ? K / 2 : K, dxl = dxe_len(nb, 16);
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m512 acc[NR][MR];
+    for (int c = 0; c < nr; c++)
+        for (int r = 0; r < mr; r++) acc[c][r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < np; p++) {
+        __m512i lo[NR], hi[NR];
+        __m512 dv[NR];
+        for (int c = 0; c < nr; c++) {
+            __m256i l8, h8;
+            load_pair(wq + (n0 + c) * row_bytes + p * (fmt == FMT_Q4_1 ? 32 : 64), fmt, &l8, &h8);
+            lo[c] = _mm512_cvtepu8_epi16(l8);
+            hi[c] = _mm512_cvtepu8_epi16(h8);
+            dv[c] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(pair_scales(d + (n0 + c) * nb + 2 * p)));
+        }
+        for (int r = 0; r < mr; r++) {
+            const int16_t *xr = x16 + r * K + p * 64;
+            __m512i xl = _mm512_loadu_si512(xr), xh = _mm512_loadu_si512(xr + 32);
+            __m512 dxv = _mm512_loadu_ps(dxe + r * dxl + p * 16);
+            for (int c = 0; c < nr; c++) {
+                __m512i pi = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(zero, lo[c], xl), hi[c], xh);
+                acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pi), _mm512_mul_ps(dv[c], dxv), acc[c][r]);
+            }
+        }
+    }
+    if (nb & 1) {
+        const int64_t j = nb - 1;
+        for (int c = 0; c < nr; c++) {
+            __m512i wv = _mm512_cvtepu8_epi16(load_lone(wq + (n0 + c) * row_bytes + j * (fmt == FMT_Q4_1 ? 16 : 32), fmt));
+            float dj = (float)d[(n0 + c) * nb + j];
+            for (int r = 0; r < mr; r++) {
+                __m512i pi = _mm512_dpwssd_epi32(zero, wv, _mm512_loadu_si512(x16 + r * K + j * QK));
+                acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pi), _mm512_set1_ps(dj * dxe[r * dxl + 16 * np]), acc[c][r]);
+            }
+        }
+    }
+    const f16 *mm = fmt == FMT_Q4_1 ? m : d;
+    for (int c = 0; c < nr; c++)
+        for (int r = 0; r < mr; r++) {
+            float *out = y + r * ldy + n0 + c, v = row_total(_mm512_reduce_add_ps(acc[c][r]), mm + (n0 + c) * nb, s + r * nb, nb);
+            *out = accumulate ? *out + v : v;
+        }
+}
+
+#define TILE(ACT, NRV, MRV) (ACT == 16 ? tile16(wq, d, m, K, n, NRV, (const int16_t *)xr, dxr, sr, MRV, yr, ldy, accumulate, fmt) \
+                                       : tile8(wq, d, m, K, n, NRV, (const int8_t *)xr, dxr, sr, MRV, yr, ldy, accumulate, fmt))
 #else
-/* Block j of weight row w (Q4_1 nibbles, or Q8_0 paired) dotted with block j of x8 (paired). */
-static inline int block_dot(const uint8_t *row, const int8_t *x8, int64_t nb, int64_t j, int fmt) {
-    int acc = 0;
+/* Block j of weight row w (Q4_1 nibbles, or Q8_0 paired) dotted with block j of xq (paired, act bits). */
+static inline int64_t block_dot(const uint8_t *row, const void *xq, int act, int64_t nb, int64_t j, int fmt) {
+    int64_t acc = 0;
     for (int i = 0; i < QK; i++) {
         int w = fmt == FMT_Q8_0 ? row[paired(nb, j, i)]
                                 : (i < 16 ? row[j * 16 + i] & 15 : row[j * 16 + i - 16] >> 4);
-        acc += w * x8[paired(nb, j, i)];
+        int64_t xi = act == 16 ? ((const int16_t *)xq)[paired(nb, j, i)] : ((const int8_t *)xq)[paired(nb, j, i)];
+        acc += w * xi;
     }
     return acc;
 }
 
-static inline void tile(const uint8_t *wq, const f16 *d, const f16 *m, int64_t K, int64_t n0, const int nr,
-        const int8_t *x8, const float *dxe, const float *s, const int mr, float *y, int64_t ldy, int accumulate,
+static inline void tile_portable(const uint8_t *wq, const f16 *d, const f16 *m, int64_t K, int64_t n0, const int nr,
+        const void *xq, int act, const float *dxe, const float *s, const int mr, float *y, int64_t ldy, int accumulate,
         int fmt) {
-    const int64_t nb = K / QK, row_bytes = fmt == FMT_Q4_1 ? K / 2 : K, dxl = dxe_len(nb);
+    const int64_t nb = K / QK, row_bytes = fmt == FMT_Q4_1 ? K / 2 : K, dxl = dxe_len(nb, act), L = lanes(act);
     const f16 *mm = fmt == FMT_Q4_1 ? m : d;
+    const size_t esz = act == 16 ? 2 : 1;
     for (int c = 0; c < nr; c++) {
         const uint8_t *row = wq + (n0 + c) * row_bytes;
         for (int r = 0; r < mr; r++) {
             float v = 0.0f;
             for (int64_t j = 0; j < nb; j++) {
-                float dx = (j | 1) < nb ? dxe[r * dxl + (j / 2) * 8 + (j & 1) * 4] : dxe[r * dxl + 8 * (nb / 2)];
-                v += (float)d[(n0 + c) * nb + j] * dx * (float)block_dot(row, x8 + r * K, nb, j, fmt)
+                float dx = (j | 1) < nb ? dxe[r * dxl + (j / 2) * 2 * L + (j & 1) * L] : dxe[r * dxl + 2 * L * (nb / 2)];
+                v += (float)d[(n0 + c) * nb + j] * dx
+                         * (float)block_dot(row, (const char *)xq + r * K * esz, act, nb, j, fmt)
                      + (float)mm[(n0 + c) * nb + j] * s[r * nb + j];
             }
             float *out = y + r * ldy + n0 + c;
@@ -214,19 +286,21 @@ static inline void tile(const uint8_t *wq, const f16 *d, const f16 *m, int64_t K
         }
     }
 }
+
+#define TILE(ACT, NRV, MRV) tile_portable(wq, d, m, K, n, NRV, xr, ACT, dxr, sr, MRV, yr, ldy, accumulate, fmt)
 #endif
 
-/* Rows [n_lo, n_hi) of y for activation rows [r0, r0 + mr). */
+/* Rows [n_lo, n_hi) of y for activation rows [r0, r0 + mr) of xq (act bits). */
 static void rows_range(const uint8_t *wq, const f16 *d, const f16 *m, int64_t K, int64_t n_lo, int64_t n_hi,
-                       const int8_t *x8, const float *dxe, const float *s, int64_t r0, int mr, float *y, int64_t ldy,
-                       int accumulate, int fmt) {
+                       const void *xq, int act, const float *dxe, const float *s, int64_t r0, int mr, float *y,
+                       int64_t ldy, int accumulate, int fmt) {
     const int64_t nb = K / QK;
-    const int8_t *xr = x8 + r0 * K;
-    const float *dxr = dxe + r0 * dxe_len(nb), *sr = s + r0 * nb;
+    const void *xr = (const char *)xq + r0 * K * (act == 16 ? 2 : 1);
+    const float *dxr = dxe + r0 * dxe_len(nb, act), *sr = s + r0 * nb;
     float *yr = y + r0 * ldy;
     int64_t n = n_lo;
-#define PDRT_TILE(NRV, MRV) tile(wq, d, m, K, n, NRV, xr, dxr, sr, MRV, yr, ldy, accumulate, fmt)
-#define PDRT_TILES(NRV) if (mr == 1) PDRT_TILE(NRV, 1); else PDRT_TILE(NRV, 2);
+#define PDRT_TILES(NRV) if (act == 16) { if (mr == 1) TILE(16, NRV, 1); else TILE(16, NRV, 2); } \
+                        else { if (mr == 1) TILE(8, NRV, 1); else TILE(8, NRV, 2); }
     const int64_t row_bytes = fmt == FMT_Q4_1 ? K / 2 : K, ahead = 2 * NR;
     for (; n + NR <= n_hi; n += NR) {
         /* Weight rows are read once per call, straight from DRAM: fetch the tile two tiles ahead (its quants and
@@ -244,24 +318,24 @@ static void rows_range(const uint8_t *wq, const f16 *d, const f16 *m, int64_t K,
     }
     for (; n < n_hi; n++) { PDRT_TILES(1) }
 #undef PDRT_TILES
-#undef PDRT_TILE
 }
 
-/* y[M, N] (+)= pre(x)[M, K] @ W^T for a Q4_1 or Q8_0 W (see the header). x rows are ldx floats apart (for
- * PRE_SWIGLU a row holds [gate K | up K]); y rows ldy apart. pre: PRE_NONE | PRE_RMSNORM (norm_w [K], eps) |
- * PRE_SWIGLU. accumulate: add into y (the residual) instead of overwriting it. Returns 0, or -1 when out of
- * memory (nothing written). */
+/* y[M, N] (+)= pre(x)[M, K] @ W^T for a Q4_1 or Q8_0 W (see the header), activations quantised to act (8 or 16)
+ * bits. x rows are ldx floats apart (for PRE_SWIGLU a row holds [gate K | up K]); y rows ldy apart. pre:
+ * PRE_NONE | PRE_RMSNORM (norm_w [K], eps) | PRE_SWIGLU. accumulate: add into y (the residual) instead of
+ * overwriting it. Returns 0, or -1 when out of memory (nothing written). */
 int pdrt_quant_linear(const float *x, int64_t M, int64_t ldx, int64_t K, int pre, const float *norm_w, float eps,
-                      const uint8_t *wq, const f16 *d, const f16 *m, int64_t N, int fmt,
+                      const uint8_t *wq, const f16 *d, const f16 *m, int64_t N, int fmt, int act,
                       float *y, int64_t ldy, int accumulate, int nthreads) {
-    const int64_t nb = K / QK, dxl = dxe_len(nb);
-    int8_t *x8 = malloc((size_t)(M * K));
+    const int64_t nb = K / QK, dxl = dxe_len(nb, act), esz = act == 16 ? 2 : 1;
+    char *xq = malloc((size_t)(M * K * esz));
     float *dxe = malloc(sizeof(float) * (size_t)(M * (dxl + nb + K)));
-    if (!x8 || !dxe) { free(x8); free(dxe); return -1; }
+    if (!xq || !dxe) { free(xq); free(dxe); return -1; }
     float *s = dxe + M * dxl, *tmp = s + M * nb;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
     for (int64_t r = 0; r < M; r++)
-        quantize_row(x + r * ldx, K, pre, norm_w, eps, fmt, x8 + r * K, dxe + r * dxl, s + r * nb, tmp + r * K);
+        quantize_row(x + r * ldx, K, pre, norm_w, eps, fmt, act, xq + r * K * esz, dxe + r * dxl, s + r * nb,
+                     tmp + r * K);
     /* Split N into chunks of whole tiles; each chunk runs every activation tile over its weight rows, so a
      * chunk's weights are read from memory once and stay in cache across the activation tiles. */
     const int64_t chunk = NR * 8, nchunks = (N + chunk - 1) / chunk;
@@ -269,9 +343,10 @@ int pdrt_quant_linear(const float *x, int64_t M, int64_t ldx, int64_t K, int pre
     for (int64_t c = 0; c < nchunks; c++) {
         int64_t lo = c * chunk, hi = lo + chunk < N ? lo + chunk : N;
         for (int64_t r0 = 0; r0 < M; r0 += MR)
-            rows_range(wq, d, m, K, lo, hi, x8, dxe, s, r0, (int)(M - r0 < MR ? M - r0 : MR), y, ldy, accumulate, fmt);
+            rows_range(wq, d, m, K, lo, hi, xq, act, dxe, s, r0, (int)(M - r0 < MR ? M - r0 : MR), y, ldy,
+                       accumulate, fmt);
     }
-    free(x8);
+    free(xq);
     free(dxe);
     return 0;
 }

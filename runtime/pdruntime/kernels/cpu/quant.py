@@ -5,8 +5,10 @@ Q4_1 and its embedding (tied to the output head) as Q8_0, and re-quantising thei
 same rule (min/max over each block of 32; max|w| / 127) gives back the file's own blocks. Scales are fp16, as in
 the file: 20 bytes per 32 weights for Q4_1, 34 for Q8_0.
 
-Few activation rows (decode: one per sequence) run the native kernel, which reads 4.5 (or 8.5) bits a weight
-instead of 32 and quantises the activations per block of 32 to int8 as llama.cpp does. Many rows (prefill
+Few activation rows (decode: one per sequence) run the native kernel, which reads 5 (or 8.5) bits a weight
+instead of 32 and quantises the activations per block of 32 to 16-bit integers (``act_bits=16``, the default: the
+next-token choices stay fp32's) or to int8 as llama.cpp does (``act_bits=8``: cheaper, and on SmolLM2 it changes
+one next-token choice in 18, docs/benchmarks.md). Many rows (prefill
 chunks) dequantise the weight into a reused fp32 buffer and take torch's BLAS matmul: that is compute-bound,
 and it keeps prefill's numerics those of the fp32 model.
 """
@@ -87,8 +89,11 @@ _scratch = _Scratch()
 class QuantLinear(nn.Module):
     """A bias-free Linear whose weight is held as Q4_1 or Q8_0 blocks. Call under torch.inference_mode()."""
 
-    def __init__(self, weight: torch.Tensor, fmt: int, threads: int | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, fmt: int, threads: int | None = None, act_bits: int = 16) -> None:
         super().__init__()
+        if act_bits not in (8, 16):
+            raise ValueError(f"act_bits={act_bits} is not accepted; accepted: 8, 16")
+        self.act_bits = act_bits
         out_features, in_features = weight.shape
         if in_features % QK:
             raise ValueError(f"a quantised Linear needs in_features divisible by {QK}, got {in_features}")
@@ -139,7 +144,8 @@ class QuantLinear(nn.Module):
         assert out.shape == (rows, self.out_features) and out.stride(-1) == 1
         rc = self._lib.pdrt_quant_linear(x.data_ptr(), rows, x.stride(0), self.in_features, pre, _ptr(norm), eps,
                                          self.wq.data_ptr(), self.d.data_ptr(), _ptr(self.m), self.out_features,
-                                         self.fmt, out.data_ptr(), out.stride(0), int(accumulate), self._nthreads())
+                                         self.fmt, self.act_bits, out.data_ptr(), out.stride(0), int(accumulate),
+                                         self._nthreads())
         if rc != 0:
             raise MemoryError(f"pdrt_quant_linear could not allocate its activation buffers ({rows} x "
                               f"{self.in_features})")
@@ -157,4 +163,5 @@ class QuantLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format_name}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format_name}, "
+                f"act_bits={self.act_bits}")
