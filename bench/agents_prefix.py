@@ -4,6 +4,7 @@ llama.cpp's server with its prompt cache, in one run on the same GGUF.
 
     .venv/bin/python bench/agents_prefix.py [--agents 8] [--rounds 10] [--tool-tokens 200] [--max-tokens 32]
         [--llama-python /work/peers-venv/bin/python] [--systems on off llama] [--threads 2] [--dtype auto]
+        [--weights auto]
 
 Each of AGENTS agents holds one chat conversation. Every round it streams a chat completion of MAX_TOKENS
 tokens (greedy, EOS ignored where the server allows), then appends the assistant's reply and a tool result of
@@ -170,7 +171,7 @@ def systems(args, log_dir: str) -> list[System]:
             base = free_port_block(3)
             argv = [os.path.join(os.path.dirname(sys.executable), "pdrt"), "up", "--pairs", "1", "--port", str(port),
                     "--base-port", str(base), "--model", gguf, "--threads", str(args.threads), "--max-model-len", "8192",
-                    "--kv-cache-mib", "2048", "--dtype", args.dtype,
+                    "--kv-cache-mib", "2048", "--dtype", args.dtype, "--weights", args.weights,
                     "--prefix-cache" if which == "on" else "--no-prefix-cache"]
             out.append(System(f"pdstack, prefix cache {which}", argv, port, log_dir, f"http://127.0.0.1:{base}"))
         else:
@@ -238,6 +239,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="pdstack's torch threads per worker (default 2: each worker may use both cores, as "
                          "llama.cpp's 2 threads do; the two workers' busy spells only partly overlap)")
     ap.add_argument("--dtype", default="auto", help="pdstack's --dtype (auto: fp32 on the CPU)")
+    ap.add_argument("--weights", default="auto", choices=("auto", "fp32", "int4", "int8"),
+                    help="pdstack's --weights (auto, pdrt up's default: int4 on the CPU)")
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded SmolLM2)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -307,7 +307,11 @@ class LlamaModel(nn.Module):
         ``NativeUnavailable`` (saying why) where the kernels cannot be built."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise ValueError(f"int4 weights need an fp32 model on cpu, got {self.dtype} on {self.device}")
+        from pdruntime.kernels.cpu.attention import MAX_HEAD_DIM
         from pdruntime.kernels.cpu.quant import Q4_1, Q8_0, QuantLinear
+
+        if self.config.head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"int4 decode takes head_dim <= {MAX_HEAD_DIM}, the model has {self.config.head_dim}")
 
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
