@@ -31,6 +31,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define PDRT_VNNI 1
@@ -438,140 +441,187 @@ static inline __m512 exp512(__m512 x) {
 }
 #endif
 
-/* One (sequence, KV head) over tokens [t0, t1): the unnormalised softmax-weighted V of its G query heads and their
- * running max and sum, out: acc [G, D], mx [G], sum [G]. Chunks of TCHUNK tokens: all G scores of a chunk (each
- * K row read once), one online-softmax update per head, then V read once per head from L1.
- * DV = D / 16 when the AVX-512 path takes it (a constant after inlining: the loops over D unroll), else 0. */
-static inline __attribute__((always_inline)) void attend_span_dv(const float *q, int64_t G, int64_t D,
-        const float *k_cache, const float *v_cache, const int32_t *pages, int64_t BLOCK, int64_t Hkv, int64_t kvh,
-        int64_t t0, int64_t t1, float scale, float *acc, float *mx, float *sum, const int DV) {
+/* Attention state of one query head over a span: acc [D] (unnormalised softmax-weighted V), running max and sum.
+ * A work item is one sequence's span and walks it in chunks of TCHUNK tokens; each chunk updates every KV head's
+ * G query heads from the chunk's K and V rows, which hold all KV heads of a token side by side: the item reads
+ * its pages front to back. q is pre-scaled by the softmax scale. */
+
+#if PDRT_VNNI
+/* One chunk, one KV head, DV = D / 16 (a constant after inlining); with REG the G query heads and accumulators
+ * live in registers for the chunk (G * DV <= 12), else they are read from L1 per token. */
+static inline __attribute__((always_inline)) void chunk_vec(const float *q, const int G, const int DV,
+        const float **kr, const float **vr, int n, float *acc, float *mx, float *sum) {
+    const int64_t D = 16 * DV;
+    const int reg = G <= 4 && DV <= 4;
     float sc[GMAX][TCHUNK] __attribute__((aligned(64)));
-    for (int64_t g = 0; g < G; g++) { mx[g] = -INFINITY; sum[g] = 0.0f; }
-    memset(acc, 0, sizeof(float) * (size_t)(G * D));
+    __m512 qv[4][4];
+    if (reg)
+        for (int g = 0; g < G; g++)
+            for (int v = 0; v < DV; v++) qv[g][v] = _mm512_loadu_ps(q + g * D + 16 * v);
+    for (int t = 0; t < n; t++) {
+        __m512 kv[8];
+        for (int v = 0; v < DV; v++) kv[v] = _mm512_loadu_ps(kr[t] + 16 * v);
+        for (int g = 0; g < G; g++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int v = 0; v < DV; v++)
+                a = _mm512_fmadd_ps(reg ? qv[g][v] : _mm512_loadu_ps(q + g * D + 16 * v), kv[v], a);
+            sc[g][t] = _mm512_reduce_add_ps(a);
+        }
+    }
+    const __mmask16 live = (__mmask16)((1u << n) - 1u);
+    for (int g = 0; g < G; g++) {
+        __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc[g]);
+        float nmax = _mm512_reduce_max_ps(sv);
+        nmax = nmax > mx[g] ? nmax : mx[g];
+        float corr = expf(mx[g] - nmax);  /* 0 on the first chunk: exp(-inf) */
+        __m512 pv = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(nmax))));
+        _mm512_store_ps(sc[g], pv);
+        sum[g] = sum[g] * corr + _mm512_reduce_add_ps(pv);
+        mx[g] = nmax;
+        if (corr != 1.0f)
+            for (int v = 0; v < DV; v++)
+                _mm512_storeu_ps(acc + g * D + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * v), _mm512_set1_ps(corr)));
+    }
+    __m512 av[4][4];
+    if (reg)
+        for (int g = 0; g < G; g++)
+            for (int v = 0; v < DV; v++) av[g][v] = _mm512_loadu_ps(acc + g * D + 16 * v);
+    for (int t = 0; t < n; t++) {
+        __m512 vv[8];
+        for (int v = 0; v < DV; v++) vv[v] = _mm512_loadu_ps(vr[t] + 16 * v);
+        for (int g = 0; g < G; g++) {
+            __m512 pt = _mm512_set1_ps(sc[g][t]);
+            for (int v = 0; v < DV; v++) {
+                if (reg) av[g][v] = _mm512_fmadd_ps(pt, vv[v], av[g][v]);
+                else _mm512_storeu_ps(acc + g * D + 16 * v, _mm512_fmadd_ps(pt, vv[v], _mm512_loadu_ps(acc + g * D + 16 * v)));
+            }
+        }
+    }
+    if (reg)
+        for (int g = 0; g < G; g++)
+            for (int v = 0; v < DV; v++) _mm512_storeu_ps(acc + g * D + 16 * v, av[g][v]);
+}
+#endif
+
+/* The same for any D and G, plain C. */
+static void chunk_plain(const float *q, int64_t G, int64_t D, const float **kr, const float **vr, int n, float *acc,
+                        float *mx, float *sum) {
+    for (int64_t g = 0; g < G; g++) {
+        float sc[TCHUNK], cmax = -INFINITY;
+        for (int t = 0; t < n; t++) {
+            sc[t] = dot_f32(q + g * D, kr[t], D);
+            cmax = sc[t] > cmax ? sc[t] : cmax;
+        }
+        float nmax = cmax > mx[g] ? cmax : mx[g];
+        float corr = expf(mx[g] - nmax);
+        float *a = acc + g * D;
+        for (int64_t i = 0; i < D; i++) a[i] *= corr;
+        float ssum = sum[g] * corr;
+        for (int t = 0; t < n; t++) {
+            float p = expf(sc[t] - nmax);
+            ssum += p;
+            axpy_f32(a, p, vr[t], D);
+        }
+        mx[g] = nmax;
+        sum[g] = ssum;
+    }
+}
+
+/* One chunk of n tokens for KV head kvh: dispatch on (G, D) to a constant-shaped vector body where one exists. */
+static inline void attend_chunk(const float *q, int64_t G, int64_t D, const float **kr, const float **vr, int n,
+                                float *acc, float *mx, float *sum) {
+#if PDRT_VNNI
+#define PDRT_CHUNK(GV, DVV) chunk_vec(q, GV, DVV, kr, vr, n, acc, mx, sum)
+    if (D == 64 && G == 3) { PDRT_CHUNK(3, 4); return; }
+    if (D == 64 && G == 1) { PDRT_CHUNK(1, 4); return; }
+    if (D == 64 && G == 2) { PDRT_CHUNK(2, 4); return; }
+    if (D == 64 && G == 4) { PDRT_CHUNK(4, 4); return; }
+    if (D == 128 && G <= GMAX) { PDRT_CHUNK((int)G, 8); return; }
+    if (D == 64 && G <= GMAX) { PDRT_CHUNK((int)G, 4); return; }
+#undef PDRT_CHUNK
+#endif
+    chunk_plain(q, G, D, kr, vr, n, acc, mx, sum);
+}
+
+/* Sequence b's tokens [t0, t1), every query head: state [Hq] of (acc [D], then max and sum after all heads' accs).
+ * qs: [Hq, D] scratch for the pre-scaled queries. */
+static void attend_span(const float *q, int64_t Hq, int64_t Hkv, int64_t D, const float *k_cache,
+                        const float *v_cache, const int32_t *pages, int64_t BLOCK, int64_t t0, int64_t t1, float scale,
+                        float *acc, float *mx, float *sum, float *qs) {
+    const int64_t G = Hq / Hkv;
+    for (int64_t i = 0; i < Hq * D; i++) qs[i] = q[i] * scale;
+    for (int64_t h = 0; h < Hq; h++) { mx[h] = -INFINITY; sum[h] = 0.0f; }
+    memset(acc, 0, sizeof(float) * (size_t)(Hq * D));
     for (int64_t c0 = t0; c0 < t1; c0 += TCHUNK) {
         const int n = (int)(t1 - c0 < TCHUNK ? t1 - c0 : TCHUNK);
-        const float *kr[TCHUNK], *vr[TCHUNK];
+        const float *rows[TCHUNK];
         for (int t = 0; t < n; t++) {
-            int64_t tok = c0 + t, slot = (int64_t)pages[tok / BLOCK] * BLOCK + tok % BLOCK;
-            kr[t] = k_cache + (slot * Hkv + kvh) * D;
-            vr[t] = v_cache + (slot * Hkv + kvh) * D;
+            int64_t tok = c0 + t;
+            rows[t] = k_cache + ((int64_t)pages[tok / BLOCK] * BLOCK + tok % BLOCK) * Hkv * D;
         }
-#if PDRT_VNNI
-        if (DV) {
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            const float *kr[TCHUNK], *vr[TCHUNK];
             for (int t = 0; t < n; t++) {
-                __m512 kv[8];
-                for (int v = 0; v < DV; v++) kv[v] = _mm512_loadu_ps(kr[t] + 16 * v);
-                for (int64_t g = 0; g < G; g++) {
-                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), kv[0]);
-                    for (int v = 1; v < DV; v++) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * v), kv[v], a);
-                    sc[g][t] = _mm512_reduce_add_ps(a) * scale;
-                }
+                kr[t] = rows[t] + kvh * D;
+                vr[t] = v_cache + (rows[t] - k_cache) + kvh * D;
             }
-            const __mmask16 live = (__mmask16)((1u << n) - 1u);
-            for (int64_t g = 0; g < G; g++) {
-                __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc[g]);
-                float nmax = _mm512_reduce_max_ps(sv);
-                nmax = nmax > mx[g] ? nmax : mx[g];
-                float corr = expf(mx[g] - nmax);  /* 0 on the first chunk: exp(-inf) */
-                __m512 pv = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(nmax))));
-                _mm512_store_ps(sc[g], pv);
-                sum[g] = sum[g] * corr + _mm512_reduce_add_ps(pv);
-                mx[g] = nmax;
-                float *a = acc + g * D;
-                __m512 av[8];
-                for (int v = 0; v < DV; v++) av[v] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * v), _mm512_set1_ps(corr));
-                for (int t = 0; t < n; t++) {
-                    __m512 pt = _mm512_set1_ps(sc[g][t]);
-                    for (int v = 0; v < DV; v++) av[v] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vr[t] + 16 * v), av[v]);
-                }
-                for (int v = 0; v < DV; v++) _mm512_storeu_ps(a + 16 * v, av[v]);
-            }
-            continue;
-        }
-#endif
-        for (int64_t g = 0; g < G; g++) {
-            float cmax = -INFINITY;
-            for (int t = 0; t < n; t++) {
-                sc[g][t] = dot_f32(q + g * D, kr[t], D) * scale;
-                cmax = sc[g][t] > cmax ? sc[g][t] : cmax;
-            }
-            float nmax = cmax > mx[g] ? cmax : mx[g];
-            float corr = expf(mx[g] - nmax);
-            float *a = acc + g * D;
-            for (int64_t i = 0; i < D; i++) a[i] *= corr;
-            float ssum = sum[g] * corr;
-            for (int t = 0; t < n; t++) {
-                float p = expf(sc[g][t] - nmax);
-                ssum += p;
-                axpy_f32(a, p, vr[t], D);
-            }
-            mx[g] = nmax;
-            sum[g] = ssum;
+            attend_chunk(qs + kvh * G * D, G, D, kr, vr, n, acc + kvh * G * D, mx + kvh * G, sum + kvh * G);
         }
     }
 }
 
-static void attend_span(const float *q, int64_t G, int64_t D, const float *k_cache, const float *v_cache,
-                        const int32_t *pages, int64_t BLOCK, int64_t Hkv, int64_t kvh, int64_t t0, int64_t t1,
-                        float scale, float *acc, float *mx, float *sum) {
-#define PDRT_SPAN(DV) attend_span_dv(q, G, D, k_cache, v_cache, pages, BLOCK, Hkv, kvh, t0, t1, scale, acc, mx, sum, DV)
-    if (PDRT_VNNI && D == 64) PDRT_SPAN(4);
-    else if (PDRT_VNNI && D == 128) PDRT_SPAN(8);
-    else if (PDRT_VNNI && D == 32) PDRT_SPAN(2);
-    else PDRT_SPAN(0);
-#undef PDRT_SPAN
-}
-
 /* Decode attention over the paged cache: q [B, Hq, D] with rows ldq floats apart (q may sit inside qkv) ->
- * out [B, Hq * D]. Each sequence's context is cut into spans of at least min_span tokens so that B * Hkv * spans
- * work items keep nthreads busy; spans are merged by their max and sum (flash-decoding). Returns 0, or -1
- * when out of memory (nothing written) or when Hq / Hkv exceeds GMAX. */
+ * out [B, Hq * D]. Work items are (sequence, span): each sequence's context is cut into spans of at least
+ * min_span tokens while there are fewer items than 2 * nthreads; spans are merged by their max and sum
+ * (flash-decoding). Returns 0, or -1 when out of memory (nothing written) or when Hq / Hkv exceeds GMAX. */
 int pdrt_paged_attention(const float *q, int64_t ldq, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                          const float *k_cache, const float *v_cache, int64_t BLOCK, const int32_t *block_table,
                          int64_t max_pages, const int32_t *seq_lens, float scale, float *out, int nthreads,
                          int64_t min_span) {
-    const int64_t G = Hq / Hkv;
-    if (G > GMAX) return -1;
+    if (Hq / Hkv > GMAX) return -1;
     int64_t max_len = 1;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     int64_t spans = 1;
-    while (B * Hkv * spans < 2 * nthreads && max_len / (spans * 2) >= min_span) spans *= 2;
-    const int64_t items = B * Hkv * spans, per = G * (D + 2);
-    float *part = malloc(sizeof(float) * (size_t)(items * per));
+    while (B * spans < 2 * nthreads && max_len / (spans * 2) >= min_span) spans *= 2;
+    const int64_t items = B * spans, per = Hq * (D + 2);
+    float *part = malloc(sizeof(float) * (size_t)(items * per + (int64_t)nthreads * Hq * D));
     if (!part) return -1;
+    float *qscratch = part + items * per;
     #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t it = 0; it < items; it++) {
-        int64_t b = it / (Hkv * spans), kvh = (it / spans) % Hkv, sp = it % spans;
+        int64_t b = it / spans, sp = it % spans;
         int64_t len = seq_lens[b], step = (len + spans - 1) / spans;
         int64_t t0 = sp * step, t1 = t0 + step < len ? t0 + step : len;
         float *p = part + it * per;
         if (t0 >= t1) {  /* an empty span: a no-op in the merge */
-            for (int64_t g = 0; g < G; g++) { p[G * D + g] = -INFINITY; p[G * D + G + g] = 0.0f; }
+            for (int64_t h = 0; h < Hq; h++) { p[Hq * D + h] = -INFINITY; p[Hq * D + Hq + h] = 0.0f; }
             continue;
         }
-        attend_span(q + b * ldq + kvh * G * D, G, D, k_cache, v_cache, block_table + b * max_pages, BLOCK, Hkv,
-                    kvh, t0, t1, scale, p, p + G * D, p + G * D + G);
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        attend_span(q + b * ldq, Hq, Hkv, D, k_cache, v_cache, block_table + b * max_pages, BLOCK, t0, t1, scale,
+                    p, p + Hq * D, p + Hq * D + Hq, qscratch + tid * Hq * D);
     }
     for (int64_t b = 0; b < B; b++) {
-        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
-            const float *p0 = part + (b * Hkv + kvh) * spans * per;
-            for (int64_t g = 0; g < G; g++) {
-                float gmax = -INFINITY, total = 0.0f;
-                for (int64_t sp = 0; sp < spans; sp++) {
-                    float v = p0[sp * per + G * D + g];
-                    gmax = v > gmax ? v : gmax;
-                }
-                float *o = out + b * Hq * D + (kvh * G + g) * D;
-                memset(o, 0, sizeof(float) * (size_t)D);
-                for (int64_t sp = 0; sp < spans; sp++) {
-                    const float *p = p0 + sp * per;
-                    float w = p[G * D + g] == -INFINITY ? 0.0f : expf(p[G * D + g] - gmax);
-                    total += w * p[G * D + G + g];
-                    axpy_f32(o, w, p + g * D, D);
-                }
-                float inv = 1.0f / total;
-                for (int64_t i = 0; i < D; i++) o[i] *= inv;
+        const float *p0 = part + b * spans * per;
+        for (int64_t h = 0; h < Hq; h++) {
+            float gmax = -INFINITY, total = 0.0f;
+            for (int64_t sp = 0; sp < spans; sp++) {
+                float v = p0[sp * per + Hq * D + h];
+                gmax = v > gmax ? v : gmax;
             }
+            float *o = out + (b * Hq + h) * D;
+            memset(o, 0, sizeof(float) * (size_t)D);
+            for (int64_t sp = 0; sp < spans; sp++) {
+                const float *p = p0 + sp * per;
+                float w = p[Hq * D + h] == -INFINITY ? 0.0f : expf(p[Hq * D + h] - gmax);
+                total += w * p[Hq * D + Hq + h];
+                axpy_f32(o, w, p + h * D, D);
+            }
+            float inv = 1.0f / total;
+            for (int64_t i = 0; i < D; i++) o[i] *= inv;
         }
     }
     free(part);
