@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import time
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 
@@ -21,7 +20,9 @@ from pdruntime.server.router.topology import Pair
 from pdruntime.util import h1
 from pdruntime.util.aio import detach, within
 from pdruntime.util.headers import BUSY_WAIT_HEADER, DEADLINE_HEADER
-from pdruntime.util.sse import DONE, aiter_sse
+from pdruntime.util.sse import SSEBuffer
+
+DONE = b"[DONE]"  # decode's last SSE payload
 
 ABORT_TIMEOUT_S = 2.0  # seconds for the best-effort /abort_request calls
 PREFILL_VERDICT_WAIT_S = 1.0  # seconds a failed decode leg waits for prefill's answer (it may name a 4xx cause)
@@ -31,6 +32,7 @@ PREFILL_VERDICT_WAIT_S = 1.0  # seconds a failed decode leg waits for prefill's 
 #: when its process is frozen (the health prober catches those in 5 s), so this only has to outlast the router's
 #: own event loop being starved on a saturated host, where a 3-s limit failed healthy workers as unreachable
 CONNECT_TIMEOUT_S = 10.0
+DECODE_TIMEOUT = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
 
 
 class LegError(Exception):
@@ -86,9 +88,10 @@ def _stream_error(ev: dict) -> LegError:
     return _worker_error(st if isinstance(st, int) else 502, ev, "decode failed", "decode")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Outbound:
-    """What the router sends for one request, to whichever pair it goes: the workers' body and headers."""
+    """What the router sends for one request, to whichever pair it goes: the workers' body and headers (read-only
+    once built; not a frozen dataclass only because those cost a setattr call per field, per request)."""
 
     rid: str
     body: dict  # pdrt's /generate body without the bootstrap fields
@@ -122,7 +125,9 @@ class Legs:
         self.busy_until = out.busy_until
         self.prefill_task: asyncio.Task | None = None
         self.decode_resp: "h1.Response | None" = None
-        self._events: AsyncIterator[Any] | None = None  # decode's SSE payloads
+        self._sse = SSEBuffer()  # decode's body -> its SSE payloads
+        self._payloads: collections.deque[bytes] = collections.deque()  # received, not yet read
+        self._decode_done = False  # decode's stream ended ([DONE] or its body's end)
         self.stage = "dispatching"
         self.prefill_result: dict | None = None  # prefill's answer (meta_info: the first token's logprobs)
 
@@ -161,8 +166,9 @@ class Legs:
         headers = self.headers
         if self.busy_until is not None:
             headers = {**headers, BUSY_WAIT_HEADER: f"{max(0.0, self.busy_until - time.monotonic()):.3f}"}
+        # no read timeout of its own: first_event waits for its answer within the deadline, next_event each read
         req = self.client.build_request("POST", self.pair.decode_url + self.decode_req.path, json=self.decode_req.body,
-                                        headers=headers, timeout=httpx.Timeout(self.remaining() + 1.0, connect=CONNECT_TIMEOUT_S))
+                                        headers=headers, timeout=DECODE_TIMEOUT)
         try:
             self.decode_resp = await self.client.send(req, stream=True)
         except httpx.HTTPError as exc:
@@ -171,37 +177,56 @@ class Legs:
         if self.decode_resp.status_code != 200:
             raw = await self.decode_resp.aread()
             try:
-                payload = json.loads(raw)
+                payload = h1.loads(raw)
             except ValueError:
                 payload = None
             st = self.decode_resp.status_code
             raise _worker_error(st, payload, f"decode answered HTTP {st}", "decode", self.decode_resp.headers.get("retry-after"))
-        self._events = aiter_sse(self.decode_resp.aiter_lines())
         ev = await self._next_event()
         if ev is None:
             raise LegError(502, "decode stream ended before the first token", leg="decode", retryable=True)
         return ev
 
+    def _buffered_event(self) -> TokenEvent | None:
+        """Decode's next token event among what has already arrived (None: it must be waited for, or the stream
+        ended). An error event raises its LegError."""
+        while not self._pending:
+            if not self._payloads:
+                return None
+            data = self._payloads.popleft()
+            if data == DONE:
+                self._decode_done = True
+                self._payloads.clear()
+                return None
+            try:
+                ev = h1.loads(data)
+            except ValueError as exc:
+                raise LegError(502, f"decode sent a malformed event: {exc}", leg="decode", retryable=False) from None
+            if isinstance(ev, dict) and "error" in ev:
+                raise _stream_error(ev)
+            try:
+                self._pending.extend(self._read(ev))
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise LegError(502, f"decode sent a malformed event: {exc}", leg="decode", retryable=False) from None
+        return self._pending.popleft()
+
     async def _next_event(self) -> TokenEvent | None:
         """Decode's next token event (None: its stream ended). An error event raises its LegError."""
-        assert self._events is not None
-        if self._pending:
-            return self._pending.popleft()
-        try:
-            async for ev in self._events:
-                if ev == DONE:
-                    return None
-                if isinstance(ev, dict) and "error" in ev:
-                    raise _stream_error(ev)
-                try:
-                    self._pending.extend(self._read(ev))
-                except (ValueError, TypeError, AttributeError) as exc:
-                    raise LegError(502, f"decode sent a malformed event: {exc}", leg="decode", retryable=False) from None
-                if self._pending:
-                    return self._pending.popleft()
-        except httpx.HTTPError as exc:
-            raise LegError(502, f"decode stream broke: {type(exc).__name__} {exc}", leg="decode", retryable=False) from None
-        return None
+        assert self.decode_resp is not None
+        while True:
+            ev = self._buffered_event()
+            if ev is not None or self._decode_done:
+                return ev
+            try:
+                piece = await self.decode_resp.read_some()
+            except httpx.HTTPError as exc:
+                raise LegError(502, f"decode stream broke: {type(exc).__name__} {exc}", leg="decode",
+                               retryable=False) from None
+            if piece is None:
+                self._payloads.extend(self._sse.end())
+                self._payloads.append(DONE)
+            else:
+                self._payloads.extend(self._sse.feed(piece))
 
     async def first_event(self) -> TokenEvent:
         """Start both legs; return decode's first token event. Raises LegError (legs aborted)."""
@@ -209,13 +234,11 @@ class Legs:
         decode_task = asyncio.create_task(self._open_decode())
         self.stage = "waiting_first_token"
         try:
-            pending = {decode_task, self.prefill_task}
             while True:
-                done, pending = await asyncio.wait(pending, timeout=self.remaining(), return_when=asyncio.FIRST_COMPLETED)
-                if not done:
+                if not await _either(decode_task, self.prefill_task, self.remaining()):
                     raise LegError(504, f"deadline expired before the first token (pair {self.pair.index})",
                                    leg="router", retryable=False, code="deadline_exceeded")
-                if decode_task in done:
+                if decode_task.done():
                     if decode_task.exception() is not None:
                         await self._prefer_prefill_verdict(decode_task.exception())
                     return decode_task.result()  # raises LegError
@@ -253,19 +276,16 @@ class Legs:
         return replace(first, logprobs=[got] + list(lps[1:]),
                        prompt_logprobs=prompt if prompt is not None else first.prompt_logprobs)
 
-    async def events(self, first: TokenEvent | None = None) -> AsyncIterator[TokenEvent]:
-        """``first`` (when given), then decode's events after the first, each within the deadline. Raises LegError."""
-        if first is not None:
-            yield first
-        while True:
-            try:
-                ev = await within(self._next_event(), self.remaining())
-            except asyncio.TimeoutError:
-                raise LegError(504, "deadline expired mid-generation", leg="router", retryable=False,
-                               code="deadline_exceeded") from None
-            if ev is None:
-                return
-            yield ev
+    async def next_event(self) -> TokenEvent | None:
+        """Decode's next event after the first (None: the stream ended), within the deadline. Raises LegError."""
+        ev = self._buffered_event()  # most events have already arrived: no deadline to arm for them
+        if ev is not None or self._decode_done:
+            return ev
+        try:
+            return await within(self._next_event(), self.remaining())
+        except asyncio.TimeoutError:
+            raise LegError(504, "deadline expired mid-generation", leg="router", retryable=False,
+                           code="deadline_exceeded") from None
 
     # ---- teardown --------------------------------------------------------------------------------
     async def _post_abort(self, url: str) -> None:
@@ -291,10 +311,42 @@ class Legs:
         if self.decode_resp is not None:
             await self.decode_resp.aclose()
 
-    async def join_prefill(self) -> None:
-        """Reap the prefill leg after a successful decode (its outcome no longer matters)."""
-        if self.prefill_task is not None:
-            try:
-                await within(asyncio.shield(self.prefill_task), self.remaining() + 1.0)
-            except (LegError, asyncio.TimeoutError, asyncio.CancelledError):
-                pass
+    def settle_prefill(self) -> None:
+        """After a successful decode the prefill leg's outcome no longer matters: reap it now or when it ends (its
+        own read timeout bounds it), without a task of its own."""
+        task = self.prefill_task
+        if task is None:
+            return
+        if task.done():
+            _reap(task)
+        else:
+            task.add_done_callback(_reap)
+
+
+async def _either(a: asyncio.Future, b: asyncio.Future, timeout: float) -> bool:
+    """Wait until ``a`` or ``b`` is done (True) or ``timeout`` seconds pass (False): ``asyncio.wait``'s
+    FIRST_COMPLETED for two, without its sets and per-call closures (this runs once or twice per request)."""
+    if a.done() or b.done():
+        return True
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def wake(_: object = None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    a.add_done_callback(wake)
+    b.add_done_callback(wake)
+    timer = loop.call_later(timeout, wake)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+        a.remove_done_callback(wake)
+        b.remove_done_callback(wake)
+    return a.done() or b.done()
+
+
+def _reap(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: an error there was the request's to report, and it has been answered
