@@ -234,8 +234,9 @@ class Legs:
         decode_task = asyncio.create_task(self._open_decode())
         self.stage = "waiting_first_token"
         try:
+            prefill: asyncio.Task | None = self.prefill_task
             while True:
-                if not await _either(decode_task, self.prefill_task, self.remaining()):
+                if not await _either(decode_task, prefill, self.remaining()):
                     raise LegError(504, f"deadline expired before the first token (pair {self.pair.index})",
                                    leg="router", retryable=False, code="deadline_exceeded")
                 if decode_task.done():
@@ -243,6 +244,7 @@ class Legs:
                         await self._prefer_prefill_verdict(decode_task.exception())
                     return decode_task.result()  # raises LegError
                 self.prefill_task.result()  # raises LegError; success means: keep waiting for decode
+                prefill = None
         except BaseException:
             decode_task.cancel()
             # told to the workers in the background: the client's answer (a 429 under overload, above all) does not
@@ -323,10 +325,10 @@ class Legs:
             task.add_done_callback(_reap)
 
 
-async def _either(a: asyncio.Future, b: asyncio.Future, timeout: float) -> bool:
-    """Wait until ``a`` or ``b`` is done (True) or ``timeout`` seconds pass (False): ``asyncio.wait``'s
-    FIRST_COMPLETED for two, without its sets and per-call closures (this runs once or twice per request)."""
-    if a.done() or b.done():
+async def _either(a: asyncio.Future, b: asyncio.Future | None, timeout: float) -> bool:
+    """Wait until ``a`` or ``b`` (if given) is done (True) or ``timeout`` seconds pass (False): ``asyncio.wait``'s
+    FIRST_COMPLETED, without its sets and per-call closures (this runs once or twice per request)."""
+    if a.done() or (b is not None and b.done()):
         return True
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
@@ -336,15 +338,17 @@ async def _either(a: asyncio.Future, b: asyncio.Future, timeout: float) -> bool:
             waiter.set_result(None)
 
     a.add_done_callback(wake)
-    b.add_done_callback(wake)
+    if b is not None:
+        b.add_done_callback(wake)
     timer = loop.call_later(timeout, wake)
     try:
         await waiter
     finally:
         timer.cancel()
         a.remove_done_callback(wake)
-        b.remove_done_callback(wake)
-    return a.done() or b.done()
+        if b is not None:
+            b.remove_done_callback(wake)
+    return a.done() or (b is not None and b.done())
 
 
 def _reap(task: asyncio.Task) -> None:
