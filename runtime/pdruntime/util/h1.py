@@ -43,6 +43,7 @@ KEEPALIVE_S = 30.0
 MAX_IDLE_PER_HOST = 256
 DEFAULT_TIMEOUT = 30.0
 DRAIN_S = 0.01  # seconds aclose waits for the rest of an unread body before closing the connection instead
+NOTHING = object()  # Response.take: no piece has arrived yet
 
 
 def dumps(obj: Any) -> bytes:
@@ -75,24 +76,32 @@ def _timeouts(timeout: Any, default: tuple[float | None, float | None]) -> tuple
 
 
 class Headers:
-    """Response headers, names case-insensitive (``get`` as httpx's); the last value of a repeated name wins."""
+    """Response headers, names case-insensitive (``get`` as httpx's); the last value of a repeated name wins.
+    Decoded on the first look: most answers are read without one."""
 
-    __slots__ = ("_h",)
+    __slots__ = ("_raw", "_h")
 
-    def __init__(self, pairs: list[tuple[str, str]]) -> None:
-        self._h = {k.lower(): v for k, v in pairs}
+    def __init__(self, pairs: list[tuple[bytes, bytes]]) -> None:
+        self._raw = pairs
+        self._h: dict[str, str] | None = None
+
+    @property
+    def _map(self) -> dict[str, str]:
+        if self._h is None:
+            self._h = {k.decode("latin-1").lower(): v.decode("latin-1").strip() for k, v in self._raw}
+        return self._h
 
     def get(self, name: str, default: str | None = None) -> str | None:
-        return self._h.get(name.lower(), default)
+        return self._map.get(name.lower(), default)
 
     def __getitem__(self, name: str) -> str:
-        return self._h[name.lower()]
+        return self._map[name.lower()]
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name.lower() in self._h
+        return isinstance(name, str) and name.lower() in self._map
 
     def items(self):
-        return self._h.items()
+        return self._map.items()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -119,10 +128,6 @@ class Request:
         lines.extend(f"{k}: {v}\r\n" for k, v in self.headers.items())
         lines.append("\r\n")
         return "".join(lines).encode("latin-1") + self.body
-
-
-class _Stale(Exception):
-    """A reused connection failed before any byte of the answer."""
 
 
 class Response:
@@ -153,9 +158,14 @@ class Response:
         self._pieces.append(data)
         self._wake()
 
-    def _end(self) -> None:
+    def _end(self, whole: bool = False) -> None:
+        """The body has arrived; ``whole``: read it into ``content`` now (a call that waited for all of it)."""
         self._ended = True
         self._conn = None
+        if whole:
+            pieces = self._pieces
+            self._content = pieces.popleft() if len(pieces) == 1 else b"".join(pieces)
+            pieces.clear()
         self._wake()
 
     def _fail(self, exc: BaseException) -> None:
@@ -169,19 +179,32 @@ class Response:
         """The whole body has arrived (it may still be unread)."""
         return self._ended
 
+    def take(self) -> bytes | None | object:
+        """The next piece of the body that has arrived, None at its end, :data:`NOTHING` while the next is still on its
+        way (:meth:`arrival` says when). Raises httpx's errors, as :meth:`read_some`."""
+        if self._pieces:
+            return self._pieces.popleft()
+        if self._error is not None:
+            raise self._error
+        if self._ended:
+            return None
+        if self._conn is None:  # closed by aclose
+            raise httpx.StreamClosed()
+        return NOTHING
+
+    def arrival(self) -> asyncio.Future:
+        """A future done once :meth:`take` has something (a piece, the end, an error); no read timeout of its own."""
+        self._waiter = waiter = asyncio.get_running_loop().create_future()
+        if self._pieces or self._ended or self._error is not None or self._conn is None:
+            waiter.set_result(None)
+        return waiter
+
     async def read_some(self) -> bytes | None:
         """The next piece of the body as it arrived, None at its end. Raises httpx's errors (ReadTimeout when nothing
         arrives for the read timeout, RemoteProtocolError when the peer closes mid-body)."""
-        while True:
-            if self._pieces:
-                return self._pieces.popleft()
-            if self._error is not None:
-                raise self._error
-            if self._ended:
-                return None
-            if self._conn is None:  # closed by aclose
-                raise httpx.StreamClosed()
+        while (piece := self.take()) is NOTHING:
             await self._wait()
+        return piece  # type: ignore[return-value]
 
     async def _wait(self) -> None:
         loop = asyncio.get_running_loop()
@@ -264,8 +287,71 @@ class Response:
         conn.close()
 
 
+def _close_delimited(resp: Response) -> bool:
+    """The answer's body ends when the peer closes (neither a length nor chunks)."""
+    te = (resp.headers.get("transfer-encoding") or "").lower()
+    return "chunked" not in te and resp.headers.get("content-length") is None and resp.status_code not in (204, 304)
+
+
+class Call:
+    """One request's exchange (:meth:`Client.start`): ``fut`` resolves to its Response once the head (``whole``
+    False) or the whole answer (``whole`` True) has arrived, or to httpx's error; :meth:`cancel` gives it up and
+    closes its connection (the peer sees the hang-up)."""
+
+    __slots__ = ("client", "req", "wire", "read_s", "connect_s", "fut", "whole", "conn", "timer")
+
+    def __init__(self, client: "Client", req: Request, whole: bool) -> None:
+        self.client, self.req, self.whole = client, req, whole
+        self.connect_s, self.read_s = _timeouts(req.timeout, client._default)
+        self.wire = req.encode()
+        self.fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.conn: _Conn | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def cancel(self) -> None:
+        """Give the call up: its future is cancelled and, unless its answer had fully arrived, its connection closed."""
+        if self.timer is not None:
+            self.timer.cancel()
+        self.fut.cancel()
+        conn = self.conn
+        if conn is not None and conn.call is self:
+            conn.call = None
+            conn.close()
+
+    def resolve(self, resp: Response) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if not self.fut.done():
+            self.fut.set_result(resp)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if not self.fut.done():
+            self.fut.set_exception(exc)
+
+    def timed_out(self) -> None:
+        if not self.fut.done():
+            self.fail(httpx.ReadTimeout(f"no data from {self.req.url} within {self.read_s}s"))
+            if self.conn is not None and self.conn.call is self:
+                self.conn.call = None
+                self.conn.close()
+
+    async def connect_and_send(self) -> None:
+        """The call on a new connection (none idle, or the idle one turned out closed)."""
+        try:
+            conn = await self.client._connect(self.req, self.connect_s)
+        except httpx.HTTPError as exc:
+            self.fail(exc)
+            return
+        if self.fut.done():  # cancelled or timed out while connecting
+            conn.close()
+            return
+        conn.begin(self)
+
+
 class _Conn(asyncio.Protocol):
-    """One kept-alive connection to a worker, one exchange at a time; httptools parses the answers as they arrive."""
+    """One kept-alive connection to a worker, one call at a time; httptools parses the answers as they arrive."""
 
     def __init__(self, client: "Client", key: tuple[str, int]) -> None:
         self.client, self.key = client, key
@@ -275,15 +361,17 @@ class _Conn(asyncio.Protocol):
         self.reused = False
         self.closed = False
         self.keep = True
-        self.req: Request | None = None
-        self.read_s: float | None = None
-        self.head: asyncio.Future | None = None  # resolves to the Response once its head is parsed
+        self.call: Call | None = None  # the call whose answer this connection is reading
         self.resp: Response | None = None
         self.got_bytes = False
-        self._headers: list[tuple[str, str]] = []
+        self._headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0
         self._interim = False  # a 1xx answer before the real one
-        self._close_delimited = False  # the answer's body ends when the peer closes
+
+    def begin(self, call: Call) -> None:
+        """Send ``call``'s request; its answer resolves ``call.fut``."""
+        self.call, call.conn, self.got_bytes = call, self, False
+        self.transport.write(call.wire)  # type: ignore[union-attr]
 
     # ---- asyncio.Protocol ----
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -291,35 +379,42 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
-        if self.req is None:  # bytes nobody asked for on an idle connection: not one to reuse
+        if self.call is None and self.resp is None:  # bytes nobody asked for on an idle connection: not one to reuse
             self.close()
             return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
-            url = self.req.url if self.req is not None else "?"
+            url = self.call.req.url if self.call is not None else "?"
             self._broken(httpx.RemoteProtocolError(f"{url}: the answer's head exceeds {HEAD_LIMIT} bytes"
                                                    if self._head_bytes > HEAD_LIMIT else
                                                    f"{url}: not an HTTP/1.x answer: {data[:80]!r}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        req = self.req
-        if req is None:
-            return
-        if self.head is not None and not self.head.done():
-            if self.reused and not self.got_bytes:
-                self.head.set_exception(_Stale())
+        call, resp = self.call, self.resp
+        self.call = self.resp = None
+        if call is not None and not call.fut.done():
+            if resp is None and self.reused and not self.got_bytes:
+                # a kept-alive connection the peer had closed: once more on a new one
+                call.conn = None
+                asyncio.get_running_loop().create_task(call.connect_and_send())
+            elif resp is None:
+                call.fail(httpx.RemoteProtocolError(f"{call.req.url}: the peer closed the connection without an answer"))
+            elif _close_delimited(resp):
+                resp._end(whole=True)
+                call.resolve(resp)
             else:
-                self.head.set_exception(httpx.RemoteProtocolError(f"{req.url}: the peer closed the connection "
-                                                                  "without an answer"))
-        resp = self.resp
+                exc2 = httpx.RemoteProtocolError(f"{call.req.url}: the peer closed the connection mid-body")
+                resp._fail(exc2)
+                call.fail(exc2)
+            return
         if resp is not None and not resp._ended and resp._error is None:
-            if self._close_delimited:
+            if _close_delimited(resp):
                 resp._end()
             else:
-                resp._fail(httpx.RemoteProtocolError(f"{req.url}: the peer closed the connection mid-body"))
-        self.req = self.resp = None
+                url = resp.request.url
+                resp._fail(httpx.RemoteProtocolError(f"{url}: the peer closed the connection mid-body"))
 
     # ---- httptools callbacks ----
     def on_message_begin(self) -> None:
@@ -330,22 +425,20 @@ class _Conn(asyncio.Protocol):
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > HEAD_LIMIT:
             raise httptools.HttpParserError("head too long")
-        self._headers.append((name.decode("latin-1"), value.decode("latin-1").strip()))
+        self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        if self.req is None:
+        call = self.call
+        if call is None:
             raise httptools.HttpParserError("an answer nobody asked for")
         status = self.parser.get_status_code()
         if 100 <= status < 200:
             self._interim = True
             return
-        headers = Headers(self._headers)
         self.keep = self.parser.should_keep_alive()
-        te = (headers.get("transfer-encoding") or "").lower()
-        self._close_delimited = "chunked" not in te and headers.get("content-length") is None and status not in (204, 304)
-        self.resp = Response(self, self.req, status, headers, self.read_s)  # type: ignore[arg-type]
-        if self.head is not None and not self.head.done():
-            self.head.set_result(self.resp)
+        self.resp = resp = Response(self, call.req, status, Headers(self._headers), call.read_s)
+        if not call.whole:
+            call.resolve(resp)
 
     def on_body(self, body: bytes) -> None:
         if self.resp is not None:
@@ -355,9 +448,13 @@ class _Conn(asyncio.Protocol):
         if self._interim:
             self._interim = False
             return
-        resp, self.resp, self.req = self.resp, None, None
+        call, resp = self.call, self.resp
+        self.call = self.resp = None
         if resp is not None:
-            resp._end()
+            whole = call is not None and call.whole
+            resp._end(whole)
+            if whole:
+                call.resolve(resp)  # type: ignore[union-attr]
         if self.keep:
             self.client._release(self)
         else:
@@ -365,46 +462,19 @@ class _Conn(asyncio.Protocol):
 
     # ---- the client's side ----
     def _broken(self, exc: BaseException) -> None:
-        """A protocol error: the pending head or body fails with ``exc`` and the connection closes."""
-        if self.head is not None and not self.head.done():
-            self.head.set_exception(exc)
-        if self.resp is not None and not self.resp._ended:
-            self.resp._fail(exc)
-        self.req = self.resp = None
+        """A protocol error: the pending answer or body fails with ``exc`` and the connection closes."""
+        call, resp = self.call, self.resp
+        self.call = self.resp = None
+        if call is not None:
+            call.fail(exc)
+        if resp is not None and not resp._ended:
+            resp._fail(exc)
         self.close()
 
     def close(self) -> None:
         self.closed = True
         if self.transport is not None:
             self.transport.close()
-
-    async def exchange(self, req: Request, wire: bytes, read_s: float | None) -> Response:
-        """Write the request, wait for the head of its answer (the body follows into the Response)."""
-        loop = asyncio.get_running_loop()
-        self.req, self.read_s, self.got_bytes = req, read_s, False
-        self.head = head = loop.create_future()
-        self.transport.write(wire)  # type: ignore[union-attr]
-        timer = loop.call_later(read_s, self._head_timed_out, head) if read_s is not None else None
-        try:
-            return await head
-        except _Stale:
-            raise
-        except httpx.HTTPError:
-            self.close()
-            raise
-        except BaseException:  # cancelled mid-exchange: the answer can never be read, so neither can the connection
-            self.req = None
-            self.close()
-            raise
-        finally:
-            self.head = None
-            if timer is not None:
-                timer.cancel()
-
-    def _head_timed_out(self, head: asyncio.Future) -> None:
-        if not head.done():
-            head.set_exception(httpx.ReadTimeout(f"no data from {self.req.url if self.req else '?'} within "
-                                                 f"{self.read_s}s"))
 
 
 class Client:
@@ -463,23 +533,30 @@ class Client:
             hdrs.setdefault("Content-Type", "application/json")
         return Request(method, url, content or b"", hdrs, timeout)
 
-    async def send(self, req: Request, *, stream: bool = False) -> Response:
+    def start(self, req: Request, *, stream: bool = False) -> Call:
+        """Send ``req`` now (on an idle connection; else connecting first): a :class:`Call` whose ``fut`` is its
+        Response, at its head with ``stream``, else once the whole answer has arrived. No task unless a connection is
+        opened. The read timeout bounds the wait for that."""
         if self._closed:
             raise RuntimeError("h1.Client is closed")
-        connect_s, read_s = _timeouts(req.timeout, self._default)
-        wire = req.encode()
-        for attempt in (0, 1):
-            conn = self._take_idle((req.host, req.port)) if attempt == 0 else None
-            if conn is None:
-                conn = await self._connect(req, connect_s)
-            try:
-                resp = await conn.exchange(req, wire, read_s)
-            except _Stale:
-                continue  # a kept-alive connection the peer had closed: once more on a new one
-            if not stream:
-                await resp.aread()
-            return resp
-        raise httpx.RemoteProtocolError(f"{req.url}: the connection closed before an answer")  # pragma: no cover
+        call = Call(self, req, whole=not stream)
+        loop = call.fut.get_loop()
+        if call.read_s is not None:
+            call.timer = loop.call_later(call.read_s, call.timed_out)
+        conn = self._take_idle((req.host, req.port))
+        if conn is not None:
+            conn.begin(call)
+        else:
+            loop.create_task(call.connect_and_send())
+        return call
+
+    async def send(self, req: Request, *, stream: bool = False) -> Response:
+        call = self.start(req, stream=stream)
+        try:
+            return await call.fut
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
 
     async def request(self, method: str, url: str, **kw: Any) -> Response:
         return await self.send(self.build_request(method, url, **kw))

@@ -123,7 +123,11 @@ class Legs:
         self.headers = out.headers
         self.n = out.n
         self.busy_until = out.busy_until
-        self.prefill_task: asyncio.Task | None = None
+        self.prefill_task: asyncio.Future | None = None  # the prefill leg's outcome (_start_prefill)
+        self._prefill_call: h1.Call | None = None  # its h1 call
+        self._decode_call: h1.Call | None = None
+        self._waiting: asyncio.Future | None = None  # what first_event awaits now (_until)
+        self._stop: LegError | None = None  # why that wait was cut short (_interrupt)
         self.decode_resp: "h1.Response | None" = None
         self._sse = SSEBuffer()  # decode's body -> its SSE payloads
         self._payloads: collections.deque[bytes] = collections.deque()  # received, not yet read
@@ -135,57 +139,137 @@ class Legs:
         return max(0.0, self.deadline - time.monotonic())
 
     # ---- prefill leg ---------------------------------------------------------------------------
-    async def _prefill(self) -> None:
+    def _start_prefill(self) -> asyncio.Future:
+        """Send the prefill leg now. Its outcome, as a future: None (``prefill_result`` holds its answer) or its
+        LegError. Driven by the answer's arrival, without a task; cancelling it (:meth:`_cancel_prefill`) closes
+        the call's connection (the worker sees the router hang up)."""
+        outcome = asyncio.get_running_loop().create_future()
+        headers = {**self.headers, DEADLINE_HEADER: f"{self.remaining():.3f}"}  # prefill's admission reads it
         try:
-            headers = {**self.headers, DEADLINE_HEADER: f"{self.remaining():.3f}"}  # prefill's admission reads it
-            resp = await self.client.post(self.pair.prefill_url + self.prefill_req.path, json=self.prefill_req.body,
-                                          headers=headers, timeout=httpx.Timeout(self.remaining() + 1.0, connect=CONNECT_TIMEOUT_S))
+            self._prefill_call = self.client.start(self.client.build_request(
+                "POST", self.pair.prefill_url + self.prefill_req.path, json=self.prefill_req.body, headers=headers,
+                timeout=httpx.Timeout(self.remaining() + 1.0, connect=CONNECT_TIMEOUT_S)))
         except httpx.HTTPError as exc:
-            raise LegError(502, f"prefill worker {self.pair.prefill_url} unreachable: {type(exc).__name__} {exc}",
-                           leg="prefill", retryable=True) from None
-        if resp.status_code == 200:
-            try:
-                self.prefill_result = resp.json()
-            except ValueError:
-                self.prefill_result = None
+            outcome.set_exception(self._unreachable("prefill", exc))
+            return outcome
+        self._prefill_call.fut.add_done_callback(lambda call: self._prefill_answered(call, outcome))
+        return outcome
+
+    def _unreachable(self, leg: str, exc: BaseException) -> LegError:
+        url = self.pair.prefill_url if leg == "prefill" else self.pair.decode_url
+        return LegError(502, f"{leg} worker {url} unreachable: {type(exc).__name__} {exc}", leg=leg, retryable=True)
+
+    def _prefill_answered(self, call: asyncio.Future, outcome: asyncio.Future) -> None:
+        if outcome.done():  # cancelled by the router meanwhile
+            if not call.cancelled():
+                call.exception()  # retrieved
             return
-        if resp.status_code != 200:
-            try:
-                payload = resp.json()
-            except ValueError:
-                payload = None
-            raise _worker_error(resp.status_code, payload, f"prefill answered HTTP {resp.status_code}", "prefill",
-                                resp.headers.get("retry-after"))
+        if call.cancelled():
+            outcome.cancel()
+            return
+        exc = call.exception()
+        if exc is not None:
+            error = self._unreachable("prefill", exc) if isinstance(exc, httpx.HTTPError) else exc
+            outcome.set_exception(error)
+            if isinstance(error, LegError):
+                self._interrupt(error)
+            return
+        resp = call.result()
+        try:
+            payload = resp.json()
+        except ValueError:
+            payload = None
+        if resp.status_code == 200:
+            self.prefill_result = payload
+            outcome.set_result(None)
+            return
+        error = _worker_error(resp.status_code, payload, f"prefill answered HTTP {resp.status_code}", "prefill",
+                              resp.headers.get("retry-after"))
+        outcome.set_exception(error)
+        self._interrupt(error)
+
+    def _interrupt(self, error: LegError) -> None:
+        """Before decode's first event: stop waiting for it (prefill failed, or the deadline passed) and raise
+        ``error`` in :meth:`_until` instead."""
+        if self._stop is None:
+            self._stop = error
+            if self._waiting is not None:
+                self._waiting.cancel()
+
+    def _deadline_passed(self) -> None:
+        self._interrupt(LegError(504, f"deadline expired before the first token (pair {self.pair.index})",
+                                 leg="router", retryable=False, code="deadline_exceeded"))
 
     # ---- decode leg ----------------------------------------------------------------------------
+    async def _until(self, fut: asyncio.Future) -> Any:
+        """``fut``'s result; if prefill fails first or the deadline passes, that LegError (:meth:`_interrupt` cancels
+        ``fut``: for a worker call, that closes its connection). One timer and one prefill callback per request,
+        not per wait."""
+        if self._stop is not None:
+            raise self._stop
+        self._waiting = fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._stop is not None and (task is None or not task.cancelling()):  # ours, not the client leaving
+                raise self._stop from None
+            raise
+        finally:
+            self._waiting = None
+
     async def _open_decode(self) -> TokenEvent:
+        """Send the decode leg; its first token event. Raises LegError (``leg`` "decode" for decode's own failures)."""
         if self.protocol.sequential:  # decode's request carries what prefill answered (vLLM's kv_transfer_params)
             assert self.prefill_task is not None
-            await asyncio.shield(self.prefill_task)  # its LegError is the request's (first_event reports it)
+            await self._until(self.prefill_task)  # its LegError is the request's (first_event reports it)
         self.decode_req = self.protocol.decode(self.out, self.pair, self.room, self.prefill_result)
         headers = self.headers
         if self.busy_until is not None:
             headers = {**headers, BUSY_WAIT_HEADER: f"{max(0.0, self.busy_until - time.monotonic()):.3f}"}
         # no read timeout of its own: first_event waits for its answer within the deadline, next_event each read
-        req = self.client.build_request("POST", self.pair.decode_url + self.decode_req.path, json=self.decode_req.body,
-                                        headers=headers, timeout=DECODE_TIMEOUT)
         try:
-            self.decode_resp = await self.client.send(req, stream=True)
+            self._decode_call = self.client.start(self.client.build_request(
+                "POST", self.pair.decode_url + self.decode_req.path, json=self.decode_req.body, headers=headers,
+                timeout=DECODE_TIMEOUT), stream=True)
+            self.decode_resp = await self._until(self._decode_call.fut)
         except httpx.HTTPError as exc:
-            raise LegError(502, f"decode worker {self.pair.decode_url} unreachable: {type(exc).__name__} {exc}",
-                           leg="decode", retryable=True) from None
+            raise self._unreachable("decode", exc) from None
         if self.decode_resp.status_code != 200:
-            raw = await self.decode_resp.aread()
+            body = []
             try:
-                payload = h1.loads(raw)
-            except ValueError:
+                while (piece := self.decode_resp.take()) is not None:
+                    if piece is h1.NOTHING:
+                        await self._until(self.decode_resp.arrival())
+                    else:
+                        body.append(piece)
+                payload = h1.loads(b"".join(body))  # type: ignore[arg-type]
+            except (ValueError, httpx.HTTPError):
                 payload = None
             st = self.decode_resp.status_code
             raise _worker_error(st, payload, f"decode answered HTTP {st}", "decode", self.decode_resp.headers.get("retry-after"))
-        ev = await self._next_event()
+        while (ev := self._buffered_event()) is None and not self._decode_done:
+            if (piece := self._take()) is h1.NOTHING:
+                await self._until(self.decode_resp.arrival())
+            else:
+                self._feed(piece)  # type: ignore[arg-type]
         if ev is None:
             raise LegError(502, "decode stream ended before the first token", leg="decode", retryable=True)
         return ev
+
+    def _take(self) -> bytes | None | object:
+        try:
+            return self.decode_resp.take()  # type: ignore[union-attr]
+        except httpx.HTTPError as exc:
+            raise LegError(502, f"decode stream broke: {type(exc).__name__} {exc}", leg="decode",
+                           retryable=False) from None
+
+    def _feed(self, piece: bytes | None) -> None:
+        if piece is None:
+            self._payloads.extend(self._sse.end())
+            self._payloads.append(DONE)
+        else:
+            self._payloads.extend(self._sse.feed(piece))
 
     def _buffered_event(self) -> TokenEvent | None:
         """Decode's next token event among what has already arrived (None: it must be waited for, or the stream
@@ -213,40 +297,36 @@ class Legs:
     async def _next_event(self) -> TokenEvent | None:
         """Decode's next token event (None: its stream ended). An error event raises its LegError."""
         assert self.decode_resp is not None
-        while True:
-            ev = self._buffered_event()
-            if ev is not None or self._decode_done:
-                return ev
-            try:
-                piece = await self.decode_resp.read_some()
-            except httpx.HTTPError as exc:
-                raise LegError(502, f"decode stream broke: {type(exc).__name__} {exc}", leg="decode",
-                               retryable=False) from None
-            if piece is None:
-                self._payloads.extend(self._sse.end())
-                self._payloads.append(DONE)
-            else:
-                self._payloads.extend(self._sse.feed(piece))
+        while (ev := self._buffered_event()) is None and not self._decode_done:
+            piece = self._take()
+            if piece is h1.NOTHING:
+                try:
+                    piece = await self.decode_resp.read_some()
+                except httpx.HTTPError as exc:
+                    raise LegError(502, f"decode stream broke: {type(exc).__name__} {exc}", leg="decode",
+                                   retryable=False) from None
+            self._feed(piece)  # type: ignore[arg-type]
+        return ev
 
     async def first_event(self) -> TokenEvent:
-        """Start both legs; return decode's first token event. Raises LegError (legs aborted)."""
-        self.prefill_task = asyncio.create_task(self._prefill())
-        decode_task = asyncio.create_task(self._open_decode())
+        """Start both legs; return decode's first token event. Raises LegError (legs aborted). Both legs run on
+        their answers' arrival (h1.Client.start), awaited here: no task per leg."""
+        timer = asyncio.get_running_loop().call_later(self.remaining(), self._deadline_passed)
+        self.prefill_task = self._start_prefill()
         self.stage = "waiting_first_token"
         try:
-            prefill: asyncio.Task | None = self.prefill_task
-            while True:
-                if not await _either(decode_task, prefill, self.remaining()):
-                    raise LegError(504, f"deadline expired before the first token (pair {self.pair.index})",
-                                   leg="router", retryable=False, code="deadline_exceeded")
-                if decode_task.done():
-                    if decode_task.exception() is not None:
-                        await self._prefer_prefill_verdict(decode_task.exception())
-                    return decode_task.result()  # raises LegError
-                self.prefill_task.result()  # raises LegError; success means: keep waiting for decode
-                prefill = None
+            try:
+                return await self._open_decode()
+            except LegError as exc:
+                if exc.leg == "decode":
+                    await self._prefer_prefill_verdict(exc)
+                raise
+            finally:
+                timer.cancel()
+                self._stop = LegError(500, "the first event's wait is over", leg="router", retryable=False)
         except BaseException:
-            decode_task.cancel()
+            if self._decode_call is not None:
+                self._decode_call.cancel()  # unless its answer is all in, its connection closes
             # told to the workers in the background: the client's answer (a 429 under overload, above all) does not
             # wait for two /abort_request round trips to workers that are busy; the prefill call is cancelled now
             self._cancel_prefill()
@@ -304,6 +384,8 @@ class Legs:
         await asyncio.gather(self._post_abort(self.pair.prefill_url), self._post_abort(self.pair.decode_url))
 
     def _cancel_prefill(self) -> None:
+        if self._prefill_call is not None and not self._prefill_call.fut.done():
+            self._prefill_call.cancel()  # its connection closes
         if self.prefill_task is not None and not self.prefill_task.done():
             self.prefill_task.cancel()
         elif self.prefill_task is not None and not self.prefill_task.cancelled():
@@ -323,32 +405,6 @@ class Legs:
             _reap(task)
         else:
             task.add_done_callback(_reap)
-
-
-async def _either(a: asyncio.Future, b: asyncio.Future | None, timeout: float) -> bool:
-    """Wait until ``a`` or ``b`` (if given) is done (True) or ``timeout`` seconds pass (False): ``asyncio.wait``'s
-    FIRST_COMPLETED, without its sets and per-call closures (this runs once or twice per request)."""
-    if a.done() or (b is not None and b.done()):
-        return True
-    loop = asyncio.get_running_loop()
-    waiter = loop.create_future()
-
-    def wake(_: object = None) -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
-    a.add_done_callback(wake)
-    if b is not None:
-        b.add_done_callback(wake)
-    timer = loop.call_later(timeout, wake)
-    try:
-        await waiter
-    finally:
-        timer.cancel()
-        a.remove_done_callback(wake)
-        if b is not None:
-            b.remove_done_callback(wake)
-    return a.done() or (b is not None and b.done())
 
 
 def _reap(task: asyncio.Task) -> None:
