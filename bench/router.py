@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import platform
@@ -266,6 +267,7 @@ def main() -> int:
         print("bench/router.py: error: wrk is not installed; accepted: Debian's wrk (apt-get install wrk)",
               file=sys.stderr)
         return 2
+    load_start = " ".join(f"{x:.1f}" for x in os.getloadavg())
     log_dir = tempfile.mkdtemp(prefix="bench-router-")
     script = os.path.join(log_dir, "post.lua")
     with open(script, "w") as fh:
@@ -289,7 +291,8 @@ def main() -> int:
                     row = measure(urls[which], pids[which], args.seconds, script)
                     results.setdefault((kind, which), []).append(row)
                     print(f"{kind} round {r + 1} {which}: p50 {row['p50_ms']:.2f} ms, {row['rps16']:.0f} req/s at 16, "
-                          f"{row['cpu_per_1k']:.2f} CPU s / 1k, {row['failed']} failed", flush=True)
+                          f"{row['cpu_per_1k']:.2f} CPU s / 1k, {row['failed']} failed, load {os.getloadavg()[0]:.1f}",
+                          flush=True)
             for which in ("pdstack", "sglang"):
                 stack.stop(f"router-{which}")
             for name in [n for n in stack.procs if n.startswith(kind)]:
@@ -298,9 +301,10 @@ def main() -> int:
         stack.stop_all()
 
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"\nrouter cost: pdstack router vs sglang-router 0.3.2, non-streamed 1-token /v1/completions, wrk 1 thread; "
-          f"medians of {args.rounds} interleaved rounds of {args.seconds:g} s; {os.cpu_count()} CPUs "
-          f"({platform.processor() or platform.machine()}), load average {load}")
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"  # as server/router/server.py chooses
+    print(f"\nrouter cost: pdstack router ({loop} loop) vs sglang-router 0.3.2, non-streamed 1-token /v1/completions, "
+          f"wrk 1 thread; medians of {args.rounds} interleaved rounds of {args.seconds:g} s; {os.cpu_count()} CPUs "
+          f"({platform.processor() or platform.machine()}), load average {load_start} at the start, {load} at the end")
     print("| workers | router | p50 c=1 ms | added p50 ms | p99 c=1 ms | req/s c=16 | p50 c=16 ms | CPU s / 1k req | failed |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for kind in args.workers:

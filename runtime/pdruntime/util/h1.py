@@ -122,12 +122,12 @@ class Request:
         self.headers = headers or {}
 
     def encode(self) -> bytes:
-        lines = [f"{self.method} {self.target} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"]
+        head = f"{self.method} {self.target} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
         if self.body or self.method in ("POST", "PUT", "PATCH"):
-            lines.append(f"Content-Length: {len(self.body)}\r\n")
-        lines.extend(f"{k}: {v}\r\n" for k, v in self.headers.items())
-        lines.append("\r\n")
-        return "".join(lines).encode("latin-1") + self.body
+            head += f"Content-Length: {len(self.body)}\r\n"
+        for k, v in self.headers.items():
+            head += f"{k}: {v}\r\n"
+        return (head + "\r\n").encode("latin-1") + self.body
 
 
 class Response:

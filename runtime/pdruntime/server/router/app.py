@@ -211,7 +211,6 @@ class Router:
             state.outstanding += 1
             self.admission.dispatched(state.pair.index)
             trial = state.breaker.on_dispatch(now)
-            self.child(self.metrics.pair_outstanding, state.pair.key).set(state.outstanding)
             outcome = Outcome.NEUTRAL  # client gone, 4xx, deadline, unexpected error: says nothing about the pair
             try:
                 legs = Legs(self.client, state.pair, out, self.protocol)
@@ -234,8 +233,6 @@ class Router:
             finally:
                 self.admission.first_token(state.pair.index)
                 state.breaker.record(outcome, time.monotonic(), trial=trial)
-                self.child(self.metrics.circuit_open, state.pair.key).set(
-                    int(state.breaker.state(time.monotonic()) != "closed"))
                 if outcome is not Outcome.SUCCESS:
                     self.release(state, served=False)
         if busy and last is None:
@@ -335,7 +332,6 @@ class Router:
     def release(self, state: PairState, *, served: bool = True) -> None:
         state.outstanding = max(0, state.outstanding - 1)
         self.admission.release(state.pair.index if served else None)
-        self.child(self.metrics.pair_outstanding, state.pair.key).set(state.outstanding)
 
     def authenticate(self, headers: Mapping[str, str]) -> str:
         """The client a request is attributed to. With API keys configured: the name of the caller's key
@@ -601,6 +597,10 @@ class Router:
             stale = self.stale_pairs()
             for p in self.topology.pairs:
                 self.metrics.pair_stale.labels(p.key).set(int(p.index in stale))
+            now = time.monotonic()
+            for st in self.picker.states.values():  # per-pair gauges read here, not written on every request
+                self.metrics.pair_outstanding.labels(st.pair.key).set(st.outstanding)
+                self.metrics.circuit_open.labels(st.pair.key).set(int(st.breaker.state(now) != "closed"))
             return metrics_response(self.metrics.render())
 
         @app.get("/config")

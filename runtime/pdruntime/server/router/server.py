@@ -55,7 +55,7 @@ class _Exchange:
     """One request on a connection, as it is parsed and then answered."""
 
     __slots__ = ("method", "url", "path", "raw_path", "query", "raw_headers", "headers", "body", "size", "keep_alive",
-                 "version", "upgrade", "gone")
+                 "version", "upgrade", "gone", "chat")
 
     def __init__(self) -> None:
         self.url = b""
@@ -65,6 +65,7 @@ class _Exchange:
         self.size = 0
         self.upgrade = False
         self.gone: asyncio.Future | None = None  # ASGI: resolves when the client leaves or the answer is complete
+        self.chat: bool | None = None  # a hot route (chat or not); None: the FastAPI app answers it
 
 
 class RouterConnection(asyncio.Protocol):
@@ -130,8 +131,7 @@ class RouterConnection(asyncio.Protocol):
             if ex is not None and ex.gone is not None and not ex.gone.done():
                 ex.gone.set_result(None)
         self.queue.clear()
-        if self.task is not None and not self.task.done() and self.active is not None \
-                and self.active.path in HOT_ROUTES:
+        if self.task is not None and not self.task.done() and self.active is not None and self.active.chat is not None:
             self.task.cancel()  # the client left: the handler's clean-up aborts both legs
         if self.drained is not None and not self.drained.done():
             self.drained.set_result(None)
@@ -208,8 +208,8 @@ class RouterConnection(asyncio.Protocol):
     # ---- answering ----
     def _start(self, ex: _Exchange) -> None:
         self.active = ex
-        chat = HOT_ROUTES.get(ex.path) if ex.method == "POST" else None
-        self.task = self.loop.create_task(self._completion(ex, chat) if chat is not None else self._asgi(ex))
+        ex.chat = HOT_ROUTES.get(ex.path) if ex.method == "POST" else None
+        self.task = self.loop.create_task(self._completion(ex, ex.chat) if ex.chat is not None else self._asgi(ex))
 
     def _answered(self, ex: _Exchange) -> None:
         """``ex``'s answer is complete: the next pipelined request, or idle keep-alive, or close."""
@@ -444,7 +444,12 @@ async def serve(router: Any, app: Any, host: str, port: int, limits: ConnectionL
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    server = await loop.create_server(proto, host, port, backlog=2048)
+    try:
+        server = await loop.create_server(proto, host, port, backlog=2048)
+    except OSError as exc:
+        await router.stop()
+        log.error("cannot listen on %s:%d: %s", host, port, exc)
+        raise SystemExit(1) from None
     sweeper = loop.create_task(_sweep(connections, keepalive_s))
     log.info("router serving on http://%s:%d", host, port)
     try:
