@@ -147,6 +147,7 @@ class Response:
         self._error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
         self._content: bytes | None = None
+        self._released = False  # release(): the rest of the body is dropped as it arrives
 
     # ---- filled in by the connection ----
     def _wake(self) -> None:
@@ -155,6 +156,8 @@ class Response:
             w.set_result(None)
 
     def _feed(self, data: bytes) -> None:
+        if self._released:
+            return  # nobody reads on: the rest only has to arrive for the connection to be reused
         self._pieces.append(data)
         self._wake()
 
@@ -264,6 +267,25 @@ class Response:
 
     def json(self) -> Any:
         return loads(self.content)
+
+    def release(self) -> None:
+        """Done with it, without waiting: a body not yet complete may finish arriving within :data:`DRAIN_S` (the
+        connection then goes back to the pool as it ends, e.g. an SSE stream whose reader stopped at its last
+        event), else its connection is closed. What :meth:`aclose` does, off the caller's path."""
+        conn = self._conn
+        if conn is None or self._ended:
+            return
+        self._released = True
+        self._pieces.clear()
+        if conn.keep:
+            asyncio.get_running_loop().call_later(DRAIN_S, self._drain_over, conn)
+        else:
+            self._drain_over(conn)
+
+    def _drain_over(self, conn: "_Conn") -> None:
+        if not self._ended and self._conn is conn:
+            self._conn = None
+            conn.close()
 
     async def aclose(self) -> None:
         """Done with it. A body not yet complete is waited for :data:`DRAIN_S` (an SSE stream whose reader stopped

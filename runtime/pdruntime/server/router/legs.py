@@ -323,7 +323,7 @@ class Legs:
                 raise
             finally:
                 timer.cancel()
-                self._stop = LegError(500, "the first event's wait is over", leg="router", retryable=False)
+                self._stop = _WAIT_OVER
         except BaseException:
             if self._decode_call is not None:
                 self._decode_call.cancel()  # unless its answer is all in, its connection closes
@@ -380,7 +380,7 @@ class Legs:
     async def abort(self) -> None:
         """Abort both legs: drop the decode stream, cancel the prefill call, and tell both workers."""
         self._cancel_prefill()
-        await self.close()
+        self.close()
         await asyncio.gather(self._post_abort(self.pair.prefill_url), self._post_abort(self.pair.decode_url))
 
     def _cancel_prefill(self) -> None:
@@ -391,9 +391,11 @@ class Legs:
         elif self.prefill_task is not None and not self.prefill_task.cancelled():
             self.prefill_task.exception()  # retrieved: its error was reported through the other leg (no log noise)
 
-    async def close(self) -> None:
+    def close(self) -> None:
+        """Done with decode's stream: its connection is reused if the rest arrives within h1.DRAIN_S (a reader that
+        stopped at the last token leaves only ``[DONE]``), else closed; the caller does not wait for either."""
         if self.decode_resp is not None:
-            await self.decode_resp.aclose()
+            self.decode_resp.release()
 
     def settle_prefill(self) -> None:
         """After a successful decode the prefill leg's outcome no longer matters: reap it now or when it ends (its
@@ -405,6 +407,10 @@ class Legs:
             _reap(task)
         else:
             task.add_done_callback(_reap)
+
+
+#: Legs._stop once first_event is over: later interrupts (prefill ending, the deadline timer) change nothing
+_WAIT_OVER = LegError(500, "the first event's wait is over", leg="router", retryable=False)
 
 
 def _reap(task: asyncio.Task) -> None:

@@ -158,7 +158,7 @@ class Reply:
         self.router._forget(self.live, self.sent.state)
         if completed and self.outcome == "aborted":  # finished normally (not failed mid-stream)
             self.outcome = "ok"
-            await legs.close()
+            legs.close()
             legs.settle_prefill()
         else:
             if self.outcome == "aborted":
