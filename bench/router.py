@@ -13,7 +13,8 @@ The routers: ``pdrt serve --role router`` (pdstack) and ``python -m sglang_route
 --pd-disaggregation`` (the Rust router from PyPI's ``sglang-router``, round robin), both started against the same
 worker URLs. Load: ``wrk`` (C, one thread) posting a non-streamed 1-token ``/v1/completions``; concurrency 1
 for latency (p50, p99, and the p50 the router adds over the decode worker's own answer), concurrency 16 for
-requests/s. CPU: the router process's user+system seconds (``/proc/PID/stat``) over the run, per 1,000 requests.
+requests/s. CPU: the router process's user+system seconds (``/proc/PID/stat``) over the run, per 1,000 requests; the
+same for the prefill and decode workers together (what each router's requests cost the workers it shares the CPUs with).
 Rounds interleave the routers (A B A B); the table gives medians over rounds and the ratio pdstack / sglang.
 
     .venv/bin/python bench/router.py [--seconds 6] [--rounds 3] [--workers noop pdrt]
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import platform
@@ -237,14 +239,18 @@ def wrk(url: str, conns: int, seconds: float, script: str) -> dict:
             "socket_errors": errors.group(1) if errors else None}
 
 
-def measure(url: str, pid: int | None, seconds: float, script: str) -> dict:
+def measure(url: str, pid: int | None, seconds: float, script: str, workers: tuple[int, ...] = ()) -> dict:
+    """wrk at 1 and 16 connections; CPU seconds per 1,000 requests of the router (``pid``) and of the ``workers``."""
     c0 = cpu_seconds(pid) if pid else 0.0
+    w0 = sum(cpu_seconds(w) for w in workers)
     lat = wrk(url, 1, seconds, script)
     thr = wrk(url, 16, seconds, script)
     cpu = (cpu_seconds(pid) - c0) if pid else 0.0
+    wcpu = sum(cpu_seconds(w) for w in workers) - w0
     n = lat["requests"] + thr["requests"]
     return {"p50_ms": lat["p50_ms"], "p99_ms": lat["p99_ms"], "rps16": thr["rps"], "p50_16_ms": thr["p50_ms"],
             "cpu_per_1k": 1000 * cpu / n if n else float("nan"), "requests": n,
+            "workers_cpu_per_1k": 1000 * wcpu / n if n else float("nan"),
             "failed": lat["non2xx"] + thr["non2xx"], "socket_errors": lat["socket_errors"] or thr["socket_errors"]}
 
 
@@ -266,6 +272,7 @@ def main() -> int:
         print("bench/router.py: error: wrk is not installed; accepted: Debian's wrk (apt-get install wrk)",
               file=sys.stderr)
         return 2
+    load_start = " ".join(f"{x:.1f}" for x in os.getloadavg())
     log_dir = tempfile.mkdtemp(prefix="bench-router-")
     script = os.path.join(log_dir, "post.lua")
     with open(script, "w") as fh:
@@ -281,15 +288,17 @@ def main() -> int:
             p_url, d_url, bp = start_workers(stack, kind, model)
             urls = {which: start_router(stack, which, p_url, d_url, bp) for which in ("pdstack", "sglang")}
             pids = {which: stack.procs[f"router-{which}"].pid for which in urls}
+            worker_pids = tuple(p.pid for name, p in stack.procs.items() if name.startswith(kind))
             for r in range(args.rounds):
                 order = ("pdstack", "sglang") if r % 2 == 0 else ("sglang", "pdstack")
                 if kind == "noop":  # the decode worker's own answer: what a router adds is measured over it
                     results.setdefault((kind, "direct"), []).append(measure(d_url, None, args.seconds, script))
                 for which in order:
-                    row = measure(urls[which], pids[which], args.seconds, script)
+                    row = measure(urls[which], pids[which], args.seconds, script, worker_pids)
                     results.setdefault((kind, which), []).append(row)
                     print(f"{kind} round {r + 1} {which}: p50 {row['p50_ms']:.2f} ms, {row['rps16']:.0f} req/s at 16, "
-                          f"{row['cpu_per_1k']:.2f} CPU s / 1k, {row['failed']} failed", flush=True)
+                          f"{row['cpu_per_1k']:.2f} CPU s / 1k, {row['failed']} failed, load {os.getloadavg()[0]:.1f}",
+                          flush=True)
             for which in ("pdstack", "sglang"):
                 stack.stop(f"router-{which}")
             for name in [n for n in stack.procs if n.startswith(kind)]:
@@ -298,11 +307,13 @@ def main() -> int:
         stack.stop_all()
 
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"\nrouter cost: pdstack router vs sglang-router 0.3.2, non-streamed 1-token /v1/completions, wrk 1 thread; "
-          f"medians of {args.rounds} interleaved rounds of {args.seconds:g} s; {os.cpu_count()} CPUs "
-          f"({platform.processor() or platform.machine()}), load average {load}")
-    print("| workers | router | p50 c=1 ms | added p50 ms | p99 c=1 ms | req/s c=16 | p50 c=16 ms | CPU s / 1k req | failed |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"  # as server/router/server.py chooses
+    print(f"\nrouter cost: pdstack router ({loop} loop) vs sglang-router 0.3.2, non-streamed 1-token /v1/completions, "
+          f"wrk 1 thread; medians of {args.rounds} interleaved rounds of {args.seconds:g} s; {os.cpu_count()} CPUs "
+          f"({platform.processor() or platform.machine()}), load average {load_start} at the start, {load} at the end")
+    print("| workers | router | p50 c=1 ms | added p50 ms | p99 c=1 ms | req/s c=16 | p50 c=16 ms | CPU s / 1k req | "
+          "workers' CPU s / 1k req | failed |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for kind in args.workers:
         direct = med(results[(kind, "direct")], "p50_ms") if (kind, "direct") in results else None
         for which in ("pdstack", "sglang"):
@@ -310,11 +321,12 @@ def main() -> int:
             added = f"{med(rows, 'p50_ms') - direct:.2f}" if direct is not None else "-"
             print(f"| {kind} | {which} | {med(rows, 'p50_ms'):.2f} | {added} | {med(rows, 'p99_ms'):.2f} | "
                   f"{med(rows, 'rps16'):.0f} | {med(rows, 'p50_16_ms'):.2f} | {med(rows, 'cpu_per_1k'):.2f} | "
-                  f"{sum(r['failed'] for r in rows)} |")
+                  f"{med(rows, 'workers_cpu_per_1k'):.2f} | {sum(r['failed'] for r in rows)} |")
         a, b = results[(kind, "pdstack")], results[(kind, "sglang")]
         print(f"| {kind} | pdstack / sglang | {med(a, 'p50_ms') / med(b, 'p50_ms'):.2f}x | "
               f"{med(a, 'p50_ms') - med(b, 'p50_ms'):+.2f} ms | | {med(a, 'rps16') / med(b, 'rps16'):.2f}x | | "
-              f"{med(a, 'cpu_per_1k') / med(b, 'cpu_per_1k'):.2f}x | |")
+              f"{med(a, 'cpu_per_1k') / med(b, 'cpu_per_1k'):.2f}x | "
+              f"{med(a, 'workers_cpu_per_1k') / med(b, 'workers_cpu_per_1k'):.2f}x | |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({f"{k[0]}/{k[1]}": v for k, v in results.items()}, fh, indent=1)

@@ -313,19 +313,40 @@ def test_a_decode_worker_that_ignores_n_fails_the_request_clearly():
     from pdruntime.env import RuntimeEnv
     from pdruntime.server.router.app import Router
     from pdruntime.server.router.topology import Pair, Topology
+    from pdruntime.util import h1
 
-    def worker(request: httpx.Request) -> httpx.Response:
-        if request.url.port == 9001 or request.url.path == "/abort_request":  # prefill, aborts
-            return httpx.Response(200, json={"text": "a", "meta_info": {"prompt_tokens": 3, "completion_tokens": 1}})
-        ev = {"delta": "a", "token_ids": [1], "meta_info": {"prompt_tokens": 3, "completion_tokens": 1,
-                                                             "finish_reason": {"type": "length"}}}
-        return httpx.Response(200, text=f"data: {json.dumps(ev)}\n\ndata: [DONE]\n\n",
-                              headers={"content-type": "text/event-stream"})
+    def answer(decode: bool, path: str) -> bytes:
+        if not decode or path == "/abort_request":  # prefill, aborts
+            body, ctype = json.dumps({"text": "a", "meta_info": {"prompt_tokens": 3, "completion_tokens": 1}}), "json"
+        else:
+            ev = {"delta": "a", "token_ids": [1], "meta_info": {"prompt_tokens": 3, "completion_tokens": 1,
+                                                                 "finish_reason": {"type": "length"}}}
+            body, ctype = f"data: {json.dumps(ev)}\n\ndata: [DONE]\n\n", "event-stream"
+        data = body.encode()
+        return b"HTTP/1.1 200 OK\r\ncontent-type: text/%b\r\ncontent-length: %d\r\n\r\n%b" % (ctype.encode(), len(data), data)
+
+    async def serve(decode: bool) -> int:
+        """A worker on loopback (the router's client speaks HTTP to real sockets) answering as above."""
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                while True:
+                    head = (await reader.readuntil(b"\r\n\r\n")).decode()
+                    length = next((int(v) for k, _, v in (x.partition(":") for x in head.split("\r\n"))
+                                   if k.lower() == "content-length"), 0)
+                    await reader.readexactly(length)
+                    writer.write(answer(decode, head.split(" ", 2)[1]))
+                    await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        return server.sockets[0].getsockname()[1]
 
     async def main() -> list[httpx.Response]:
-        pair = Pair(0, True, "http://127.0.0.1:9001", "127.0.0.1", 9002, "http://127.0.0.1:9003")
+        prefill, decode = await serve(False), await serve(True)
+        pair = Pair(0, True, f"http://127.0.0.1:{prefill}", "127.0.0.1", 9002, f"http://127.0.0.1:{decode}")
         router = Router(RuntimeEnv.from_environ({}), topology=Topology(1, "r", (pair,)))
-        router.client = httpx.AsyncClient(transport=httpx.MockTransport(worker))
+        router.client = h1.Client()
         router.models = {"m": {"model_name": "m"}}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router.build_app()), base_url="http://r") as c:
             body = {"model": "m", "prompt": "x", "max_tokens": 1}

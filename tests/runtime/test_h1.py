@@ -139,6 +139,32 @@ async def test_an_abandoned_live_stream_closes_its_connection_and_the_server_see
         await client.aclose()
 
 
+async def test_release_leaves_a_finishing_stream_to_return_its_connection_and_cuts_a_stalled_one():
+    """``release`` does not wait: a stream whose last chunk comes 5 ms later goes back to the pool as it ends; one
+    that stalls past DRAIN_S has its connection closed (the worker sees the router hang up)."""
+    async with RawServer(lambda m, p, h, b: chunked(b"data: 1\n\n", 0.005, b"data: [DONE]\n\n") if p == "/soon"
+                         else chunked(b"data: 1\n\n", 30, b"data: 2\n\n")) as srv:
+        client = h1.Client()
+        resp = await client.send(client.build_request("POST", srv.url + "/soon", json={}), stream=True)
+        assert await resp.read_some() == b"data: 1\n\n"
+        resp.release()  # returns at once
+        for _ in range(100):
+            if sum(len(q) for q in client._idle.values()) == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert sum(len(q) for q in client._idle.values()) == 1, "the finished stream's connection is pooled"
+        resp = await client.send(client.build_request("POST", srv.url + "/stall", json={}), stream=True)
+        assert srv.connections == 1  # the pooled one served it
+        assert await resp.read_some() == b"data: 1\n\n"
+        resp.release()
+        for _ in range(100):
+            if srv.open_now == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert srv.open_now == 0 and not client._idle.get(("127.0.0.1", int(srv.url.rsplit(":", 1)[1])))
+        await client.aclose()
+
+
 async def test_a_kept_alive_connection_the_peer_closed_is_retried_on_a_new_one():
     served = []
 

@@ -316,6 +316,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise
         print(f"pdrt serve --role {args.role}: error: {exc}", file=sys.stderr)
         return 2
+    if args.role == "router":  # its own server: the completion routes without uvicorn's and FastAPI's layers
+        from pdruntime.server.router.server import run
+
+        run(server, app, args.host, args.port, limits)
+        return 0
     # keep-alive above the router's client idle expiry (30 s), so a worker never closes a connection
     # the router is about to reuse
     m = server.metrics

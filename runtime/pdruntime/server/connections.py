@@ -13,7 +13,8 @@ a byte at a time, stays open for ever, and file descriptors are the limit an att
   closed gets a ``503`` with ``Retry-After`` and is closed. A flood thus evicts itself, and a client whose
   requests are in flight is never cut.
 
-:class:`ConnectionTable` is the pure decision; :func:`guarded_protocol` is uvicorn's HTTP protocol wired to it.
+:class:`ConnectionTable` is the pure decision; :class:`ConnectionGuard` wires it into an HTTP server protocol:
+:func:`guarded_protocol` into uvicorn's (the workers), the router's own server (``router/server.py``) into its.
 """
 
 from __future__ import annotations
@@ -106,73 +107,95 @@ def http_protocol_class() -> type:
         return H11Protocol
 
 
+class ConnectionGuard:
+    """Mixin for an HTTP server protocol (put it first in the bases): the header deadline and the caps of one server's
+    table, as :func:`guarded` sets them. The protocol provides ``client`` (the peer, set in ``connection_made``),
+    ``transport``, ``loop`` and ``busy`` (a request whose head is complete and whose response is not)."""
+
+    guard_table: ConnectionTable
+    guard_limits: ConnectionLimits
+
+    @staticmethod
+    def guard_on_close(reason: str) -> None:  # replaced per server by guarded()
+        pass
+
+    @staticmethod
+    def guard_on_count(n: int) -> None:  # replaced per server by guarded()
+        pass
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)  # type: ignore[misc]
+        peer = self.client  # type: ignore[attr-defined]
+        self.client_addr = str(peer[0]) if peer else ""
+        self._deadline: asyncio.TimerHandle | None = None
+        self._in_table = False
+        ok, evict = self.guard_table.admit(self)
+        for victim, reason in evict:
+            victim._close_by_guard(reason)
+        if not ok:
+            self.guard_on_close("refused")
+            transport.write(refused_response())
+            transport.close()
+            return
+        self._in_table = True
+        self.guard_on_count(self.guard_table.count)
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._deadline is None:
+            self._deadline = self.loop.call_later(self.guard_limits.header_timeout_s,  # type: ignore[attr-defined]
+                                                  self._close_by_guard, "header_timeout")
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _close_by_guard(self, reason: str) -> None:
+        self._disarm()
+        if self.busy or self.transport.is_closing():  # type: ignore[attr-defined]
+            return
+        self.guard_on_close(reason)
+        self.transport.close()  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)  # type: ignore[misc]
+        if self.busy:  # type: ignore[attr-defined]
+            self._disarm()  # the server started a request: its head is complete
+        else:
+            self._arm()  # (part of) a request head: the whole head within the deadline of its first byte
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self._in_table:
+            self._in_table = False
+            self.guard_table.remove(self)
+            self.guard_on_count(self.guard_table.count)
+        super().connection_lost(exc)  # type: ignore[misc]
+
+
+def guarded(base: type, limits: ConnectionLimits, on_close: Callable[[str], None] = lambda reason: None,
+            on_count: Callable[[int], None] = lambda n: None) -> type:
+    """``base`` (an HTTP server protocol with ``busy``) with the header deadline and the caps, one table per call
+    (per server). ``on_close(reason)`` counts each connection closed or refused by the guard (header_timeout |
+    client_cap | server_cap | refused); ``on_count(n)`` follows the number open."""
+    return type(f"Guarded{base.__name__}", (ConnectionGuard, base),
+                {"guard_table": ConnectionTable(limits), "guard_limits": limits,
+                 "guard_on_close": staticmethod(on_close), "guard_on_count": staticmethod(on_count)})
+
+
 def guarded_protocol(limits: ConnectionLimits, on_close: Callable[[str], None] = lambda reason: None,
                      on_count: Callable[[int], None] = lambda n: None) -> type:
-    """uvicorn's HTTP protocol with the header deadline and the caps (one table per server). ``on_close(reason)``
-    counts each connection closed or refused by the guard (header_timeout | client_cap | server_cap |
-    refused); ``on_count(n)`` follows the number open.
+    """uvicorn's HTTP protocol with the header deadline and the caps (:func:`guarded`), for ``uvicorn.run(http=...)``.
 
     The protocol is uvicorn's httptools one (llhttp, C) where httptools is installed, as it is with pdstack's
     runtime extra, else its pure-Python h11 one: on 1-token completions through the router (bench/router.py)
     h11's parsing and event machinery were a fifth of the router's CPU. Both keep ``cycle``, ``client``,
-    ``transport`` and ``loop`` as the guard below reads them."""
-    base = http_protocol_class()
-    table = ConnectionTable(limits)
+    ``transport`` and ``loop`` as the guard reads them."""
 
-    class GuardedProtocol(base):  # type: ignore[misc,valid-type]
-        table_ = table
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            peer = self.client
-            self.client_addr = str(peer[0]) if peer else ""
-            self._deadline: asyncio.TimerHandle | None = None
-            self._in_table = False
-            ok, evict = table.admit(self)
-            for victim, reason in evict:
-                victim._close_by_guard(reason)
-            if not ok:
-                on_close("refused")
-                transport.write(refused_response())
-                transport.close()
-                return
-            self._in_table = True
-            on_count(table.count)
-            self._arm()
-
+    class UvicornProtocol(http_protocol_class()):  # type: ignore[misc]
         @property
         def busy(self) -> bool:
             return self.cycle is not None and not self.cycle.response_complete
 
-        def _arm(self) -> None:
-            if self._deadline is None:
-                self._deadline = self.loop.call_later(limits.header_timeout_s, self._close_by_guard, "header_timeout")
-
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
-
-        def _close_by_guard(self, reason: str) -> None:
-            self._disarm()
-            if self.busy or self.transport.is_closing():
-                return
-            on_close(reason)
-            self.transport.close()
-
-        def data_received(self, data: bytes) -> None:
-            if not self.busy:
-                self._arm()  # the first byte of a request head: the whole head within the deadline
-            super().data_received(data)
-            if self.busy:
-                self._disarm()  # uvicorn started the request: its head is complete
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            if self._in_table:
-                self._in_table = False
-                table.remove(self)
-                on_count(table.count)
-            super().connection_lost(exc)
-
-    return GuardedProtocol
+    return guarded(UvicornProtocol, limits, on_close, on_count)

@@ -41,10 +41,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        headers = exc.headers
-        if exc.status in (429, 503) and not any(k.lower() == "retry-after" for k in headers or {}):
-            headers = {**(headers or {}), "Retry-After": "1"}  # every refusal says when to come back
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=error_headers(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -61,10 +58,24 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        ref = uuid.uuid4().hex[:12]
-        log_unexpected(f"{request.method} {request.url.path} ref={ref}", exc)
-        return JSONResponse(error_body(500, f"internal error ({type(exc).__name__}); reference {ref} in the server log",
-                                       type="server_error", code="internal_error"), status_code=500)
+        return JSONResponse(internal_error(f"{request.method} {request.url.path}", exc).body(), status_code=500)
+
+
+def error_headers(exc: ApiError) -> dict | None:
+    """The headers of an ApiError's answer: its own, and ``Retry-After: 1`` on a 429 or 503 that names none (every
+    refusal says when to come back)."""
+    headers = exc.headers
+    if exc.status in (429, 503) and not any(k.lower() == "retry-after" for k in headers or {}):
+        headers = {**(headers or {}), "Retry-After": "1"}
+    return headers
+
+
+def internal_error(what: str, exc: BaseException) -> ApiError:
+    """A 500 for an unexpected exception, logged (:func:`log_unexpected`) with a reference its body names."""
+    ref = uuid.uuid4().hex[:12]
+    log_unexpected(f"{what} ref={ref}", exc)
+    return ApiError(500, f"internal error ({type(exc).__name__}); reference {ref} in the server log",
+                    type="server_error", code="internal_error")
 
 
 def log_unexpected(what: str, exc: BaseException) -> None:
@@ -122,6 +133,16 @@ class GuardedStream(StreamingResponse):
 BODY_TIMEOUT_S = 30.0  # seconds to receive a whole request body (slow-drip "slowloris" bodies are cut here)
 
 
+def body_too_large(max_bytes: int) -> ApiError:
+    return ApiError(413, f"request body is larger than {max_bytes} bytes; accepted: up to {max_bytes} bytes",
+                    code="request_too_large")
+
+
+def body_too_slow(timeout_s: float, arrived: int) -> ApiError:
+    return ApiError(408, f"request body not received within {timeout_s:g}s ({arrived} bytes arrived); accepted: a "
+                    f"body sent within {timeout_s:g}s", code="body_timeout")
+
+
 class BodyGuard:
     """ASGI middleware: reads each HTTP request's body before the app runs, counting bytes as they arrive
     (chunked bodies included), and answers 413 as soon as the count passes ``max_bytes`` and 408 when the
@@ -138,10 +159,11 @@ class BodyGuard:
         self.timeout_s = timeout_s
         self.on_reject = on_reject
 
-    async def _reject(self, scope: dict, send: Callable, status: int, message: str, code: str) -> None:
+    async def _reject(self, scope: dict, send: Callable, error: ApiError) -> None:
+        status = error.status
         if self.on_reject is not None:
             self.on_reject(scope, status)
-        payload = json.dumps(error_body(status, message, code=code)).encode()
+        payload = json.dumps(error.body()).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                                 (b"connection", b"close")]})
@@ -150,15 +172,15 @@ class BodyGuard:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_large = f"request body is larger than {self.max_bytes} bytes; accepted: up to {self.max_bytes} bytes"
         for k, v in scope.get("headers", ()):
             if k == b"content-length":
                 try:
                     declared = int(v)
                 except ValueError:
-                    return await self._reject(scope, send, 400, "Content-Length is not an integer", "invalid_header")
+                    return await self._reject(scope, send, ApiError(400, "Content-Length is not an integer",
+                                                                    code="invalid_header"))
                 if declared > self.max_bytes:
-                    return await self._reject(scope, send, 413, too_large, "request_too_large")
+                    return await self._reject(scope, send, body_too_large(self.max_bytes))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         chunks: list[bytes] = []
@@ -167,15 +189,13 @@ class BodyGuard:
             try:
                 msg = await within(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
-                return await self._reject(scope, send, 408, f"request body not received within {self.timeout_s:g}s "
-                                          f"({total} bytes arrived); accepted: a body sent within {self.timeout_s:g}s",
-                                          "body_timeout")
+                return await self._reject(scope, send, body_too_slow(self.timeout_s, total))
             if msg["type"] != "http.request":  # http.disconnect: the client left while sending
                 return
             body = msg.get("body", b"")
             total += len(body)
             if total > self.max_bytes:
-                return await self._reject(scope, send, 413, too_large, "request_too_large")
+                return await self._reject(scope, send, body_too_large(self.max_bytes))
             if body:
                 chunks.append(body)
             if not msg.get("more_body", False):

@@ -3,36 +3,67 @@ router uses (``get``, ``post``, ``build_request`` + ``send(stream=True)``, ``acl
 
 Why not httpx: profiled on 1-token completions through the router (bench/router.py, no-op workers), half of the
 router's CPU was httpx and httpcore: per call, the pool's scan of every idle connection (``has_expired`` asks
-anyio for socket details of each), the transport layers, and the request and response models. Here a call is a
-write of one buffer and a parse of one head on a kept-alive ``asyncio`` stream.
+anyio for socket details of each), the transport layers, and the request and response models. Here a call is one
+write of one buffer on a kept-alive connection whose answers httptools (llhttp, C) parses as they arrive: each
+connection is an ``asyncio.Protocol``, so reading an answer costs no stream, no task and no future per read.
 
 What it does and does not do:
 - keep-alive per (host, port); an idle connection is reused newest first and closed after ``keepalive_s``
   (below the workers' own 75 s, so a worker never closes one the router is about to use); a reused connection
   that fails before any byte of the answer (the peer closed it meanwhile) is retried once on a new connection;
+  a connection goes back to the pool as soon as its answer has fully arrived (the body waits in the response);
 - bodies by ``Content-Length``, ``Transfer-Encoding: chunked`` or, with neither, until the peer closes;
-- timeouts: ``connect`` for the TCP handshake, ``read`` for each read (a float sets both), as httpx's;
+- timeouts: ``connect`` for the TCP handshake, ``read`` for each wait on the answer (a float sets both), as httpx's;
 - errors are httpx's own exception types (``ConnectError``, ``ConnectTimeout``, ``ReadTimeout``,
   ``RemoteProtocolError``, ``ReadError``), so callers keep catching ``httpx.HTTPError``;
-- no TLS, no proxies, no redirects, no cookies, no HTTP/2: workers are plain HTTP on the cluster network.
+- JSON bodies are written and read with orjson where it is installed (the stdlib's json otherwise);
+- no TLS, no proxies, no redirects, no cookies, no HTTP/2, no HEAD: workers are plain HTTP on the cluster network.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json as _json
 import time
 from collections import deque
 from typing import Any, AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
+import httptools
 import httpx
+
+try:
+    import orjson
+except ImportError:  # pragma: no cover - orjson is in the runtime extra
+    orjson = None
 
 HEAD_LIMIT = 64 * 1024  # bytes of status line + headers
 KEEPALIVE_S = 30.0
 MAX_IDLE_PER_HOST = 256
 DEFAULT_TIMEOUT = 30.0
 DRAIN_S = 0.01  # seconds aclose waits for the rest of an unread body before closing the connection instead
+NOTHING = object()  # Response.take: no piece has arrived yet
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON bytes (orjson; the stdlib for what orjson refuses, e.g. an integer past 64 bits)."""
+    if orjson is not None:
+        try:
+            return orjson.dumps(obj)
+        except TypeError:
+            pass
+    return _json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def loads(data: bytes | str) -> Any:
+    """JSON -> Python (orjson; the stdlib's parser decides, and words, what orjson rejects). ValueError if not JSON."""
+    if orjson is not None:
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass
+    return _json.loads(data)
 
 
 def _timeouts(timeout: Any, default: tuple[float | None, float | None]) -> tuple[float | None, float | None]:
@@ -45,146 +76,163 @@ def _timeouts(timeout: Any, default: tuple[float | None, float | None]) -> tuple
 
 
 class Headers:
-    """Response headers, names case-insensitive (``get`` as httpx's); the last value of a repeated name wins."""
+    """Response headers, names case-insensitive (``get`` as httpx's); the last value of a repeated name wins.
+    Decoded on the first look: most answers are read without one."""
 
-    __slots__ = ("_h",)
+    __slots__ = ("_raw", "_h")
 
-    def __init__(self, pairs: list[tuple[str, str]]) -> None:
-        self._h = {k.lower(): v for k, v in pairs}
+    def __init__(self, pairs: list[tuple[bytes, bytes]]) -> None:
+        self._raw = pairs
+        self._h: dict[str, str] | None = None
+
+    @property
+    def _map(self) -> dict[str, str]:
+        if self._h is None:
+            self._h = {k.decode("latin-1").lower(): v.decode("latin-1").strip() for k, v in self._raw}
+        return self._h
 
     def get(self, name: str, default: str | None = None) -> str | None:
-        return self._h.get(name.lower(), default)
+        return self._map.get(name.lower(), default)
 
     def __getitem__(self, name: str) -> str:
-        return self._h[name.lower()]
+        return self._map[name.lower()]
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name.lower() in self._h
+        return isinstance(name, str) and name.lower() in self._map
 
     def items(self):
-        return self._h.items()
+        return self._map.items()
 
 
-class _Conn:
-    __slots__ = ("reader", "writer", "key", "idle_since", "reused")
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: tuple[str, int]) -> None:
-        self.reader, self.writer, self.key = reader, writer, key
-        self.idle_since = 0.0
-        self.reused = False
-
-    def close(self) -> None:
-        try:
-            self.writer.close()
-        except (OSError, RuntimeError):
-            pass
+@functools.lru_cache(maxsize=4096)
+def _split(url: str) -> tuple[str, int, str]:
+    """(host, port, target) of an http:// URL (the router calls the same few URLs again and again)."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise httpx.UnsupportedProtocol(f"h1: only http:// URLs are supported, got {url!r}")
+    return parts.hostname, parts.port or 80, (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
 
 
 class Request:
     __slots__ = ("method", "url", "host", "port", "target", "body", "headers", "timeout")
 
     def __init__(self, method: str, url: str, body: bytes, headers: Mapping[str, str] | None, timeout: Any) -> None:
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise httpx.UnsupportedProtocol(f"h1: only http:// URLs are supported, got {url!r}")
+        self.host, self.port, self.target = _split(url)
         self.method, self.url, self.body, self.timeout = method, url, body, timeout
-        self.host, self.port = parts.hostname, parts.port or 80
-        self.target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self.headers = headers or {}
 
     def encode(self) -> bytes:
-        lines = [f"{self.method} {self.target} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"]
+        head = f"{self.method} {self.target} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
         if self.body or self.method in ("POST", "PUT", "PATCH"):
-            lines.append(f"Content-Length: {len(self.body)}\r\n")
-        lines.extend(f"{k}: {v}\r\n" for k, v in self.headers.items())
-        lines.append("\r\n")
-        return "".join(lines).encode("latin-1") + self.body
+            head += f"Content-Length: {len(self.body)}\r\n"
+        for k, v in self.headers.items():
+            head += f"{k}: {v}\r\n"
+        return (head + "\r\n").encode("latin-1") + self.body
 
 
 class Response:
     """An answer: ``status_code``, ``headers``; the body by ``aread``/``content``/``json``/``text`` or, for a
-    ``send(stream=True)``, by ``aiter_bytes``/``aiter_lines``, then ``aclose``."""
+    ``send(stream=True)``, by :meth:`read_some` (or ``aiter_bytes``/``aiter_lines``), then ``aclose``.
 
-    def __init__(self, client: "Client", conn: _Conn, req: Request, status: int, headers: Headers,
-                 read_s: float | None, keep: bool) -> None:
-        self._client, self._conn, self.request = client, conn, req
+    The connection fills the body in as it arrives (:meth:`_feed`, :meth:`_end`, :meth:`_fail`); a reader waits
+    only when nothing is buffered."""
+
+    def __init__(self, conn: "_Conn", req: Request, status: int, headers: Headers, read_s: float | None) -> None:
+        self._conn: _Conn | None = conn  # None once the answer is complete (the connection is back in the pool)
+        self.request = req
         self.status_code, self.headers = status, headers
-        self._read_s, self._keep = read_s, keep
+        self._read_s = read_s
+        self._pieces: deque[bytes] = deque()
+        self._ended = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
         self._content: bytes | None = None
-        te = (headers.get("transfer-encoding") or "").lower()
-        self._chunked = "chunked" in te
-        cl = headers.get("content-length")
-        self._length = int(cl) if cl is not None and not self._chunked else None
-        if req.method == "HEAD" or status in (204, 304) or 100 <= status < 200:
-            self._length = 0
-        if self._length is None and not self._chunked:
-            self._keep = False  # delimited by the peer closing
+        self._released = False  # release(): the rest of the body is dropped as it arrives
+
+    # ---- filled in by the connection ----
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _feed(self, data: bytes) -> None:
+        if self._released:
+            return  # nobody reads on: the rest only has to arrive for the connection to be reused
+        self._pieces.append(data)
+        self._wake()
+
+    def _end(self, whole: bool = False) -> None:
+        """The body has arrived; ``whole``: read it into ``content`` now (a call that waited for all of it)."""
+        self._ended = True
+        self._conn = None
+        if whole:
+            pieces = self._pieces
+            self._content = pieces.popleft() if len(pieces) == 1 else b"".join(pieces)
+            pieces.clear()
+        self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._conn = None
+        self._wake()
 
     # ---- body ----
-    async def _read(self, coro):
+    @property
+    def complete(self) -> bool:
+        """The whole body has arrived (it may still be unread)."""
+        return self._ended
+
+    def take(self) -> bytes | None | object:
+        """The next piece of the body that has arrived, None at its end, :data:`NOTHING` while the next is still on its
+        way (:meth:`arrival` says when). Raises httpx's errors, as :meth:`read_some`."""
+        if self._pieces:
+            return self._pieces.popleft()
+        if self._error is not None:
+            raise self._error
+        if self._ended:
+            return None
+        if self._conn is None:  # closed by aclose
+            raise httpx.StreamClosed()
+        return NOTHING
+
+    def arrival(self) -> asyncio.Future:
+        """A future done once :meth:`take` has something (a piece, the end, an error); no read timeout of its own."""
+        self._waiter = waiter = asyncio.get_running_loop().create_future()
+        if self._pieces or self._ended or self._error is not None or self._conn is None:
+            waiter.set_result(None)
+        return waiter
+
+    async def read_some(self) -> bytes | None:
+        """The next piece of the body as it arrived, None at its end. Raises httpx's errors (ReadTimeout when nothing
+        arrives for the read timeout, RemoteProtocolError when the peer closes mid-body)."""
+        while (piece := self.take()) is NOTHING:
+            await self._wait()
+        return piece  # type: ignore[return-value]
+
+    async def _wait(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = loop.call_later(self._read_s, self._timed_out, waiter) if self._read_s is not None else None
         try:
-            async with asyncio.timeout(self._read_s):
-                return await coro
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError) as exc:
-            self._fail()
-            raise _io_error(exc, self.request.url, self._read_s, "mid-body", "a chunk-size line") from None
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
 
-    def _fail(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    def _done(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            if self._keep:
-                self._client._release(conn)
-            else:
+    def _timed_out(self, waiter: asyncio.Future) -> None:
+        if not waiter.done():
+            conn = self._conn
+            self._fail(httpx.ReadTimeout(f"no data from {self.request.url} within {self._read_s}s"))
+            if conn is not None:
                 conn.close()
-
-    async def _next_piece(self) -> bytes | None:
-        """The next piece of the body, None at its end (the connection then goes back to the pool). The state
-        lives here, not in a generator, so a body abandoned mid-way can still be drained by :meth:`aclose`."""
-        if self._conn is None:
-            return None
-        r = self._conn.reader
-        if self._length is not None:
-            if not self._length:
-                self._done()
-                return None
-            data = await self._read(r.read(min(self._length, 65536)))
-            if not data:
-                self._fail()
-                raise httpx.RemoteProtocolError(f"{self.request.url}: the peer closed the connection mid-body")
-            self._length -= len(data)
-            if not self._length:
-                self._done()
-            return data
-        if self._chunked:
-            line = await self._read(r.readuntil(b"\r\n"))
-            try:
-                size = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                self._fail()
-                raise httpx.RemoteProtocolError(f"{self.request.url}: bad chunk size {line[:40]!r}") from None
-            if size == 0:
-                while (await self._read(r.readuntil(b"\r\n"))) != b"\r\n":  # trailers
-                    pass
-                self._done()
-                return None
-            return (await self._read(r.readexactly(size + 2)))[:-2]
-        data = await self._read(r.read(65536))
-        if not data:
-            self._done()
-            return None
-        return data
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         if self._content is not None:
             if self._content:
                 yield self._content
             return
-        while (data := await self._next_piece()) is not None:
+        while (data := await self.read_some()) is not None:
             if data:
                 yield data
 
@@ -201,7 +249,10 @@ class Response:
 
     async def aread(self) -> bytes:
         if self._content is None:
-            self._content = b"".join([d async for d in self.aiter_bytes()])
+            parts = []
+            while (data := await self.read_some()) is not None:
+                parts.append(data)
+            self._content = parts[0] if len(parts) == 1 else b"".join(parts)
         return self._content
 
     @property
@@ -215,23 +266,237 @@ class Response:
         return self.content.decode("utf-8", "replace")
 
     def json(self) -> Any:
-        return _json.loads(self.content)
+        return loads(self.content)
+
+    def release(self) -> None:
+        """Done with it, without waiting: a body not yet complete may finish arriving within :data:`DRAIN_S` (the
+        connection then goes back to the pool as it ends, e.g. an SSE stream whose reader stopped at its last
+        event), else its connection is closed. What :meth:`aclose` does, off the caller's path."""
+        conn = self._conn
+        if conn is None or self._ended:
+            return
+        self._released = True
+        self._pieces.clear()
+        if conn.keep:
+            asyncio.get_running_loop().call_later(DRAIN_S, self._drain_over, conn)
+        else:
+            self._drain_over(conn)
+
+    def _drain_over(self, conn: "_Conn") -> None:
+        if not self._ended and self._conn is conn:
+            self._conn = None
+            conn.close()
 
     async def aclose(self) -> None:
-        """Done with it. A body not read to its end is drained if the rest arrives within :data:`DRAIN_S` (an SSE
-        stream whose reader stopped at ``[DONE]`` has only its last chunk left), so the connection is reused;
-        otherwise the connection is closed."""
-        if self._conn is None:
+        """Done with it. A body not yet complete is waited for :data:`DRAIN_S` (an SSE stream whose reader stopped
+        at ``[DONE]`` has only its last chunk left), so the connection is reused; otherwise the connection is
+        closed."""
+        conn = self._conn
+        if conn is None or self._ended:
             return
-        if self._keep:
+        if conn.keep:
             try:
                 async with asyncio.timeout(DRAIN_S):
-                    while await self._next_piece() is not None:
-                        pass
-                return
-            except (TimeoutError, httpx.HTTPError):
+                    while not self._ended and self._error is None:
+                        self._pieces.clear()
+                        await self._wait()
+            except TimeoutError:
                 pass
-        self._fail()
+            if self._ended:
+                self._pieces.clear()
+                return
+        self._conn = None
+        conn.close()
+
+
+def _close_delimited(resp: Response) -> bool:
+    """The answer's body ends when the peer closes (neither a length nor chunks)."""
+    te = (resp.headers.get("transfer-encoding") or "").lower()
+    return "chunked" not in te and resp.headers.get("content-length") is None and resp.status_code not in (204, 304)
+
+
+class Call:
+    """One request's exchange (:meth:`Client.start`): ``fut`` resolves to its Response once the head (``whole``
+    False) or the whole answer (``whole`` True) has arrived, or to httpx's error; :meth:`cancel` gives it up and
+    closes its connection (the peer sees the hang-up)."""
+
+    __slots__ = ("client", "req", "wire", "read_s", "connect_s", "fut", "whole", "conn", "timer")
+
+    def __init__(self, client: "Client", req: Request, whole: bool) -> None:
+        self.client, self.req, self.whole = client, req, whole
+        self.connect_s, self.read_s = _timeouts(req.timeout, client._default)
+        self.wire = req.encode()
+        self.fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.conn: _Conn | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def cancel(self) -> None:
+        """Give the call up: its future is cancelled and, unless its answer had fully arrived, its connection closed."""
+        if self.timer is not None:
+            self.timer.cancel()
+        self.fut.cancel()
+        conn = self.conn
+        if conn is not None and conn.call is self:
+            conn.call = None
+            conn.close()
+
+    def resolve(self, resp: Response) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if not self.fut.done():
+            self.fut.set_result(resp)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if not self.fut.done():
+            self.fut.set_exception(exc)
+
+    def timed_out(self) -> None:
+        if not self.fut.done():
+            self.fail(httpx.ReadTimeout(f"no data from {self.req.url} within {self.read_s}s"))
+            if self.conn is not None and self.conn.call is self:
+                self.conn.call = None
+                self.conn.close()
+
+    async def connect_and_send(self) -> None:
+        """The call on a new connection (none idle, or the idle one turned out closed)."""
+        try:
+            conn = await self.client._connect(self.req, self.connect_s)
+        except httpx.HTTPError as exc:
+            self.fail(exc)
+            return
+        if self.fut.done():  # cancelled or timed out while connecting
+            conn.close()
+            return
+        conn.begin(self)
+
+
+class _Conn(asyncio.Protocol):
+    """One kept-alive connection to a worker, one call at a time; httptools parses the answers as they arrive."""
+
+    def __init__(self, client: "Client", key: tuple[str, int]) -> None:
+        self.client, self.key = client, key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.idle_since = 0.0
+        self.reused = False
+        self.closed = False
+        self.keep = True
+        self.call: Call | None = None  # the call whose answer this connection is reading
+        self.resp: Response | None = None
+        self.got_bytes = False
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._head_bytes = 0
+        self._interim = False  # a 1xx answer before the real one
+
+    def begin(self, call: Call) -> None:
+        """Send ``call``'s request; its answer resolves ``call.fut``."""
+        self.call, call.conn, self.got_bytes = call, self, False
+        self.transport.write(call.wire)  # type: ignore[union-attr]
+
+    # ---- asyncio.Protocol ----
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        if self.call is None and self.resp is None:  # bytes nobody asked for on an idle connection: not one to reuse
+            self.close()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            url = self.call.req.url if self.call is not None else "?"
+            self._broken(httpx.RemoteProtocolError(f"{url}: the answer's head exceeds {HEAD_LIMIT} bytes"
+                                                   if self._head_bytes > HEAD_LIMIT else
+                                                   f"{url}: not an HTTP/1.x answer: {data[:80]!r}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        call, resp = self.call, self.resp
+        self.call = self.resp = None
+        if call is not None and not call.fut.done():
+            if resp is None and self.reused and not self.got_bytes:
+                # a kept-alive connection the peer had closed: once more on a new one
+                call.conn = None
+                asyncio.get_running_loop().create_task(call.connect_and_send())
+            elif resp is None:
+                call.fail(httpx.RemoteProtocolError(f"{call.req.url}: the peer closed the connection without an answer"))
+            elif _close_delimited(resp):
+                resp._end(whole=True)
+                call.resolve(resp)
+            else:
+                exc2 = httpx.RemoteProtocolError(f"{call.req.url}: the peer closed the connection mid-body")
+                resp._fail(exc2)
+                call.fail(exc2)
+            return
+        if resp is not None and not resp._ended and resp._error is None:
+            if _close_delimited(resp):
+                resp._end()
+            else:
+                url = resp.request.url
+                resp._fail(httpx.RemoteProtocolError(f"{url}: the peer closed the connection mid-body"))
+
+    # ---- httptools callbacks ----
+    def on_message_begin(self) -> None:
+        self._headers = []
+        self._head_bytes = 0
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > HEAD_LIMIT:
+            raise httptools.HttpParserError("head too long")
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        call = self.call
+        if call is None:
+            raise httptools.HttpParserError("an answer nobody asked for")
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            self._interim = True
+            return
+        self.keep = self.parser.should_keep_alive()
+        self.resp = resp = Response(self, call.req, status, Headers(self._headers), call.read_s)
+        if not call.whole:
+            call.resolve(resp)
+
+    def on_body(self, body: bytes) -> None:
+        if self.resp is not None:
+            self.resp._feed(body)
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        call, resp = self.call, self.resp
+        self.call = self.resp = None
+        if resp is not None:
+            whole = call is not None and call.whole
+            resp._end(whole)
+            if whole:
+                call.resolve(resp)  # type: ignore[union-attr]
+        if self.keep:
+            self.client._release(self)
+        else:
+            self.close()
+
+    # ---- the client's side ----
+    def _broken(self, exc: BaseException) -> None:
+        """A protocol error: the pending answer or body fails with ``exc`` and the connection closes."""
+        call, resp = self.call, self.resp
+        self.call = self.resp = None
+        if call is not None:
+            call.fail(exc)
+        if resp is not None and not resp._ended:
+            resp._fail(exc)
+        self.close()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
 
 
 class Client:
@@ -247,77 +512,73 @@ class Client:
     # ---- pool ----
     def _take_idle(self, key: tuple[str, int]) -> _Conn | None:
         idle = self._idle.get(key)
+        if not idle:
+            return None
         now = time.monotonic()
         while idle:
             conn = idle.pop()  # newest first: the likeliest still open
-            if now - conn.idle_since < self.keepalive_s and not conn.reader.at_eof() \
-                    and not conn.writer.is_closing():
+            if now - conn.idle_since < self.keepalive_s and not conn.closed and not conn.transport.is_closing():
                 conn.reused = True
                 return conn
             conn.close()
         return None
 
     def _release(self, conn: _Conn) -> None:
-        if self._closed or conn.reader.at_eof() or conn.writer.is_closing():
+        if self._closed or conn.closed:
             conn.close()
             return
-        idle = self._idle.setdefault(conn.key, deque())
+        idle = self._idle.get(conn.key)
+        if idle is None:
+            idle = self._idle[conn.key] = deque()
         if len(idle) >= self.max_idle:
             idle.popleft().close()
         conn.idle_since = time.monotonic()
         idle.append(conn)
 
     async def _connect(self, req: Request, connect_s: float | None) -> _Conn:
+        key = (req.host, req.port)
         try:
             async with asyncio.timeout(connect_s):
-                reader, writer = await asyncio.open_connection(req.host, req.port, limit=HEAD_LIMIT)
+                _, conn = await asyncio.get_running_loop().create_connection(lambda: _Conn(self, key), req.host, req.port)
         except TimeoutError:
             raise httpx.ConnectTimeout(f"connecting to {req.host}:{req.port} took over {connect_s}s") from None
         except OSError as exc:
             raise httpx.ConnectError(f"{req.host}:{req.port}: {exc.strerror or exc}") from None
-        return _Conn(reader, writer, (req.host, req.port))
+        return conn
 
     # ---- API ----
     def build_request(self, method: str, url: str, *, json: Any = None, content: bytes | None = None,
                       headers: Mapping[str, str] | None = None, timeout: Any = None) -> Request:
         hdrs = dict(headers or {})
         if json is not None:
-            content = _json.dumps(json, separators=(",", ":")).encode()
+            content = dumps(json)
             hdrs.setdefault("Content-Type", "application/json")
         return Request(method, url, content or b"", hdrs, timeout)
 
-    async def send(self, req: Request, *, stream: bool = False) -> Response:
+    def start(self, req: Request, *, stream: bool = False) -> Call:
+        """Send ``req`` now (on an idle connection; else connecting first): a :class:`Call` whose ``fut`` is its
+        Response, at its head with ``stream``, else once the whole answer has arrived. No task unless a connection is
+        opened. The read timeout bounds the wait for that."""
         if self._closed:
             raise RuntimeError("h1.Client is closed")
-        connect_s, read_s = _timeouts(req.timeout, self._default)
-        wire = req.encode()
-        for attempt in (0, 1):
-            conn = self._take_idle((req.host, req.port)) if attempt == 0 else None
-            if conn is None:
-                conn = await self._connect(req, connect_s)
-            try:
-                resp = await self._exchange(conn, req, wire, read_s)
-            except _Stale:
-                continue  # a kept-alive connection the peer had closed: once more on a new one
-            if not stream:
-                await resp.aread()
-            return resp
-        raise httpx.RemoteProtocolError(f"{req.url}: the connection closed before an answer")  # pragma: no cover
+        call = Call(self, req, whole=not stream)
+        loop = call.fut.get_loop()
+        if call.read_s is not None:
+            call.timer = loop.call_later(call.read_s, call.timed_out)
+        conn = self._take_idle((req.host, req.port))
+        if conn is not None:
+            conn.begin(call)
+        else:
+            loop.create_task(call.connect_and_send())
+        return call
 
-    async def _exchange(self, conn: _Conn, req: Request, wire: bytes, read_s: float | None) -> Response:
+    async def send(self, req: Request, *, stream: bool = False) -> Response:
+        call = self.start(req, stream=stream)
         try:
-            conn.writer.write(wire)
-            async with asyncio.timeout(read_s):
-                await conn.writer.drain()
-                head = await conn.reader.readuntil(b"\r\n\r\n")
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError) as exc:
-            conn.close()
-            nothing_read = isinstance(exc, OSError) or (isinstance(exc, asyncio.IncompleteReadError) and not exc.partial)
-            if conn.reused and nothing_read and not isinstance(exc, TimeoutError):
-                raise _Stale() from None
-            raise _io_error(exc, req.url, read_s, "without an answer", "the answer's head") from None
-        status, headers, keep = _parse_head(head, req.url)
-        return Response(self, conn, req, status, headers, read_s, keep)
+            return await call.fut
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
 
     async def request(self, method: str, url: str, **kw: Any) -> Response:
         return await self.send(self.build_request(method, url, **kw))
@@ -334,38 +595,3 @@ class Client:
             while idle:
                 idle.pop().close()
         self._idle.clear()
-
-
-class _Stale(Exception):
-    """A reused connection failed before any byte of the answer."""
-
-
-def _io_error(exc: BaseException, url: str, read_s: float | None, closed: str, too_long: str) -> httpx.HTTPError:
-    """httpx's exception for a failed read of an answer from ``url``: ``closed`` says where the peer closed
-    (``mid-body``, ``without an answer``), ``too_long`` what overran :data:`HEAD_LIMIT`."""
-    if isinstance(exc, TimeoutError):
-        return httpx.ReadTimeout(f"no data from {url} within {read_s}s")
-    if isinstance(exc, asyncio.IncompleteReadError):
-        return httpx.RemoteProtocolError(f"{url}: the peer closed the connection {closed}")
-    if isinstance(exc, asyncio.LimitOverrunError):
-        return httpx.RemoteProtocolError(f"{url}: {too_long} exceeds {HEAD_LIMIT} bytes")
-    return httpx.ReadError(f"{url}: {type(exc).__name__} {exc}")
-
-
-def _parse_head(head: bytes, url: str) -> tuple[int, Headers, bool]:
-    try:
-        lines = head[:-4].decode("latin-1").split("\r\n")
-        version, code, *_ = lines[0].split(" ", 2)
-        status = int(code)
-        pairs = []
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            pairs.append((name.strip(), value.strip()))
-    except (ValueError, IndexError):
-        raise httpx.RemoteProtocolError(f"{url}: not an HTTP/1.x answer: {head[:80]!r}") from None
-    if not version.startswith("HTTP/1."):
-        raise httpx.RemoteProtocolError(f"{url}: not an HTTP/1.x answer: {head[:80]!r}")
-    headers = Headers(pairs)
-    conn_hdr = (headers.get("connection") or "").lower()
-    keep = "close" not in conn_hdr and (version != "HTTP/1.0" or "keep-alive" in conn_hdr)
-    return status, headers, keep

@@ -44,3 +44,24 @@ async def aiter_sse(lines: AsyncIterable[str]) -> AsyncIterator[Any]:
         data = sse_data(line)
         if data is not None:
             yield _event(data)
+
+
+class SSEBuffer:
+    """:func:`iter_sse`'s lines for a body read in pieces as they arrive (the router's decode leg): ``feed(piece)``
+    -> the ``data:`` payloads, as bytes (``b"[DONE]"`` included), of the lines that piece completed; ``end()`` ->
+    that of a last line without its newline."""
+
+    __slots__ = ("_tail",)
+
+    def __init__(self) -> None:
+        self._tail = b""
+
+    def feed(self, piece: bytes) -> list[bytes]:
+        if self._tail:
+            piece = self._tail + piece
+        *lines, self._tail = piece.split(b"\n")
+        return [line[5:].strip() for line in lines if line.startswith(b"data:")]
+
+    def end(self) -> list[bytes]:
+        tail, self._tail = self._tail, b""
+        return [tail[5:].strip()] if tail.startswith(b"data:") else []

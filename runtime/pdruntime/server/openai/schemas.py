@@ -434,6 +434,9 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+_DECODER = json.JSONDecoder(parse_constant=_no_constants)  # one, not one per call (json.loads with kwargs)
+
+
 def parse_body(raw: bytes) -> dict:
     """Bytes -> a JSON object, or ApiError(400/413) saying what is wrong and what is accepted."""
     if len(raw) > MAX_BODY_BYTES:
@@ -445,7 +448,7 @@ def parse_body(raw: bytes) -> dict:
         raise ApiError(400, f"request body is not valid UTF-8 (byte {exc.start}); accepted: a UTF-8 JSON object",
                        code="invalid_json") from None
     try:
-        body = json.loads(text, parse_constant=_no_constants)
+        body = _DECODER.decode(text)
     except RecursionError:
         raise ApiError(400, f"request body is nested too deeply; accepted: JSON nested at most {MAX_JSON_DEPTH} "
                        "levels deep", code="invalid_json") from None

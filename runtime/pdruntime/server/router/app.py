@@ -11,8 +11,8 @@ import asyncio
 import logging
 import os
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
+from typing import Mapping
 
 import httpx
 from fastapi import FastAPI, Request
@@ -27,14 +27,14 @@ from pdruntime.server.openai.events import TokenEvent
 from pdruntime.server.openai.schemas import (MAX_BODY_BYTES, ApiError, ChatCompletionRequest, CompletionRequest,
                                              error_body, openapi_components, parse_body, validate)
 from pdruntime.server.router.admission import MAX_PENDING, MAX_QUEUED, WAIT_S, Admission
-from pdruntime.server.router.auth import (admin_token, bearer, client_identity, client_request_id, is_loopback,
-                                          key_name, match_api_key, same_secret)
+from pdruntime.server.router.auth import (admin_token, bearer, client_identity, client_of, client_request_id,
+                                          is_loopback, match_api_key, same_secret)
 from pdruntime.server.router.health_probe import HealthProber
 from pdruntime.server.router.legs import LegError, Legs, Outbound
 from pdruntime.server.router.policy import Outcome, PairPicker, PairState, RoutingConfig
 from pdruntime.server.router.prefix_tree import routing_text
 from pdruntime.server.router.protocol import observe_url, protocol_for
-from pdruntime.server.router.reply import Dispatched, EdgeRequest, LiveRequest, Reply
+from pdruntime.server.router.reply import Dispatched, EdgeCall, EdgeRequest, LiveRequest, Reply, Streamed
 from pdruntime.server.router.topology import Topology, TopologyWatcher
 from pdruntime.server.router.topology_source import TopologySource
 from pdruntime.util import h1
@@ -49,6 +49,7 @@ DEBUG_FETCH_TIMEOUT_S = 2.0
 #: router then relays a few events a second per request instead of one per token; its live progress (stall
 #: detection, /debug/requests) still advances this often
 COLLECT_INTERVAL_S = 0.25
+COLLECT_INTERVAL = str(COLLECT_INTERVAL_S)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class Router:
         self.topology_error: str | None = None
         self.prober: HealthProber | None = None  # worker /health polling: stale (frozen) workers' pairs are skipped
         self.instance_id = instance_id(env)
+        self._children: dict[tuple, object] = {}  # metric label children, looked up once (labels() costs ~2 us a call)
         self._set_topology(self.topology)
         self.topology_source = TopologySource(self._set_topology, self.topology, self.cfg.admin_token)
 
@@ -146,6 +148,14 @@ class Router:
         if self.client is not None:
             await self.client.aclose()
 
+    def child(self, metric, *labels: str):
+        """``metric.labels(*labels)``, cached: the hot path reads the same few children on every request."""
+        key = (id(metric), labels)
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = metric.labels(*labels)
+        return got
+
     # ---- request handling ------------------------------------------------------------------------
     async def _check_model(self, model: str) -> str:
         if not self.models:
@@ -163,9 +173,9 @@ class Router:
         raise ApiError(404, f"model {model!r} does not exist here; accepted: {', '.join(sorted(self.models))}",
                        param="model", code="model_not_found")
 
-    def _deadline(self, request: Request) -> float:
+    def _deadline(self, headers: Mapping[str, str]) -> float:
         timeout = self.cfg.request_timeout_s
-        raw = request.headers.get("x-request-timeout")
+        raw = headers.get("x-request-timeout")
         if raw is not None:
             try:
                 asked = float(raw)
@@ -201,7 +211,6 @@ class Router:
             state.outstanding += 1
             self.admission.dispatched(state.pair.index)
             trial = state.breaker.on_dispatch(now)
-            self.metrics.pair_outstanding.labels(state.pair.key).set(state.outstanding)
             outcome = Outcome.NEUTRAL  # client gone, 4xx, deadline, unexpected error: says nothing about the pair
             try:
                 legs = Legs(self.client, state.pair, out, self.protocol)
@@ -224,7 +233,6 @@ class Router:
             finally:
                 self.admission.first_token(state.pair.index)
                 state.breaker.record(outcome, time.monotonic(), trial=trial)
-                self.metrics.circuit_open.labels(state.pair.key).set(int(state.breaker.state(time.monotonic()) != "closed"))
                 if outcome is not Outcome.SUCCESS:
                     self.release(state, served=False)
         if busy and last is None:
@@ -289,17 +297,19 @@ class Router:
         return ApiError(503, f"no ready PD pair: every ready pair's circuit breaker is open after failures; the next "
                         f"trial is in {wait}s", type="server_error", code="no_ready_pair", headers={"Retry-After": str(wait)})
 
-    async def _dispatch_unless_gone(self, request: Request, live: LiveRequest,
+    async def _dispatch_unless_gone(self, call: EdgeCall, live: LiveRequest,
                                     out: Outbound) -> tuple[Legs, PairState, TokenEvent]:
-        """_dispatch, abandoned (legs aborted by their own cleanup) if the client disconnects first."""
-
-        async def gone() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        live.pinned = self.pinned_group(request)
+        """_dispatch, abandoned (legs aborted by their own cleanup) if the client disconnects first: watched here when
+        the HTTP layer gives ``call.gone`` (the ASGI app), else the router's server cancels this handler."""
+        live.pinned = self.pinned_group(call.headers, call.peer)
+        if call.gone is None:
+            try:
+                return await self._dispatch(live, out)
+            except asyncio.CancelledError:
+                self.metrics.disconnects.inc()
+                raise
         dispatch = asyncio.create_task(self._dispatch(live, out))
-        watcher = asyncio.create_task(gone())
+        watcher = asyncio.create_task(call.gone())
         try:
             await asyncio.wait({dispatch, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -322,14 +332,13 @@ class Router:
     def release(self, state: PairState, *, served: bool = True) -> None:
         state.outstanding = max(0, state.outstanding - 1)
         self.admission.release(state.pair.index if served else None)
-        self.metrics.pair_outstanding.labels(state.pair.key).set(state.outstanding)
 
-    def authenticate(self, request: Request) -> str:
+    def authenticate(self, headers: Mapping[str, str]) -> str:
         """The client a request is attributed to. With API keys configured: the name of the caller's key
-        (401 without a valid one); else client_identity()."""
+        (401 without a valid one); else client_of()."""
         if not self.cfg.api_keys:
-            return client_identity(request)
-        name = match_api_key(self.cfg.api_keys, bearer(request.headers))
+            return client_of(headers)
+        name = match_api_key(self.cfg.api_keys, bearer(headers))
         if name is None:
             raise ApiError(401, "missing or unknown API key; accepted: an 'Authorization: Bearer <key>' header with a "
                            "key from the router's --api-key-file", type="authentication_error", code="invalid_api_key",
@@ -351,15 +360,15 @@ class Router:
                            "and send 'Authorization: Bearer <admin token>'", type="permission_error",
                            code="admin_only")
 
-    def pinned_group(self, request: Request) -> int | None:
+    def pinned_group(self, headers: Mapping[str, str], peer: tuple[str, int] | None) -> int | None:
         """The group an ``X-PDStack-Pair`` header pins this request to (None: normal routing). Pinning reaches canary
         groups, so it needs admin credentials: X-PDStack-Admin-Token (the Authorization header carries the API
         key), or a loopback client when the router has no admin token. 403 otherwise, 400 for a bad value."""
-        raw = request.headers.get(PIN_HEADER)
+        raw = headers.get(PIN_HEADER)
         if raw is None:
             return None
         if self.cfg.admin_token is not None:
-            given = (request.headers.get(ADMIN_TOKEN_HEADER) or "").strip()
+            given = (headers.get(ADMIN_TOKEN_HEADER) or "").strip()
             if not given:
                 raise ApiError(403, "X-PDStack-Pair pins a request to one group and needs admin credentials; accepted: "
                                "an 'X-PDStack-Admin-Token: <admin token>' header (the router's --admin-token-file)",
@@ -368,7 +377,7 @@ class Router:
                 raise ApiError(403, "X-PDStack-Admin-Token does not match the router's admin token; X-PDStack-Pair "
                                "needs the token from the router's --admin-token-file", type="permission_error",
                                code="pin_not_allowed")
-        elif not is_loopback(request.client.host if request.client else None):
+        elif not is_loopback(peer[0] if peer else None):
             raise ApiError(403, "X-PDStack-Pair is accepted only from loopback clients when the router has no admin "
                            "token; accepted: a request from 127.0.0.1/::1, or start the router with --admin-token-file "
                            "and send 'X-PDStack-Admin-Token: <admin token>'", type="permission_error",
@@ -381,60 +390,61 @@ class Router:
 
     def count_rejection(self, client: str, status: int) -> None:
         """A request the router answered itself with an error (before or instead of any worker)."""
-        self.metrics.requests.labels("router", self.metrics.clients.label(client),
-                                     "client_error" if status < 500 else "failed").inc()
+        self.child(self.metrics.requests, "router", self.metrics.clients.label(client),
+                   "client_error" if status < 500 else "failed").inc()
 
-    async def completions(self, request: Request, chat: bool):
-        """``/v1/chat/completions`` and ``/v1/completions``: validated here, once, into an :class:`EdgeRequest`."""
+    async def completion(self, call: EdgeCall) -> dict | Streamed:
+        """``/v1/chat/completions`` and ``/v1/completions``: validated here, once, into an :class:`EdgeRequest`;
+        answered with the response body (a dict) or a :class:`Streamed` answer. Raises ApiError."""
         t0 = time.monotonic()
         client = "unauthenticated"
         try:
-            client = self.authenticate(request)
-            raw = parse_body(await request.body())
-            oreq = validate(ChatCompletionRequest if chat else CompletionRequest, raw)
+            client = self.authenticate(call.headers)
+            raw = parse_body(call.body)
+            oreq = validate(ChatCompletionRequest if call.chat else CompletionRequest, raw)
             model = await self._check_model(oreq.model)
-            deadline = self._deadline(request)
+            deadline = self._deadline(call.headers)
         except ApiError as exc:
             self.count_rejection(client, exc.status)
             raise
         parser = (self.models.get(model) or {}).get("tool_call_parser") or "hermes"
-        return await self._one(request, EdgeRequest(oreq, chat, client, model, deadline, t0, parser, raw=raw))
+        return await self._one(call, EdgeRequest(oreq, call.chat, client, model, deadline, t0, parser, raw=raw))
 
-    async def _one(self, request: Request, req: EdgeRequest):
+    async def _one(self, call: EdgeCall, req: EdgeRequest) -> dict | Streamed:
         """One PD request: dispatch to a pair, then stream or collect decode's events, shaped as OpenAI's.
 
         ``n`` > 1 is still one PD request (one prefill, one KV transfer): its sampling_params carry ``n`` and the
         decode worker forks the choices off the transferred prompt pages (see worker/decode.py); its events carry
         their choice's ``index``, and failing or aborting the request ends every choice."""
         client_label = self.metrics.clients.label(req.client)
-        rid = uuid.uuid4().hex
-        connection = f"{request.client.host}:{request.client.port}" if request.client else ""
+        rid = os.urandom(16).hex()
+        connection = f"{call.peer[0]}:{call.peer[1]}" if call.peer else ""
         headers = {"x-client-id": req.client, REQUEST_ID_HEADER: rid, CLIENT_CONNECTION_HEADER: connection}
         if not req.body.stream:  # one response: decode may send its tokens in fewer, larger events
-            headers[STREAM_INTERVAL_HEADER] = str(COLLECT_INTERVAL_S)
+            headers[STREAM_INTERVAL_HEADER] = COLLECT_INTERVAL
         body = {"sampling_params": req.body.sampling_params(), **req.body.worker_input()}
         # a request waits for capacity at most admission.wait_s after its arrival: in the router's queue, then in decode
         out = Outbound(rid, body, headers, req.deadline, req.n, busy_until=req.arrived + self.admission.wait_s,
                        openai=req.raw, chat=req.chat)
-        live = LiveRequest(rid, req.client, req.body.user or request.headers.get("x-session-id"), req.arrived,
-                           client_request_id=client_request_id(request.headers))
+        live = LiveRequest(rid, req.client, req.body.user or call.headers.get("x-session-id"), req.arrived,
+                           client_request_id=client_request_id(call.headers))
         self.live[rid] = live
         try:
-            sent = Dispatched(*await self._dispatch_unless_gone(request, live, out))
+            sent = Dispatched(*await self._dispatch_unless_gone(call, live, out))
         except BaseException as exc:  # rejected, cancelled or a bug: the live entry never outlives its request
             self.live.pop(rid, None)
             if isinstance(exc, ApiError):
                 self.count_rejection(req.client, exc.status)
             elif isinstance(exc, asyncio.CancelledError):
-                self.metrics.requests.labels("router", client_label, "aborted").inc()
+                self.child(self.metrics.requests, "router", client_label, "aborted").inc()
             else:
                 self.count_rejection(req.client, 500)
             raise
         live.advance("streaming")
-        self.metrics.ttft.labels("router").observe(time.monotonic() - req.arrived)
-        reply = Reply(self.metrics, req, live, sent, client_label, self._forget)
+        self.child(self.metrics.ttft, "router").observe(time.monotonic() - req.arrived)
+        reply = Reply(self, req, live, sent, client_label)
         if req.body.stream:
-            return GuardedStream(reply.stream(), reply.finish)
+            return Streamed(reply.stream(), reply.finish)
         return await reply.collect()
 
     # ---- observability -----------------------------------------------------------------------------
@@ -506,12 +516,15 @@ class Router:
 
     def _reject_scope(self, scope: dict, status: int) -> None:
         """BodyGuard rejections (413, 408) counted like the router's other own answers."""
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
-        token = bearer(headers)
+        self.reject_headers({k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}, status)
+
+    def reject_headers(self, headers: Mapping[str, str], status: int) -> None:
+        """A request refused before it reached a route (body too large or too slow, a malformed head), counted
+        like the router's other own answers, by the client its headers name."""
         if self.cfg.api_keys:
-            client = match_api_key(self.cfg.api_keys, token) or "unauthenticated"
+            client = match_api_key(self.cfg.api_keys, bearer(headers)) or "unauthenticated"
         else:
-            client = (headers.get("x-client-id") or "")[:64] or (key_name(token) if token else "anonymous")
+            client = client_of(headers)
         self.count_rejection(client, status)
 
     def build_app(self) -> FastAPI:
@@ -530,18 +543,31 @@ class Router:
             return {"requestBody": {"required": True, "content": {"application/json": {
                 "schema": {"$ref": f"#/components/schemas/{model}"}}}}}
 
+        async def answer(request: Request, chat: bool):
+            async def gone() -> None:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+
+            peer = (request.client.host, request.client.port) if request.client else None
+            out = await self.completion(EdgeCall(chat, request.headers, await request.body(), peer, gone))
+            if isinstance(out, Streamed):
+                return GuardedStream(out.chunks, out.finish)
+            return JSONResponse(out)
+
+        # the router's own server (router/server.py) answers these two itself; these serve the ASGI app in-process
+        # and describe the routes in /openapi.json
         @app.post("/v1/chat/completions", openapi_extra=body_of("ChatCompletionRequest"))
         async def chat_completions(request: Request):
-            return await self.completions(request, chat=True)
+            return await answer(request, chat=True)
 
         @app.post("/v1/completions", openapi_extra=body_of("CompletionRequest"))
         async def completions(request: Request):
-            return await self.completions(request, chat=False)
+            return await answer(request, chat=False)
 
         @app.get("/v1/models")
         async def models(request: Request):
             try:
-                self.authenticate(request)
+                self.authenticate(request.headers)
             except ApiError as exc:
                 self.count_rejection("unauthenticated", exc.status)
                 raise
@@ -571,6 +597,10 @@ class Router:
             stale = self.stale_pairs()
             for p in self.topology.pairs:
                 self.metrics.pair_stale.labels(p.key).set(int(p.index in stale))
+            now = time.monotonic()
+            for st in self.picker.states.values():  # per-pair gauges read here, not written on every request
+                self.metrics.pair_outstanding.labels(st.pair.key).set(st.outstanding)
+                self.metrics.circuit_open.labels(st.pair.key).set(int(st.breaker.state(now) != "closed"))
             return metrics_response(self.metrics.render())
 
         @app.get("/config")

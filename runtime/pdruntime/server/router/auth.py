@@ -47,13 +47,18 @@ def key_name(key: str) -> str:
 
 
 def client_identity(request: Request) -> str:
-    """Who sent a request (no API keys configured): the X-Client-Id header, else a name derived from the
-    bearer token (a hash prefix, never the token), else "anonymous". Metric labels built from it have
+    """Who sent a request (no API keys configured): :func:`client_of` its headers."""
+    return client_of(request.headers)
+
+
+def client_of(headers: Any) -> str:
+    """Who sent a request with these headers (no API keys configured): the X-Client-Id header, else a name derived
+    from the bearer token (a hash prefix, never the token), else "anonymous". Metric labels built from it have
     bounded cardinality."""
-    explicit = request.headers.get("x-client-id")
+    explicit = headers.get("x-client-id")
     if explicit:
         return explicit[:64]
-    token = bearer(request.headers)
+    token = bearer(headers)
     return key_name(token) if token else "anonymous"
 
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import time
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 
@@ -21,7 +20,9 @@ from pdruntime.server.router.topology import Pair
 from pdruntime.util import h1
 from pdruntime.util.aio import detach, within
 from pdruntime.util.headers import BUSY_WAIT_HEADER, DEADLINE_HEADER
-from pdruntime.util.sse import DONE, aiter_sse
+from pdruntime.util.sse import SSEBuffer
+
+DONE = b"[DONE]"  # decode's last SSE payload
 
 ABORT_TIMEOUT_S = 2.0  # seconds for the best-effort /abort_request calls
 PREFILL_VERDICT_WAIT_S = 1.0  # seconds a failed decode leg waits for prefill's answer (it may name a 4xx cause)
@@ -31,6 +32,7 @@ PREFILL_VERDICT_WAIT_S = 1.0  # seconds a failed decode leg waits for prefill's 
 #: when its process is frozen (the health prober catches those in 5 s), so this only has to outlast the router's
 #: own event loop being starved on a saturated host, where a 3-s limit failed healthy workers as unreachable
 CONNECT_TIMEOUT_S = 10.0
+DECODE_TIMEOUT = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
 
 
 class LegError(Exception):
@@ -86,9 +88,10 @@ def _stream_error(ev: dict) -> LegError:
     return _worker_error(st if isinstance(st, int) else 502, ev, "decode failed", "decode")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Outbound:
-    """What the router sends for one request, to whichever pair it goes: the workers' body and headers."""
+    """What the router sends for one request, to whichever pair it goes: the workers' body and headers (read-only
+    once built; not a frozen dataclass only because those cost a setattr call per field, per request)."""
 
     rid: str
     body: dict  # pdrt's /generate body without the bootstrap fields
@@ -120,9 +123,15 @@ class Legs:
         self.headers = out.headers
         self.n = out.n
         self.busy_until = out.busy_until
-        self.prefill_task: asyncio.Task | None = None
+        self.prefill_task: asyncio.Future | None = None  # the prefill leg's outcome (_start_prefill)
+        self._prefill_call: h1.Call | None = None  # its h1 call
+        self._decode_call: h1.Call | None = None
+        self._waiting: asyncio.Future | None = None  # what first_event awaits now (_until)
+        self._stop: LegError | None = None  # why that wait was cut short (_interrupt)
         self.decode_resp: "h1.Response | None" = None
-        self._events: AsyncIterator[Any] | None = None  # decode's SSE payloads
+        self._sse = SSEBuffer()  # decode's body -> its SSE payloads
+        self._payloads: collections.deque[bytes] = collections.deque()  # received, not yet read
+        self._decode_done = False  # decode's stream ended ([DONE] or its body's end)
         self.stage = "dispatching"
         self.prefill_result: dict | None = None  # prefill's answer (meta_info: the first token's logprobs)
 
@@ -130,98 +139,194 @@ class Legs:
         return max(0.0, self.deadline - time.monotonic())
 
     # ---- prefill leg ---------------------------------------------------------------------------
-    async def _prefill(self) -> None:
+    def _start_prefill(self) -> asyncio.Future:
+        """Send the prefill leg now. Its outcome, as a future: None (``prefill_result`` holds its answer) or its
+        LegError. Driven by the answer's arrival, without a task; cancelling it (:meth:`_cancel_prefill`) closes
+        the call's connection (the worker sees the router hang up)."""
+        outcome = asyncio.get_running_loop().create_future()
+        headers = {**self.headers, DEADLINE_HEADER: f"{self.remaining():.3f}"}  # prefill's admission reads it
         try:
-            headers = {**self.headers, DEADLINE_HEADER: f"{self.remaining():.3f}"}  # prefill's admission reads it
-            resp = await self.client.post(self.pair.prefill_url + self.prefill_req.path, json=self.prefill_req.body,
-                                          headers=headers, timeout=httpx.Timeout(self.remaining() + 1.0, connect=CONNECT_TIMEOUT_S))
+            self._prefill_call = self.client.start(self.client.build_request(
+                "POST", self.pair.prefill_url + self.prefill_req.path, json=self.prefill_req.body, headers=headers,
+                timeout=httpx.Timeout(self.remaining() + 1.0, connect=CONNECT_TIMEOUT_S)))
         except httpx.HTTPError as exc:
-            raise LegError(502, f"prefill worker {self.pair.prefill_url} unreachable: {type(exc).__name__} {exc}",
-                           leg="prefill", retryable=True) from None
-        if resp.status_code == 200:
-            try:
-                self.prefill_result = resp.json()
-            except ValueError:
-                self.prefill_result = None
+            outcome.set_exception(self._unreachable("prefill", exc))
+            return outcome
+        self._prefill_call.fut.add_done_callback(lambda call: self._prefill_answered(call, outcome))
+        return outcome
+
+    def _unreachable(self, leg: str, exc: BaseException) -> LegError:
+        url = self.pair.prefill_url if leg == "prefill" else self.pair.decode_url
+        return LegError(502, f"{leg} worker {url} unreachable: {type(exc).__name__} {exc}", leg=leg, retryable=True)
+
+    def _prefill_answered(self, call: asyncio.Future, outcome: asyncio.Future) -> None:
+        if outcome.done():  # cancelled by the router meanwhile
+            if not call.cancelled():
+                call.exception()  # retrieved
             return
-        if resp.status_code != 200:
-            try:
-                payload = resp.json()
-            except ValueError:
-                payload = None
-            raise _worker_error(resp.status_code, payload, f"prefill answered HTTP {resp.status_code}", "prefill",
-                                resp.headers.get("retry-after"))
+        if call.cancelled():
+            outcome.cancel()
+            return
+        exc = call.exception()
+        if exc is not None:
+            error = self._unreachable("prefill", exc) if isinstance(exc, httpx.HTTPError) else exc
+            outcome.set_exception(error)
+            if isinstance(error, LegError):
+                self._interrupt(error)
+            return
+        resp = call.result()
+        try:
+            payload = resp.json()
+        except ValueError:
+            payload = None
+        if resp.status_code == 200:
+            self.prefill_result = payload
+            outcome.set_result(None)
+            return
+        error = _worker_error(resp.status_code, payload, f"prefill answered HTTP {resp.status_code}", "prefill",
+                              resp.headers.get("retry-after"))
+        outcome.set_exception(error)
+        self._interrupt(error)
+
+    def _interrupt(self, error: LegError) -> None:
+        """Before decode's first event: stop waiting for it (prefill failed, or the deadline passed) and raise
+        ``error`` in :meth:`_until` instead."""
+        if self._stop is None:
+            self._stop = error
+            if self._waiting is not None:
+                self._waiting.cancel()
+
+    def _deadline_passed(self) -> None:
+        self._interrupt(LegError(504, f"deadline expired before the first token (pair {self.pair.index})",
+                                 leg="router", retryable=False, code="deadline_exceeded"))
 
     # ---- decode leg ----------------------------------------------------------------------------
+    async def _until(self, fut: asyncio.Future) -> Any:
+        """``fut``'s result; if prefill fails first or the deadline passes, that LegError (:meth:`_interrupt` cancels
+        ``fut``: for a worker call, that closes its connection). One timer and one prefill callback per request,
+        not per wait."""
+        if self._stop is not None:
+            raise self._stop
+        self._waiting = fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._stop is not None and (task is None or not task.cancelling()):  # ours, not the client leaving
+                raise self._stop from None
+            raise
+        finally:
+            self._waiting = None
+
     async def _open_decode(self) -> TokenEvent:
+        """Send the decode leg; its first token event. Raises LegError (``leg`` "decode" for decode's own failures)."""
         if self.protocol.sequential:  # decode's request carries what prefill answered (vLLM's kv_transfer_params)
             assert self.prefill_task is not None
-            await asyncio.shield(self.prefill_task)  # its LegError is the request's (first_event reports it)
+            await self._until(self.prefill_task)  # its LegError is the request's (first_event reports it)
         self.decode_req = self.protocol.decode(self.out, self.pair, self.room, self.prefill_result)
         headers = self.headers
         if self.busy_until is not None:
             headers = {**headers, BUSY_WAIT_HEADER: f"{max(0.0, self.busy_until - time.monotonic()):.3f}"}
-        req = self.client.build_request("POST", self.pair.decode_url + self.decode_req.path, json=self.decode_req.body,
-                                        headers=headers, timeout=httpx.Timeout(self.remaining() + 1.0, connect=CONNECT_TIMEOUT_S))
+        # no read timeout of its own: first_event waits for its answer within the deadline, next_event each read
         try:
-            self.decode_resp = await self.client.send(req, stream=True)
+            self._decode_call = self.client.start(self.client.build_request(
+                "POST", self.pair.decode_url + self.decode_req.path, json=self.decode_req.body, headers=headers,
+                timeout=DECODE_TIMEOUT), stream=True)
+            self.decode_resp = await self._until(self._decode_call.fut)
         except httpx.HTTPError as exc:
-            raise LegError(502, f"decode worker {self.pair.decode_url} unreachable: {type(exc).__name__} {exc}",
-                           leg="decode", retryable=True) from None
+            raise self._unreachable("decode", exc) from None
         if self.decode_resp.status_code != 200:
-            raw = await self.decode_resp.aread()
+            body = []
             try:
-                payload = json.loads(raw)
-            except ValueError:
+                while (piece := self.decode_resp.take()) is not None:
+                    if piece is h1.NOTHING:
+                        await self._until(self.decode_resp.arrival())
+                    else:
+                        body.append(piece)
+                payload = h1.loads(b"".join(body))  # type: ignore[arg-type]
+            except (ValueError, httpx.HTTPError):
                 payload = None
             st = self.decode_resp.status_code
             raise _worker_error(st, payload, f"decode answered HTTP {st}", "decode", self.decode_resp.headers.get("retry-after"))
-        self._events = aiter_sse(self.decode_resp.aiter_lines())
-        ev = await self._next_event()
+        while (ev := self._buffered_event()) is None and not self._decode_done:
+            if (piece := self._take()) is h1.NOTHING:
+                await self._until(self.decode_resp.arrival())
+            else:
+                self._feed(piece)  # type: ignore[arg-type]
         if ev is None:
             raise LegError(502, "decode stream ended before the first token", leg="decode", retryable=True)
         return ev
 
+    def _take(self) -> bytes | None | object:
+        try:
+            return self.decode_resp.take()  # type: ignore[union-attr]
+        except httpx.HTTPError as exc:
+            raise LegError(502, f"decode stream broke: {type(exc).__name__} {exc}", leg="decode",
+                           retryable=False) from None
+
+    def _feed(self, piece: bytes | None) -> None:
+        if piece is None:
+            self._payloads.extend(self._sse.end())
+            self._payloads.append(DONE)
+        else:
+            self._payloads.extend(self._sse.feed(piece))
+
+    def _buffered_event(self) -> TokenEvent | None:
+        """Decode's next token event among what has already arrived (None: it must be waited for, or the stream
+        ended). An error event raises its LegError."""
+        while not self._pending:
+            if not self._payloads:
+                return None
+            data = self._payloads.popleft()
+            if data == DONE:
+                self._decode_done = True
+                self._payloads.clear()
+                return None
+            try:
+                ev = h1.loads(data)
+            except ValueError as exc:
+                raise LegError(502, f"decode sent a malformed event: {exc}", leg="decode", retryable=False) from None
+            if isinstance(ev, dict) and "error" in ev:
+                raise _stream_error(ev)
+            try:
+                self._pending.extend(self._read(ev))
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise LegError(502, f"decode sent a malformed event: {exc}", leg="decode", retryable=False) from None
+        return self._pending.popleft()
+
     async def _next_event(self) -> TokenEvent | None:
         """Decode's next token event (None: its stream ended). An error event raises its LegError."""
-        assert self._events is not None
-        if self._pending:
-            return self._pending.popleft()
-        try:
-            async for ev in self._events:
-                if ev == DONE:
-                    return None
-                if isinstance(ev, dict) and "error" in ev:
-                    raise _stream_error(ev)
+        assert self.decode_resp is not None
+        while (ev := self._buffered_event()) is None and not self._decode_done:
+            piece = self._take()
+            if piece is h1.NOTHING:
                 try:
-                    self._pending.extend(self._read(ev))
-                except (ValueError, TypeError, AttributeError) as exc:
-                    raise LegError(502, f"decode sent a malformed event: {exc}", leg="decode", retryable=False) from None
-                if self._pending:
-                    return self._pending.popleft()
-        except httpx.HTTPError as exc:
-            raise LegError(502, f"decode stream broke: {type(exc).__name__} {exc}", leg="decode", retryable=False) from None
-        return None
+                    piece = await self.decode_resp.read_some()
+                except httpx.HTTPError as exc:
+                    raise LegError(502, f"decode stream broke: {type(exc).__name__} {exc}", leg="decode",
+                                   retryable=False) from None
+            self._feed(piece)  # type: ignore[arg-type]
+        return ev
 
     async def first_event(self) -> TokenEvent:
-        """Start both legs; return decode's first token event. Raises LegError (legs aborted)."""
-        self.prefill_task = asyncio.create_task(self._prefill())
-        decode_task = asyncio.create_task(self._open_decode())
+        """Start both legs; return decode's first token event. Raises LegError (legs aborted). Both legs run on
+        their answers' arrival (h1.Client.start), awaited here: no task per leg."""
+        timer = asyncio.get_running_loop().call_later(self.remaining(), self._deadline_passed)
+        self.prefill_task = self._start_prefill()
         self.stage = "waiting_first_token"
         try:
-            pending = {decode_task, self.prefill_task}
-            while True:
-                done, pending = await asyncio.wait(pending, timeout=self.remaining(), return_when=asyncio.FIRST_COMPLETED)
-                if not done:
-                    raise LegError(504, f"deadline expired before the first token (pair {self.pair.index})",
-                                   leg="router", retryable=False, code="deadline_exceeded")
-                if decode_task in done:
-                    if decode_task.exception() is not None:
-                        await self._prefer_prefill_verdict(decode_task.exception())
-                    return decode_task.result()  # raises LegError
-                self.prefill_task.result()  # raises LegError; success means: keep waiting for decode
+            try:
+                return await self._open_decode()
+            except LegError as exc:
+                if exc.leg == "decode":
+                    await self._prefer_prefill_verdict(exc)
+                raise
+            finally:
+                timer.cancel()
+                self._stop = _WAIT_OVER
         except BaseException:
-            decode_task.cancel()
+            if self._decode_call is not None:
+                self._decode_call.cancel()  # unless its answer is all in, its connection closes
             # told to the workers in the background: the client's answer (a 429 under overload, above all) does not
             # wait for two /abort_request round trips to workers that are busy; the prefill call is cancelled now
             self._cancel_prefill()
@@ -253,19 +358,16 @@ class Legs:
         return replace(first, logprobs=[got] + list(lps[1:]),
                        prompt_logprobs=prompt if prompt is not None else first.prompt_logprobs)
 
-    async def events(self, first: TokenEvent | None = None) -> AsyncIterator[TokenEvent]:
-        """``first`` (when given), then decode's events after the first, each within the deadline. Raises LegError."""
-        if first is not None:
-            yield first
-        while True:
-            try:
-                ev = await within(self._next_event(), self.remaining())
-            except asyncio.TimeoutError:
-                raise LegError(504, "deadline expired mid-generation", leg="router", retryable=False,
-                               code="deadline_exceeded") from None
-            if ev is None:
-                return
-            yield ev
+    async def next_event(self) -> TokenEvent | None:
+        """Decode's next event after the first (None: the stream ended), within the deadline. Raises LegError."""
+        ev = self._buffered_event()  # most events have already arrived: no deadline to arm for them
+        if ev is not None or self._decode_done:
+            return ev
+        try:
+            return await within(self._next_event(), self.remaining())
+        except asyncio.TimeoutError:
+            raise LegError(504, "deadline expired mid-generation", leg="router", retryable=False,
+                           code="deadline_exceeded") from None
 
     # ---- teardown --------------------------------------------------------------------------------
     async def _post_abort(self, url: str) -> None:
@@ -278,23 +380,39 @@ class Legs:
     async def abort(self) -> None:
         """Abort both legs: drop the decode stream, cancel the prefill call, and tell both workers."""
         self._cancel_prefill()
-        await self.close()
+        self.close()
         await asyncio.gather(self._post_abort(self.pair.prefill_url), self._post_abort(self.pair.decode_url))
 
     def _cancel_prefill(self) -> None:
+        if self._prefill_call is not None and not self._prefill_call.fut.done():
+            self._prefill_call.cancel()  # its connection closes
         if self.prefill_task is not None and not self.prefill_task.done():
             self.prefill_task.cancel()
         elif self.prefill_task is not None and not self.prefill_task.cancelled():
             self.prefill_task.exception()  # retrieved: its error was reported through the other leg (no log noise)
 
-    async def close(self) -> None:
+    def close(self) -> None:
+        """Done with decode's stream: its connection is reused if the rest arrives within h1.DRAIN_S (a reader that
+        stopped at the last token leaves only ``[DONE]``), else closed; the caller does not wait for either."""
         if self.decode_resp is not None:
-            await self.decode_resp.aclose()
+            self.decode_resp.release()
 
-    async def join_prefill(self) -> None:
-        """Reap the prefill leg after a successful decode (its outcome no longer matters)."""
-        if self.prefill_task is not None:
-            try:
-                await within(asyncio.shield(self.prefill_task), self.remaining() + 1.0)
-            except (LegError, asyncio.TimeoutError, asyncio.CancelledError):
-                pass
+    def settle_prefill(self) -> None:
+        """After a successful decode the prefill leg's outcome no longer matters: reap it now or when it ends (its
+        own read timeout bounds it), without a task of its own."""
+        task = self.prefill_task
+        if task is None:
+            return
+        if task.done():
+            _reap(task)
+        else:
+            task.add_done_callback(_reap)
+
+
+#: Legs._stop once first_event is over: later interrupts (prefill ending, the deadline timer) change nothing
+_WAIT_OVER = LegError(500, "the first event's wait is over", leg="router", retryable=False)
+
+
+def _reap(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: an error there was the request's to report, and it has been answered

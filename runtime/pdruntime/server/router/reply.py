@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Mapping
 
-from fastapi.responses import JSONResponse
-
-from pdruntime.server.metrics import Metrics
 from pdruntime.server.openai.events import TokenEvent
 from pdruntime.server.openai.format import Choices, OpenAIShape, finished_tool_calls, merge_tool_call_deltas
 from pdruntime.server.openai.schemas import ApiError, ChatCompletionRequest, CompletionRequest, error_body
 from pdruntime.server.router.legs import LegError, Legs
 from pdruntime.server.router.policy import PairState
-from pdruntime.util.aio import detach
 from pdruntime.util.sse import SSE_DONE, sse
+
+if TYPE_CHECKING:
+    from pdruntime.server.router.app import Router
 
 
 @dataclass(eq=False)
@@ -41,7 +40,28 @@ class LiveRequest:
         self.progressed_at = time.monotonic()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
+class EdgeCall:
+    """One ``/v1/completions`` or ``/v1/chat/completions`` call as the HTTP layer received it (the router's own
+    server, or FastAPI for the in-process ASGI app): what :meth:`Router.completion` reads, and nothing more."""
+
+    chat: bool
+    headers: Mapping[str, str]  # names in lower case
+    body: bytes
+    peer: tuple[str, int] | None  # the client's address
+    #: returns once the client has gone (the ASGI app watches for it); None: the server cancels the handler instead
+    gone: Callable[[], Awaitable[None]] | None = None
+
+
+@dataclass(slots=True)
+class Streamed:
+    """A streamed answer: its SSE chunks, and ``finish(completed)``, which must run once however the stream ends."""
+
+    chunks: AsyncIterator[bytes]
+    finish: Callable[[bool], Awaitable[None]]
+
+
+@dataclass(slots=True)
 class EdgeRequest:
     """One client request as the router's HTTP edge validated it (once); every layer below reads this."""
 
@@ -67,7 +87,7 @@ class EdgeRequest:
                            echo=body.prompt_text() if not chat and body.echo else None)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Dispatched:
     """A request whose pair answered: its legs, the pair's state and decode's first event."""
 
@@ -79,36 +99,44 @@ class Dispatched:
 class Reply:
     """Streams (:meth:`stream`) or collects (:meth:`collect`) one request's events; :meth:`finish` runs once."""
 
-    def __init__(self, metrics: Metrics, req: EdgeRequest, live: LiveRequest, sent: Dispatched, client_label: str,
-                 forget: Callable[[LiveRequest, PairState], None]) -> None:
+    def __init__(self, router: "Router", req: EdgeRequest, live: LiveRequest, sent: Dispatched,
+                 client_label: str) -> None:
         self.req, self.live, self.sent = req, live, sent
-        self.metrics = metrics
-        self.forget = forget  # releases the pair slot and the live entry
+        self.router = router  # its forget() releases the pair slot and the live entry; child() the metric children
+        self.metrics = metrics = router.metrics
         self.client_label = client_label
         self.shape = req.shape(live.rid, parse_tools=not sent.legs.protocol.parses_tools)
         self.choices = Choices(req.n)
         self.outcome = "aborted"  # until it completes ("ok") or fails mid-stream ("failed")
         self.last_token_at = time.monotonic()
         self.prompt_logprobs: list | None = None  # echo + logprobs: the prompt's entries (prefill's)
-        self._itl = metrics.itl.labels("router")  # label lookups once per request, not per event
-        self._tokens = metrics.tokens.labels("router", client_label)
+        self._itl = router.child(metrics.itl, "router")
+        self._tokens = router.child(metrics.tokens, "router", client_label)
+        self._first: TokenEvent | None = sent.first  # decode's first event, not yet read
+        self._patch = req.body.logprobs_n() is not None  # choice 0's first token takes prefill's logprobs
 
-    async def token_events(self) -> AsyncIterator[TokenEvent]:
-        """Decode's events, counted, with choice 0's first-token logprobs from prefill (which sampled it)."""
-        patch = self.req.body.logprobs_n() is not None
-        async for ev in self.sent.legs.events(self.sent.first):
-            if patch and ev.choice == 0:
-                patch = False
-                ev = await self.sent.legs.first_with_prefill_logprobs(ev)
-                self.prompt_logprobs = ev.prompt_logprobs
-            self.choices.see(ev)  # Legs checked the index
-            self._count(ev)
-            yield ev
-        if not self.choices.done:  # e.g. a decode worker that ignores sampling_params.n streams choice 0 alone
+    async def next_event(self) -> TokenEvent | None:
+        """Decode's next event (None: every choice finished), counted, with choice 0's first-token logprobs from
+        prefill (which sampled it). A plain coroutine, not an async generator: one a reader leaves early would be
+        finalised through the loop's thread-safe wake-up, a system call per request."""
+        if self.choices.done:
+            return None
+        if self._first is not None:
+            ev, self._first = self._first, None
+        else:
+            ev = await self.sent.legs.next_event()
+        if ev is None:  # e.g. a decode worker that ignores sampling_params.n streams choice 0 alone
             unfinished = [i for i, f in enumerate(self.choices.finished) if not f]
             raise LegError(502, f"decode ended its stream with choices {unfinished} of n={self.req.n} unfinished (a "
                            "decode worker must run choices 1..n-1 as forks of sampling_params.n)", leg="decode",
                            retryable=False)
+        if self._patch and ev.choice == 0:
+            self._patch = False
+            ev = await self.sent.legs.first_with_prefill_logprobs(ev)
+            self.prompt_logprobs = ev.prompt_logprobs
+        self.choices.see(ev)  # Legs checked the index
+        self._count(ev)
+        return ev
 
     def _count(self, ev: TokenEvent) -> None:
         n = ev.num_tokens
@@ -127,17 +155,17 @@ class Reply:
         """Release the pair and the live entry; a finished stream closes decode and reaps prefill, anything else
         aborts both legs."""
         legs = self.sent.legs
-        self.forget(self.live, self.sent.state)
+        self.router._forget(self.live, self.sent.state)
         if completed and self.outcome == "aborted":  # finished normally (not failed mid-stream)
             self.outcome = "ok"
-            await legs.close()
-            detach(legs.join_prefill())
+            legs.close()
+            legs.settle_prefill()
         else:
             if self.outcome == "aborted":
                 self.metrics.disconnects.inc()
             await legs.abort()
-        self.metrics.requests.labels("router", self.client_label, self.outcome).inc()
-        self.metrics.e2e.labels("router").observe(time.monotonic() - self.req.arrived)
+        self.router.child(self.metrics.requests, "router", self.client_label, self.outcome).inc()
+        self.router.child(self.metrics.e2e, "router").observe(time.monotonic() - self.req.arrived)
 
     async def stream(self) -> AsyncIterator[bytes]:
         """SSE chunks per choice, then ``[DONE]``; a failure after the first token ends it with an error event."""
@@ -147,14 +175,12 @@ class Reply:
         started = [False] * self.req.n
         tools = [self.shape.stream_state() for _ in range(self.req.n)]  # per choice
         try:
-            async for ev in self.token_events():
+            while (ev := await self.next_event()) is not None:
                 i = ev.choice
                 for c in self.shape.stream_chunks(ev, first=not started[i], include_usage=include_usage,
                                                   continuous_usage=continuous, state=tools[i], choices=self.choices):
                     yield sse(c)
                 started[i] = True
-                if self.choices.done:
-                    break
         except LegError as exc:
             self.outcome = "failed"
             yield sse(error_body(exc.status, f"generation failed after the first token: {exc.message}",
@@ -162,22 +188,20 @@ class Reply:
             return
         yield SSE_DONE
 
-    async def collect(self) -> JSONResponse:
-        """The whole response (every choice), after decode's last event."""
+    async def collect(self) -> dict:
+        """The whole response body (every choice), after decode's last event."""
         n = self.req.n
         completed = False
         texts, lps, lasts = [""] * n, [[] for _ in range(n)], [self.sent.first] * n  # per choice
         calls: list[list[dict]] = [[] for _ in range(n)]  # tool calls an OpenAI-speaking decode parsed, per choice
         try:
-            async for ev in self.token_events():
+            while (ev := await self.next_event()) is not None:
                 i = ev.choice
                 texts[i] += ev.delta
                 lps[i] += ev.logprobs or []
                 if ev.tool_calls:
                     merge_tool_call_deltas(calls[i], ev.tool_calls)
                 lasts[i] = ev
-                if self.choices.done:
-                    break
             completed = True
         except LegError as exc:
             self.outcome = "failed"
@@ -188,10 +212,10 @@ class Reply:
         want_lps = self.req.body.logprobs_n() is not None
         if want_lps and self.prompt_logprobs is not None:  # echo: the prompt's entries first (each text starts with it)
             lps = [self.prompt_logprobs + lp for lp in lps]
-        return JSONResponse(self.shape.response(
+        return self.shape.response(
             [self.shape.choice(i, texts[i], lasts[i], logprobs=lps[i] if want_lps else None,
                                tool_calls=finished_tool_calls(calls[i]) or None) for i in range(n)],
-            self.choices.usage()))
+            self.choices.usage())
 
 
 def _error_type(status: int) -> str:
