@@ -42,7 +42,8 @@ import torch
 from pdruntime.disagg import transfer, wire
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE, DTYPE = 32, 8, 128, 16, torch.bfloat16
-RAW_CHUNK = 4 << 20  # bytes per sendall / recv_into of the raw-socket peer
+RAW_CHUNK = 4 << 20  # bytes per sendall / recv_into (sendmsg / recvmsg_into of pages) of the raw-socket peer
+IOV_MAX = 1024  # Linux: buffers per sendmsg / recvmsg_into
 TOKEN = "bench-token"
 
 
@@ -55,6 +56,34 @@ def make_kv(num_blocks: int, fill: bool):
 
 def page_ids(num_blocks: int, seed: int) -> list[int]:
     return [int(i) for i in torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))]
+
+
+# ---- the raw peer's plain socket loops (fixed: the wire's own FrameSocket may use other flags) -----------
+
+def plain_sendmsg(s: socket.socket, views: list) -> None:
+    """sendmsg over byte memoryviews until all are sent, at most IOV_MAX per call."""
+    i = 0
+    while i < len(views):
+        sent = s.sendmsg(views[i:i + IOV_MAX])
+        while i < len(views) and sent >= len(views[i]):
+            sent -= len(views[i])
+            i += 1
+        if sent:
+            views[i] = views[i][sent:]
+
+
+def plain_recvmsg_into(s: socket.socket, views: list) -> None:
+    """recvmsg_into byte memoryviews until all are full (no flags), at most IOV_MAX per call."""
+    i = 0
+    while i < len(views):
+        r = s.recvmsg_into(views[i:i + IOV_MAX])[0]
+        if r == 0:
+            raise RuntimeError("raw peer closed early")
+        while i < len(views) and r >= len(views[i]):
+            r -= len(views[i])
+            i += 1
+        if r:
+            views[i] = views[i][r:]
 
 
 # ---- sending end (child process) ---------------------------------------------------------------
@@ -74,10 +103,8 @@ def raw_server(lsock: socket.socket, kv, ids: list[int]) -> None:
                     n -= k
             else:  # the same scattered pages the wire sends: sendmsg of the page spans, no framing, no checksum
                 pages = n // (2 * LAYERS * layout.page_bytes)
-                fs = wire.FrameSocket(s, 30)
-                for *_, bufs in transfer.ShardSource(kv, ids[:pages], layout).chunks(pages, wire.chunk_pages_for(
-                        layout.page_bytes)):
-                    fs.send_views(list(bufs))
+                for *_, bufs in transfer.ShardSource(kv, ids[:pages], layout).chunks(pages, RAW_CHUNK // layout.page_bytes):
+                    plain_sendmsg(s, bufs)
             s.recv(1)  # wait for the peer's close
 
 
@@ -130,14 +157,13 @@ def raw_pages_once(port: int, kv, ids: list[int], nbytes: int) -> float:
     layout = transfer.layout_of(kv)
     pages = nbytes // (2 * LAYERS * layout.page_bytes)
     sink = transfer.ShardSink(kv, ids[:pages], layout)
-    per = wire.chunk_pages_for(layout.page_bytes)
+    per = RAW_CHUNK // layout.page_bytes
     with socket.create_connection(("127.0.0.1", port)) as s:
-        fs = wire.FrameSocket(s, 30)
         t0 = time.perf_counter()
         s.sendall(struct.pack(">BQ", 1, nbytes))
         for u in range(0, 2 * LAYERS * pages, per):
             lk, p = divmod(u, pages)
-            fs.recv_exact_into_views(list(sink.buffers(lk // 2, lk % 2, p, min(per, 2 * LAYERS * pages - u), pages)))
+            plain_recvmsg_into(s, sink.buffers(lk // 2, lk % 2, p, min(per, 2 * LAYERS * pages - u), pages))
         return time.perf_counter() - t0
 
 
