@@ -224,8 +224,9 @@ class ShardSink:
         self.kv, self.layout = kv, layout
         self.ids = _check_ids(block_ids, kv)
         self.device = kv.k[0].device
+        self._cuda = self.device.type == "cuda"  # per chunk: torch.device attributes are slow to read
         self._slot = 0
-        if self.device.type != "cuda":
+        if not self._cuda:
             self._mvs = _layer_bytes(kv)
             self._spans = SpanTable(self.ids, layout.page_bytes)
         else:
@@ -248,9 +249,9 @@ class ShardSink:
         next layers) is received: views of the destination pages themselves (CPU), or a pinned host slot
         (CUDA). A chunk that fails its checksum leaves garbage in this request's own pages only, which the
         failed request frees."""
-        pb = self.layout.page_bytes
-        if self.device.type != "cuda":
+        if not self._cuda:
             return _chunk_views(self._mvs, self._spans, layer, kind, p0, n, num_pages)
+        pb = self.layout.page_bytes
         if not self._host or self._host[0].shape[0] < n:
             self.release()
             self._host = [_PINNED.get(n, pb) for _ in range(2)]
@@ -263,7 +264,7 @@ class ShardSink:
 
     def commit(self, layer: int, kind: int, p0: int, n: int, num_pages: int) -> None:
         """The chunk received into the last ``buffers()`` is verified (CPU: already in place)."""
-        if self.device.type != "cuda":
+        if not self._cuda:
             return
         s = self._slot
         with torch.cuda.stream(self._stream):

@@ -561,7 +561,7 @@ def _recv_chunks(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], 
             # chunk head is checked (a wrong head or digest fails the request, whose pages are its own)
             bufs = sink.buffers(layer, kind, p, n, P)
             head, digest, sent = fs.recv_chunk(bufs, header.checksum, f"receiving CHUNK {index}")
-            if head != ChunkHead(si, layer, kind, p, n).pack():
+            if head != wire.chunk_head_bytes(si, layer, kind, p, n):
                 got = ChunkHead.unpack(head)
                 raise WireError("protocol", f"CHUNK {index} (shard {got.shard} layer {got.layer} kind {got.kind} "
                                 f"pages {got.page_start}+{got.page_count}) is not the expected shard {si} layer "
