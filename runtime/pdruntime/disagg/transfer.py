@@ -560,7 +560,8 @@ def _recv_chunks(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], 
             # the frame length says how many pages, and wire order where they go: they land in place before the
             # chunk head is checked (a wrong head or digest fails the request, whose pages are its own)
             bufs = sink.buffers(layer, kind, p, n, P)
-            head, digest, sent = fs.recv_chunk(bufs, header.checksum, f"receiving CHUNK {index}")
+            more = header.total_bytes - stats.bytes - n * pb  # page bytes still to come after this chunk
+            head, digest, sent = fs.recv_chunk(bufs, header.checksum, f"receiving CHUNK {index}", more)
             if head != wire.chunk_head_bytes(si, layer, kind, p, n):
                 got = ChunkHead.unpack(head)
                 raise WireError("protocol", f"CHUNK {index} (shard {got.shard} layer {got.layer} kind {got.kind} "
