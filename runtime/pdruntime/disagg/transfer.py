@@ -213,8 +213,18 @@ class KVConn:
                     self._waiter = None
             if mine:
                 loop.remove_reader(fd)
+                self._blocking_again()
         if self.closed:
             raise WireError("closed", "connection closed locally")
+
+    def _blocking_again(self) -> None:
+        """Watching the fd may have made it non-blocking behind the socket object's back (uvloop's libuv does, and
+        leaves it so): the transfer thread's I/O then failed at once with EAGAIN, read as "peer stalled". The
+        bulk phase needs a blocking socket (bounded by SO_RCVTIMEO/SO_SNDTIMEO)."""
+        try:
+            self.fs.sock.setblocking(True)
+        except OSError:  # closed meanwhile: the caller's next step reports it
+            pass
 
 
 def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
