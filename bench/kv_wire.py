@@ -7,6 +7,10 @@ Two processes (this one is decode / the receiving end; a child is prefill / the 
 - **raw socket, same pages**: the peer ``sendmsg``s the wire's scattered pages (page spans of a
   hundreds-of-MiB cache, as the wire does) and we ``recvmsg_into`` decode's scattered pages, with no
   framing and no checksum: the ceiling for moving KV that lives in DRAM rather than in CPU caches.
+  Plain loops, 4 MiB of pages per call, no flags (``plain_sendmsg`` / ``plain_recvmsg_into`` here, not the
+  wire's own socket code, so the reference does not move when the wire changes);
+- **raw, same pages, MSG_WAITALL**: the same, receiving with MSG_WAITALL (which the wire uses): how much of
+  the wire's receive path a raw peer would also gain from that one flag.
 - **pdstack wire**: the real API (``open_attach`` -> ``recv_header`` -> ``recv_kv`` against
   ``BootstrapServer`` + ``accept_attach`` + ``send_kv``), moving paged KV from scattered pages of a
   paged cache into scattered pages of another (random page tables), with framing and a per-chunk
@@ -72,11 +76,11 @@ def plain_sendmsg(s: socket.socket, views: list) -> None:
             views[i] = views[i][sent:]
 
 
-def plain_recvmsg_into(s: socket.socket, views: list) -> None:
-    """recvmsg_into byte memoryviews until all are full (no flags), at most IOV_MAX per call."""
+def plain_recvmsg_into(s: socket.socket, views: list, flags: int = 0) -> None:
+    """recvmsg_into byte memoryviews until all are full, at most IOV_MAX per call."""
     i = 0
     while i < len(views):
-        r = s.recvmsg_into(views[i:i + IOV_MAX])[0]
+        r = s.recvmsg_into(views[i:i + IOV_MAX], 0, flags)[0]
         if r == 0:
             raise RuntimeError("raw peer closed early")
         while i < len(views) and r >= len(views[i]):
@@ -152,8 +156,9 @@ def raw_once(port: int, nbytes: int) -> float:
         return time.perf_counter() - t0
 
 
-def raw_pages_once(port: int, kv, ids: list[int], nbytes: int) -> float:
-    """The raw socket moving the wire's scattered DRAM pages: recvmsg_into the page spans, nothing else."""
+def raw_pages_once(port: int, kv, ids: list[int], nbytes: int, flags: int = 0) -> float:
+    """The raw socket moving the wire's scattered DRAM pages: recvmsg_into the page spans (with ``flags``),
+    nothing else."""
     layout = transfer.layout_of(kv)
     pages = nbytes // (2 * LAYERS * layout.page_bytes)
     sink = transfer.ShardSink(kv, ids[:pages], layout)
@@ -163,7 +168,7 @@ def raw_pages_once(port: int, kv, ids: list[int], nbytes: int) -> float:
         s.sendall(struct.pack(">BQ", 1, nbytes))
         for u in range(0, 2 * LAYERS * pages, per):
             lk, p = divmod(u, pages)
-            plain_recvmsg_into(s, sink.buffers(lk // 2, lk % 2, p, min(per, 2 * LAYERS * pages - u), pages))
+            plain_recvmsg_into(s, sink.buffers(lk // 2, lk % 2, p, min(per, 2 * LAYERS * pages - u), pages), flags)
         return time.perf_counter() - t0
 
 
@@ -252,8 +257,12 @@ def main() -> int:
                     async def rawpages():
                         return raw_pages_once(raw_port, kv, ids, nbytes)
 
+                    async def rawwait():
+                        return raw_pages_once(raw_port, kv, ids, nbytes, socket.MSG_WAITALL)
+
                     await measure("raw", mib, raw)
                     await measure("rawpages", mib, rawpages)
+                    await measure("rawwait", mib, rawwait)
                     await measure("wire", mib, lambda r=room: wire_once(wire_port, kv, ids, nbytes, r))
                     await measure("contig", mib, lambda r=room + 1: wire_once(wire_port, kv, ids, nbytes, r, True))
 
@@ -266,15 +275,17 @@ def main() -> int:
           f"{PAGE}-token pages, scattered page tables; best / median of {args.rounds} interleaved rounds; "
           f"{os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     print("| size | raw socket GB/s | pdstack wire GB/s | ratio | raw socket, same scattered pages GB/s | ratio "
-          "| wire, contiguous page tables GB/s |")
-    print("|---|---|---|---|---|---|---|")
+          "| raw, same pages, MSG_WAITALL GB/s | ratio | wire, contiguous page tables GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     bm = lambda xs: f"{max(xs):.2f} / {statistics.median(xs):.2f}"  # noqa: E731
     ratio = lambda a, b: f"{max(a) / max(b):.2f} / {statistics.median(a) / statistics.median(b):.2f}"  # noqa: E731
     for mib in args.sizes_mib:
-        raw, wr, rp, ct = (results[(mib, k)] for k in ("raw", "wire", "rawpages", "contig"))
-        print(f"| {mib} MiB | {bm(raw)} | {bm(wr)} | {ratio(wr, raw)} | {bm(rp)} | {ratio(wr, rp)} | {bm(ct)} |")
+        raw, wr, rp, rw, ct = (results[(mib, k)] for k in ("raw", "wire", "rawpages", "rawwait", "contig"))
+        print(f"| {mib} MiB | {bm(raw)} | {bm(wr)} | {ratio(wr, raw)} | {bm(rp)} | {ratio(wr, rp)} | {bm(rw)} "
+              f"| {ratio(wr, rw)} | {bm(ct)} |")
     print("(each cell: best / median; a ratio is best/best and median/median)")
-    names = {"raw": "raw socket", "rawpages": "raw socket, same scattered pages", "wire": "pdstack wire",
+    names = {"raw": "raw socket", "rawpages": "raw socket, same scattered pages",
+             "rawwait": "raw socket, same pages, MSG_WAITALL", "wire": "pdstack wire",
              "contig": "pdstack wire, contiguous page tables"}
     print("CPU seconds per GB moved, both processes together (sum over all rounds and sizes): "
           + "; ".join(f"{names[k]} {c / gb:.2f}" for k, (c, gb) in cpu.items()))
