@@ -4,8 +4,9 @@ A chunk is ``n`` whole pages of one layer's K or V, in page-table order. How its
 socket depends on where the cache lives (the cache's own device decides, never the host):
 
 - **CPU**: no staging copy at all. A chunk is a list of memoryviews over runs of consecutive page ids
-  in the cache itself (one view when the page table is contiguous); ``sendmsg`` gathers them and
-  ``recvmsg_into`` scatters straight into decode's pages. Measured on the 2-core host: a numpy
+  in the cache itself (one view when the page table is contiguous), found by bisection in a
+  :class:`SpanTable` built once per transfer; ``sendmsg`` gathers them and ``recvmsg_into`` scatters
+  straight into decode's pages. Measured on the 2-core host: a numpy
   gather + scatter through a staging buffer cost more than the socket itself (bench/kv_wire.py).
 - **CUDA**: pages are gathered on the device with one ``index_select`` per (layer, kind) run into a
   device buffer, copied to pinned host memory on a side stream, and the copy of run i+1 overlaps

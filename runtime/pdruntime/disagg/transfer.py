@@ -596,7 +596,7 @@ def _recv_chunks(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], 
 
 
 async def recv_kv(conn: KVConn, header: KVHeader, sinks: Sequence[ShardSink]) -> TransferStats:
-    """READY, every chunk (order, size and crc32 verified, scattered into the sinks' pages), END, ACK."""
+    """READY, every chunk (order, size and checksum verified, scattered into the sinks' pages), END, ACK."""
     if len(sinks) != len(header.shards):
         raise ValueError(f"{len(sinks)} sinks for a header of {len(header.shards)} shards")
     await conn.run(_recv_body, conn.fs, header, sinks, conn.stats)
