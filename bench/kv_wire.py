@@ -7,6 +7,10 @@ Two processes (this one is decode / the receiving end; a child is prefill / the 
 - **raw socket, same pages**: the peer ``sendmsg``s the wire's scattered pages (page spans of a
   hundreds-of-MiB cache, as the wire does) and we ``recvmsg_into`` decode's scattered pages, with no
   framing and no checksum: the ceiling for moving KV that lives in DRAM rather than in CPU caches.
+  Plain loops, 4 MiB of pages per call, no flags (``plain_sendmsg`` / ``plain_recvmsg_into`` here, not the
+  wire's own socket code, so the reference does not move when the wire changes);
+- **raw, same pages, MSG_WAITALL**: the same, receiving with MSG_WAITALL (which the wire uses): how much of
+  the wire's receive path a raw peer would also gain from that one flag.
 - **pdstack wire**: the real API (``open_attach`` -> ``recv_header`` -> ``recv_kv`` against
   ``BootstrapServer`` + ``accept_attach`` + ``send_kv``), moving paged KV from scattered pages of a
   paged cache into scattered pages of another (random page tables), with framing and a per-chunk
@@ -42,7 +46,8 @@ import torch
 from pdruntime.disagg import transfer, wire
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE, DTYPE = 32, 8, 128, 16, torch.bfloat16
-RAW_CHUNK = 4 << 20  # bytes per sendall / recv_into of the raw-socket peer
+RAW_CHUNK = 4 << 20  # bytes per sendall / recv_into (sendmsg / recvmsg_into of pages) of the raw-socket peer
+IOV_MAX = 1024  # Linux: buffers per sendmsg / recvmsg_into
 TOKEN = "bench-token"
 
 
@@ -55,6 +60,34 @@ def make_kv(num_blocks: int, fill: bool):
 
 def page_ids(num_blocks: int, seed: int) -> list[int]:
     return [int(i) for i in torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))]
+
+
+# ---- the raw peer's plain socket loops (fixed: the wire's own FrameSocket may use other flags) -----------
+
+def plain_sendmsg(s: socket.socket, views: list) -> None:
+    """sendmsg over byte memoryviews until all are sent, at most IOV_MAX per call."""
+    i = 0
+    while i < len(views):
+        sent = s.sendmsg(views[i:i + IOV_MAX])
+        while i < len(views) and sent >= len(views[i]):
+            sent -= len(views[i])
+            i += 1
+        if sent:
+            views[i] = views[i][sent:]
+
+
+def plain_recvmsg_into(s: socket.socket, views: list, flags: int = 0) -> None:
+    """recvmsg_into byte memoryviews until all are full, at most IOV_MAX per call."""
+    i = 0
+    while i < len(views):
+        r = s.recvmsg_into(views[i:i + IOV_MAX], 0, flags)[0]
+        if r == 0:
+            raise RuntimeError("raw peer closed early")
+        while i < len(views) and r >= len(views[i]):
+            r -= len(views[i])
+            i += 1
+        if r:
+            views[i] = views[i][r:]
 
 
 # ---- sending end (child process) ---------------------------------------------------------------
@@ -74,10 +107,8 @@ def raw_server(lsock: socket.socket, kv, ids: list[int]) -> None:
                     n -= k
             else:  # the same scattered pages the wire sends: sendmsg of the page spans, no framing, no checksum
                 pages = n // (2 * LAYERS * layout.page_bytes)
-                fs = wire.FrameSocket(s, 30)
-                for *_, bufs in transfer.ShardSource(kv, ids[:pages], layout).chunks(pages, wire.chunk_pages_for(
-                        layout.page_bytes)):
-                    fs.send_views(list(bufs))
+                for *_, bufs in transfer.ShardSource(kv, ids[:pages], layout).chunks(pages, RAW_CHUNK // layout.page_bytes):
+                    plain_sendmsg(s, bufs)
             s.recv(1)  # wait for the peer's close
 
 
@@ -125,19 +156,19 @@ def raw_once(port: int, nbytes: int) -> float:
         return time.perf_counter() - t0
 
 
-def raw_pages_once(port: int, kv, ids: list[int], nbytes: int) -> float:
-    """The raw socket moving the wire's scattered DRAM pages: recvmsg_into the page spans, nothing else."""
+def raw_pages_once(port: int, kv, ids: list[int], nbytes: int, flags: int = 0) -> float:
+    """The raw socket moving the wire's scattered DRAM pages: recvmsg_into the page spans (with ``flags``),
+    nothing else."""
     layout = transfer.layout_of(kv)
     pages = nbytes // (2 * LAYERS * layout.page_bytes)
     sink = transfer.ShardSink(kv, ids[:pages], layout)
-    per = wire.chunk_pages_for(layout.page_bytes)
+    per = RAW_CHUNK // layout.page_bytes
     with socket.create_connection(("127.0.0.1", port)) as s:
-        fs = wire.FrameSocket(s, 30)
         t0 = time.perf_counter()
         s.sendall(struct.pack(">BQ", 1, nbytes))
         for u in range(0, 2 * LAYERS * pages, per):
             lk, p = divmod(u, pages)
-            fs.recv_exact_into_views(list(sink.buffers(lk // 2, lk % 2, p, min(per, 2 * LAYERS * pages - u), pages)))
+            plain_recvmsg_into(s, sink.buffers(lk // 2, lk % 2, p, min(per, 2 * LAYERS * pages - u), pages), flags)
         return time.perf_counter() - t0
 
 
@@ -226,8 +257,12 @@ def main() -> int:
                     async def rawpages():
                         return raw_pages_once(raw_port, kv, ids, nbytes)
 
+                    async def rawwait():
+                        return raw_pages_once(raw_port, kv, ids, nbytes, socket.MSG_WAITALL)
+
                     await measure("raw", mib, raw)
                     await measure("rawpages", mib, rawpages)
+                    await measure("rawwait", mib, rawwait)
                     await measure("wire", mib, lambda r=room: wire_once(wire_port, kv, ids, nbytes, r))
                     await measure("contig", mib, lambda r=room + 1: wire_once(wire_port, kv, ids, nbytes, r, True))
 
@@ -240,15 +275,17 @@ def main() -> int:
           f"{PAGE}-token pages, scattered page tables; best / median of {args.rounds} interleaved rounds; "
           f"{os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     print("| size | raw socket GB/s | pdstack wire GB/s | ratio | raw socket, same scattered pages GB/s | ratio "
-          "| wire, contiguous page tables GB/s |")
-    print("|---|---|---|---|---|---|---|")
+          "| raw, same pages, MSG_WAITALL GB/s | ratio | wire, contiguous page tables GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     bm = lambda xs: f"{max(xs):.2f} / {statistics.median(xs):.2f}"  # noqa: E731
     ratio = lambda a, b: f"{max(a) / max(b):.2f} / {statistics.median(a) / statistics.median(b):.2f}"  # noqa: E731
     for mib in args.sizes_mib:
-        raw, wr, rp, ct = (results[(mib, k)] for k in ("raw", "wire", "rawpages", "contig"))
-        print(f"| {mib} MiB | {bm(raw)} | {bm(wr)} | {ratio(wr, raw)} | {bm(rp)} | {ratio(wr, rp)} | {bm(ct)} |")
+        raw, wr, rp, rw, ct = (results[(mib, k)] for k in ("raw", "wire", "rawpages", "rawwait", "contig"))
+        print(f"| {mib} MiB | {bm(raw)} | {bm(wr)} | {ratio(wr, raw)} | {bm(rp)} | {ratio(wr, rp)} | {bm(rw)} "
+              f"| {ratio(wr, rw)} | {bm(ct)} |")
     print("(each cell: best / median; a ratio is best/best and median/median)")
-    names = {"raw": "raw socket", "rawpages": "raw socket, same scattered pages", "wire": "pdstack wire",
+    names = {"raw": "raw socket", "rawpages": "raw socket, same scattered pages",
+             "rawwait": "raw socket, same pages, MSG_WAITALL", "wire": "pdstack wire",
              "contig": "pdstack wire, contiguous page tables"}
     print("CPU seconds per GB moved, both processes together (sum over all rounds and sizes): "
           + "; ".join(f"{names[k]} {c / gb:.2f}" for k, (c, gb) in cpu.items()))

@@ -4,8 +4,9 @@ A chunk is ``n`` whole pages of one layer's K or V, in page-table order. How its
 socket depends on where the cache lives (the cache's own device decides, never the host):
 
 - **CPU**: no staging copy at all. A chunk is a list of memoryviews over runs of consecutive page ids
-  in the cache itself (one view when the page table is contiguous); ``sendmsg`` gathers them and
-  ``recvmsg_into`` scatters straight into decode's pages. Measured on the 2-core host: a numpy
+  in the cache itself (one view when the page table is contiguous), found by bisection in a
+  :class:`SpanTable` built once per transfer; ``sendmsg`` gathers them and ``recvmsg_into`` scatters
+  straight into decode's pages. Measured on the 2-core host: a numpy
   gather + scatter through a staging buffer cost more than the socket itself (bench/kv_wire.py).
 - **CUDA**: pages are gathered on the device with one ``index_select`` per (layer, kind) run into a
   device buffer, copied to pinned host memory on a side stream, and the copy of run i+1 overlaps
@@ -16,6 +17,7 @@ socket depends on where the cache lives (the cache's own device decides, never t
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left, bisect_right
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -41,17 +43,6 @@ def page_rows(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(cache.shape[0], -1).view(torch.uint8)
 
 
-def page_spans(ids: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
-    """Pure: runs of consecutive page ids, in order, as (first_id, count). [3,4,5,9,2] -> [(3,3),(9,1),(2,1)]."""
-    a = np.asarray(ids, dtype=np.int64)
-    if a.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(a) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    counts = np.diff(np.concatenate((starts, [a.size])))
-    return [(int(a[s]), int(c)) for s, c in zip(starts, counts)]
-
-
 def chunk_bounds(num_pages: int, per_chunk: int) -> list[tuple[int, int]]:
     """Pure: (page_start, page_count) of each chunk of one (layer, kind) run."""
     return [(p0, min(per_chunk, num_pages - p0)) for p0 in range(0, num_pages, per_chunk)]
@@ -75,28 +66,52 @@ def _cache_bytes(cache: torch.Tensor) -> memoryview:
     return memoryview(page_rows(cache).numpy()).cast("B")
 
 
-def _span_views(mv: memoryview, spans: list[tuple[int, int]], page_bytes: int) -> list[memoryview]:
-    return [mv[b * page_bytes:(b + c) * page_bytes] for b, c in spans]
+class SpanTable:
+    """A page table's runs of consecutive page ids ([3,4,5,9,2]: 3-5, 9, 2) as byte ranges, computed once per
+    transfer (numpy): every
+    (layer, kind) run shares the table, so a chunk's buffers are one slice per run of pages, found by bisection,
+    with no per-page Python.
 
+    ``views(mv, p0, p1)``: memoryviews over table positions [p0, p1) of the cache tensor whose bytes are ``mv``."""
 
-class _SpanCache:
-    """page_spans of ids[ps:ps + c], memoised per transfer: every (layer, kind) run shares one page table,
-    so a transfer computes each distinct piece once instead of once per chunk and layer."""
+    def __init__(self, ids: np.ndarray, page_bytes: int) -> None:
+        self.page_bytes = page_bytes
+        if ids.size == 0:
+            self.pos, self.byte0, self.byte1 = [], [], []
+            return
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(ids) != 1) + 1))
+        counts = np.diff(np.append(starts, ids.size))
+        self.pos = starts.tolist()  # table position of each run's first page, ascending
+        self.byte0 = (ids[starts] * page_bytes).tolist()  # byte offset of each run in the cache tensor
+        self.byte1 = ((ids[starts] + counts) * page_bytes).tolist()  # ... and of its end
 
-    def __init__(self, ids: np.ndarray) -> None:
-        self.ids = ids
-        self._memo: dict[tuple[int, int], list[tuple[int, int]]] = {}
-
-    def __call__(self, ps: int, c: int) -> list[tuple[int, int]]:
-        got = self._memo.get((ps, c))
-        if got is None:
-            got = self._memo[(ps, c)] = page_spans(self.ids[ps:ps + c])
-        return got
+    def views(self, mv: memoryview, p0: int, p1: int) -> list[memoryview]:
+        pb, pos = self.page_bytes, self.pos
+        j0 = bisect_right(pos, p0) - 1  # runs j0 .. j1-1 hold positions [p0, p1)
+        j1 = bisect_left(pos, p1, j0 + 1)
+        first = self.byte0[j0] + (p0 - pos[j0]) * pb
+        last = self.byte0[j1 - 1] + (p1 - pos[j1 - 1]) * pb  # end of the last run's part in [p0, p1)
+        if j1 - j0 == 1:
+            return [mv[first:last]]
+        return [mv[first:self.byte1[j0]], *map(mv.__getitem__, map(slice, self.byte0[j0 + 1:j1 - 1],
+                                                                       self.byte1[j0 + 1:j1 - 1])),
+                mv[self.byte0[j1 - 1]:last]]
 
 
 def _layer_bytes(kv) -> list[list[memoryview]]:
     """[layer][kind] -> the whole cache tensor as bytes (CPU)."""
     return [[_cache_bytes(kv.k[layer]), _cache_bytes(kv.v[layer])] for layer in range(len(kv.k))]
+
+
+def _chunk_views(mvs: list[list[memoryview]], spans: SpanTable, layer: int, kind: int, p0: int, n: int,
+                 num_pages: int) -> list[memoryview]:
+    """The cache bytes of a chunk of ``n`` pages from (layer, kind, p0) in wire order, one view per run of pages."""
+    if p0 + n <= num_pages:  # within one (layer, kind) run: the common case for long prompts
+        return spans.views(mvs[layer][kind], p0, p0 + n)
+    bufs = []
+    for lay, kd, ps, c in segments(layer, kind, p0, n, num_pages):
+        bufs += spans.views(mvs[lay][kd], ps, ps + c)
+    return bufs
 
 
 class _PinnedPool:
@@ -157,17 +172,13 @@ class ShardSource:
             return
         # CPU: chunks run across (layer, kind) boundaries, so every chunk is per_chunk pages however short
         # the prompt; its buffers are views of the cache pages themselves
-        pb = self.layout.page_bytes
         mvs = _layer_bytes(self.kv)
-        spans = _SpanCache(self.ids)
+        spans = SpanTable(self.ids[:num_pages], self.layout.page_bytes)
         total = 2 * self.layout.num_layers * num_pages
         for u in range(0, total, per_chunk):
             lk, p = divmod(u, num_pages)
             n = min(per_chunk, total - u)
-            bufs = []
-            for layer, kind, ps, c in segments(lk // 2, lk % 2, p, n, num_pages):
-                bufs += _span_views(mvs[layer][kind], spans(ps, c), pb)
-            yield lk // 2, lk % 2, p, n, bufs
+            yield lk // 2, lk % 2, p, n, _chunk_views(mvs, spans, lk // 2, lk % 2, p, n, num_pages)
 
     def _chunks_cuda(self, num_pages: int, per_chunk: int) -> Iterator[Chunk]:
         dev = self.device
@@ -214,10 +225,11 @@ class ShardSink:
         self.kv, self.layout = kv, layout
         self.ids = _check_ids(block_ids, kv)
         self.device = kv.k[0].device
+        self._cuda = self.device.type == "cuda"  # per chunk: torch.device attributes are slow to read
         self._slot = 0
-        if self.device.type != "cuda":
+        if not self._cuda:
             self._mvs = _layer_bytes(kv)
-            self._spans = _SpanCache(self.ids)
+            self._spans = SpanTable(self.ids, layout.page_bytes)
         else:
             self._stream = torch.cuda.Stream(device=self.device)
             self._idx = torch.as_tensor(self.ids).to(self.device)
@@ -238,12 +250,9 @@ class ShardSink:
         next layers) is received: views of the destination pages themselves (CPU), or a pinned host slot
         (CUDA). A chunk that fails its checksum leaves garbage in this request's own pages only, which the
         failed request frees."""
+        if not self._cuda:
+            return _chunk_views(self._mvs, self._spans, layer, kind, p0, n, num_pages)
         pb = self.layout.page_bytes
-        if self.device.type != "cuda":
-            bufs = []
-            for lay, kd, ps, c in segments(layer, kind, p0, n, num_pages):
-                bufs += _span_views(self._mvs[lay][kd], self._spans(ps, c), pb)
-            return bufs
         if not self._host or self._host[0].shape[0] < n:
             self.release()
             self._host = [_PINNED.get(n, pb) for _ in range(2)]
@@ -256,7 +265,7 @@ class ShardSink:
 
     def commit(self, layer: int, kind: int, p0: int, n: int, num_pages: int) -> None:
         """The chunk received into the last ``buffers()`` is verified (CPU: already in place)."""
-        if self.device.type != "cuda":
+        if not self._cuda:
             return
         s = self._slot
         with torch.cuda.stream(self._stream):

@@ -213,8 +213,18 @@ class KVConn:
                     self._waiter = None
             if mine:
                 loop.remove_reader(fd)
+                self._blocking_again()
         if self.closed:
             raise WireError("closed", "connection closed locally")
+
+    def _blocking_again(self) -> None:
+        """Watching the fd may have made it non-blocking behind the socket object's back (uvloop's libuv does, and
+        leaves it so): the transfer thread's I/O then failed at once with EAGAIN, read as "peer stalled". The
+        bulk phase needs a blocking socket (bounded by SO_RCVTIMEO/SO_SNDTIMEO)."""
+        try:
+            self.fs.sock.setblocking(True)
+        except OSError:  # closed meanwhile: the caller's next step reports it
+            pass
 
 
 def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
@@ -528,6 +538,21 @@ def _recv_body(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], st
             sink.release()
 
 
+def _next_chunk_pages(fs: FrameSocket, index: int, page_bytes: int, left: int) -> int:
+    """Read the next frame head; it must be CHUNK ``index`` carrying 1..``left`` whole pages. -> its page count.
+    A peer ERROR raises its reason."""
+    ftype, length = fs.read_frame_head(wire.MAX_FRAME_BYTES)
+    if ftype is FrameType.ERROR:
+        raise wire.peer_error(fs.recv_exact(min(length, wire.MAX_CONTROL_BYTES)))
+    if ftype is not FrameType.CHUNK:
+        raise WireError("protocol", f"expected CHUNK {index}, got {ftype.name}")
+    n = wire.chunk_pages_in(length, page_bytes)
+    if n is None or n > left:
+        raise WireError("protocol", f"CHUNK {index} of {length} bytes is not a head, 1 to {left} pages of "
+                                    f"{page_bytes} bytes and a digest")
+    return n
+
+
 def _recv_chunks(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], stats: TransferStats) -> None:
     fs.send_control(FrameType.READY, {"room": header.room})
     stats.start()
@@ -541,22 +566,17 @@ def _recv_chunks(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], 
         while u < total:
             lk, p = divmod(u, P)
             layer, kind = lk // 2, lk % 2
-            ftype, length = fs.read_frame_head(wire.MAX_FRAME_BYTES)
-            if ftype is FrameType.ERROR:
-                raise wire.peer_error(fs.recv_exact(min(length, wire.MAX_CONTROL_BYTES)))
-            if ftype is not FrameType.CHUNK:
-                raise WireError("protocol", f"expected CHUNK {index}, got {ftype.name}")
-            if length < ChunkHead.SIZE:
-                raise WireError("protocol", f"CHUNK {index} of {length} bytes is shorter than its head")
-            head = ChunkHead.unpack(fs.recv_exact(ChunkHead.SIZE, "reading a chunk head"))
-            n = head.page_count
-            if (head.shard, head.layer, head.kind, head.page_start) != (si, layer, kind, p) \
-                    or not 1 <= n <= total - u or length - ChunkHead.SIZE - wire.DIGEST_SIZE != n * pb:
-                raise WireError("protocol", f"CHUNK {index} (shard {head.shard} layer {head.layer} kind {head.kind} "
-                                f"pages {head.page_start}+{n}, {length} bytes) is not the expected shard {si} "
-                                f"layer {layer} kind {kind} from page {p}")
+            n = _next_chunk_pages(fs, index, pb, total - u)
+            # the frame length says how many pages, and wire order where they go: they land in place before the
+            # chunk head is checked (a wrong head or digest fails the request, whose pages are its own)
             bufs = sink.buffers(layer, kind, p, n, P)
-            digest, sent = fs.recv_digested(bufs, header.checksum, f"receiving CHUNK {index}")
+            more = header.total_bytes - stats.bytes - n * pb  # page bytes still to come after this chunk
+            head, digest, sent = fs.recv_chunk(bufs, header.checksum, f"receiving CHUNK {index}", more)
+            if head != wire.chunk_head_bytes(si, layer, kind, p, n):
+                got = ChunkHead.unpack(head)
+                raise WireError("protocol", f"CHUNK {index} (shard {got.shard} layer {got.layer} kind {got.kind} "
+                                f"pages {got.page_start}+{got.page_count}) is not the expected shard {si} layer "
+                                f"{layer} kind {kind} pages {p}+{n}")
             if digest != sent:
                 raise WireError("checksum", f"CHUNK {index} (shard {si} from layer {layer} {'KV'[kind]} page {p}, "
                                 f"{n} pages) {header.checksum} {digest:#x} != sender's {sent:#x}")
@@ -576,7 +596,7 @@ def _recv_chunks(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], 
 
 
 async def recv_kv(conn: KVConn, header: KVHeader, sinks: Sequence[ShardSink]) -> TransferStats:
-    """READY, every chunk (order, size and crc32 verified, scattered into the sinks' pages), END, ACK."""
+    """READY, every chunk (order, size and checksum verified, scattered into the sinks' pages), END, ACK."""
     if len(sinks) != len(header.shards):
         raise ValueError(f"{len(sinks)} sinks for a header of {len(header.shards)} shards")
     await conn.run(_recv_body, conn.fs, header, sinks, conn.stats)

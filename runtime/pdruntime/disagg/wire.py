@@ -33,10 +33,10 @@ Grammar::
     prefill -> decode   CHUNK*   binary payload:
                         u8 shard, u16 layer, u8 kind (0=K, 1=V), u32 page_start, u32 page_count, raw, u64 digest
                         raw = page_count whole pages, [page_count, page_size, num_kv_heads, head_dim] in the
-                        shard's dtype (bf16/fp16/fp32 bytes as stored); digest (a trailer, so each piece
-                        is digested while cache-hot on both ends) = HEADER.checksum over raw:
-                        xxh3_64 (preferred) or zlib crc32 (always supported), the first of decode's list
-                        prefill supports.
+                        shard's dtype (bf16/fp16/fp32 bytes as stored); digest (a trailer) = HEADER.checksum
+                        over raw: xxh3_64 (preferred) or zlib crc32 (always supported), the first of
+                        decode's list prefill supports. page_count = (frame length - 20) / page_bytes, so
+                        decode knows where a chunk's pages go before it reads them.
                         Order is fixed: for shard: for layer: K pages then V pages, page_start ascending,
                         contiguous; a chunk may run on into the next (layer, kind) (never the next shard):
                         (layer, kind, page_start) is its first page. Each (layer, kind) run holds the
@@ -66,11 +66,13 @@ Python API (blocking layer here; the asyncio API a worker calls is in :mod:`tran
     KVHeader(room, rid, num_tokens, num_pages, first_token_id, prompt_crc, model_sha256, chunk_bytes, shards,
              checksum="crc32", skip_pages=0, cached_tokens=0)
         .sent_pages  .total_bytes  .saved_bytes;  header_to_json / header_from_json (typed rejection of any bad field)
-    ChunkHead(shard, layer, kind, page_start, page_count) .pack() / ChunkHead.unpack(bytes); Digest(algo); pieces(views)
+    ChunkHead(shard, layer, kind, page_start, page_count) .pack() / ChunkHead.unpack(bytes)
     CHECKSUMS; pick_checksum(offered) -> str; chunk_digest(algo, bufs) -> int   (xxh3_64 | crc32)
-    FrameSocket(sock, timeout_s): send_frame, send_control, send_chunk(head, bufs, algo) (sendmsg, zero-copy),
-        read_frame, read_control(expect), read_frame_head, recv_exact_into(view), recv_exact_into_views(views)
-        (recvmsg_into), recv_digested(views, algo), close() (from any thread)
+    chunk_pages_for(page_bytes) -> pages per chunk; chunk_pages_in(frame_length, page_bytes) -> int | None
+    FrameSocket(sock, timeout_s): send_frame, send_control, send_chunk(head, bufs, algo) (one sendmsg per chunk,
+        no user-space copy), read_frame, read_control(expect), read_frame_head, recv_exact_into(view),
+        recv_exact_into_views(views) (recvmsg_into, MSG_WAITALL), recv_chunk(views, algo) (one recvmsg_into per
+        chunk: head, pages, digest and the next frame's head), close() (from any thread)
     WireError(reason, message): every malformed, truncated, timed-out or refused input ends in one.
 """
 
@@ -91,18 +93,23 @@ VERSION = 2
 PREAMBLE = MAGIC + struct.pack(">H", VERSION)
 MAX_FRAME_BYTES = 64 << 20  # bytes; bounds what one side buffers per frame
 MAX_CONTROL_BYTES = 64 << 10  # bytes; JSON control frames are tiny
-CHUNK_TARGET_BYTES = 4 << 20  # bytes per KV chunk the sender aims for (whole pages, at least one)
+CHUNK_TARGET_BYTES = 1 << 20  # bytes per KV chunk the sender aims for (whole pages, at least one); one sendmsg
+# and one recvmsg_into each, digested on both ends while the chunk is still in L2/L3 (1 MiB: bench/kv_wire.py)
 MAX_TP_SIZE = 1024
 MAX_DIM = 1 << 20  # bound on any layout integer: a header cannot make the receiver allocate absurd buffers
 
-MAX_IOV = 512  # buffers per sendmsg/recvmsg_into call (Linux IOV_MAX is 1024)
+MAX_IOV = 1024  # buffers per sendmsg/recvmsg_into call: Linux IOV_MAX (UIO_MAXIOV)
+RCVLOWAT_BYTES = 256 << 10  # bytes queued before the kernel wakes a chunk receive (SO_RCVLOWAT), not one 64 KiB
+# loopback segment; only while at least this much is still to come (bench/kv_wire.py: ~0.03 CPU s/GB on decode)
+CHUNK_IOV_EXTRA = 3  # buffers of a chunk's sendmsg / recvmsg_into besides its pages: heads and trailer
+MAX_CHUNK_PAGES = MAX_IOV - CHUNK_IOV_EXTRA  # a chunk is at most this many pages (one buffer each when scattered)
 
 _FRAME = struct.Struct(">BI")
 FRAME_HEAD_SIZE = _FRAME.size  # bytes: u8 type, u32 length
 _CHUNK = struct.Struct(">BHBII")
 _DIGEST = struct.Struct(">Q")
 DIGEST_SIZE = _DIGEST.size
-PIECE_BYTES = 1 << 20  # bytes digested then sent (or received then digested) at a time, while still cached
+CHUNK_OVERHEAD = _CHUNK.size + DIGEST_SIZE  # bytes of a CHUNK payload that are not pages: head and digest
 
 try:  # xxh3_64 is ~15x faster than zlib's crc32; crc32 stays the always-available fallback
     import xxhash as _xxhash
@@ -124,6 +131,9 @@ class FrameType(enum.IntEnum):
     ERROR = 7
     READY = 8
     PROGRESS = 9
+
+
+_FRAME_TYPES = {t.value: t for t in FrameType}  # a dict lookup: FrameType(x) costs a microsecond per frame
 
 
 class WireError(Exception):
@@ -364,8 +374,16 @@ def header_from_json(obj: dict) -> KVHeader:
 
 
 def chunk_pages_for(page_bytes: int, target: int | None = None) -> int:
-    """Whole pages per chunk: as many as fit in ``target`` (default CHUNK_TARGET_BYTES) bytes, at least one."""
-    return max(1, (CHUNK_TARGET_BYTES if target is None else target) // max(1, page_bytes))
+    """Whole pages per chunk: as many as fit in ``target`` (default CHUNK_TARGET_BYTES) bytes, at least one and at
+    most MAX_CHUNK_PAGES (so a scattered chunk, one buffer per page, fits one sendmsg)."""
+    return max(1, min(MAX_CHUNK_PAGES, (CHUNK_TARGET_BYTES if target is None else target) // max(1, page_bytes)))
+
+
+def chunk_pages_in(frame_length: int, page_bytes: int) -> int | None:
+    """Pure: the pages a CHUNK frame of ``frame_length`` payload bytes carries, or None when the length is not a
+    head, whole pages and a digest."""
+    n, rest = divmod(frame_length - CHUNK_OVERHEAD, page_bytes)
+    return n if rest == 0 and n >= 1 else None
 
 
 def pick_checksum(offered) -> str:
@@ -376,51 +394,18 @@ def pick_checksum(offered) -> str:
     return "crc32"
 
 
-class Digest:
-    """Running CHUNK checksum (``algo``: xxh3_64 or crc32), fed piece by piece while the bytes are hot."""
-
-    __slots__ = ("algo", "_h", "_crc")
-
-    def __init__(self, algo: str) -> None:
-        self.algo = algo
-        self._h = _xxhash.xxh3_64() if algo == "xxh3_64" else None
-        self._crc = 0
-
-    def update(self, buf) -> None:
-        if self._h is not None:
-            self._h.update(buf)
-        else:
-            self._crc = zlib.crc32(buf, self._crc)
-
-    def value(self) -> int:
-        return self._h.intdigest() if self._h is not None else self._crc
-
-
 def chunk_digest(algo: str, bufs) -> int:
-    """The CHUNK checksum over the payload buffers in order (no concatenation): xxh3_64 or zlib crc32."""
-    d = Digest(algo)
+    """The CHUNK checksum over the payload buffers in order (no concatenation): xxh3_64 or zlib crc32. One C call
+    per buffer (a page span), nothing per byte in Python."""
+    if algo == "xxh3_64":
+        h = _xxhash.xxh3_64()
+        for b in bufs:
+            h.update(b)
+        return h.intdigest()
+    crc = 0
     for b in bufs:
-        d.update(b)
-    return d.value()
-
-
-def pieces(views: list, limit: int | None = None):
-    """Split byte memoryviews into consecutive lists of at most ``limit`` (default PIECE_BYTES) bytes; views
-    are sliced, not copied."""
-    limit = limit or PIECE_BYTES
-    out: list = []
-    room = limit
-    for v in views:
-        while len(v):
-            take = v[:room]
-            out.append(take)
-            v = v[len(take):]
-            room -= len(take)
-            if room == 0:
-                yield out
-                out, room = [], limit
-    if out:
-        yield out
+        crc = zlib.crc32(b, crc)
+    return crc
 
 
 def prompt_crc(token_ids: list[int]) -> int:
@@ -444,6 +429,11 @@ def verify_mac(token: str | None, nonce: str, room: int, mac) -> bool:
 
 # ---- frames ----------------------------------------------------------------------------------------
 
+def chunk_head_bytes(shard: int, layer: int, kind: int, page_start: int, page_count: int) -> bytes:
+    """The 12 bytes of a chunk head (what :meth:`ChunkHead.pack` returns, without building one per chunk)."""
+    return _CHUNK.pack(shard, layer, kind, page_start, page_count)
+
+
 @dataclass(frozen=True)
 class ChunkHead:
     shard: int
@@ -455,7 +445,7 @@ class ChunkHead:
     SIZE = _CHUNK.size
 
     def pack(self) -> bytes:
-        return _CHUNK.pack(self.shard, self.layer, self.kind, self.page_start, self.page_count)
+        return chunk_head_bytes(self.shard, self.layer, self.kind, self.page_start, self.page_count)
 
     @classmethod
     def unpack(cls, buf: bytes | memoryview) -> "ChunkHead":
@@ -478,10 +468,9 @@ def encode_control(ftype: FrameType, obj: dict) -> bytes:
 def decode_frame_head(head: bytes | memoryview, max_bytes: int = MAX_FRAME_BYTES) -> tuple[FrameType, int]:
     """Pure: 5 bytes -> (type, payload length); unknown types and oversized lengths raise WireError."""
     ftype, length = _FRAME.unpack(head)
-    try:
-        ft = FrameType(ftype)
-    except ValueError:
-        raise WireError("protocol", f"unknown frame type {ftype}") from None
+    ft = _FRAME_TYPES.get(ftype)
+    if ft is None:
+        raise WireError("protocol", f"unknown frame type {ftype}")
     if length > max_bytes:
         raise WireError("protocol", f"{ft.name} frame of {length} bytes exceeds the limit of {max_bytes}")
     return ft, length
@@ -521,6 +510,16 @@ def check_preamble(got: bytes) -> None:
         raise WireError("protocol", f"wire version {version} is not supported; accepted: {VERSION}")
 
 
+def _after(views: list, done: int) -> list:
+    """The part of byte memoryviews ``views`` left after the first ``done`` bytes (0 <= done < their total), for
+    resuming a partial sendmsg / recvmsg_into; views are sliced, never copied."""
+    i = 0
+    while done >= len(views[i]):
+        done -= len(views[i])
+        i += 1
+    return [views[i][done:], *views[i + 1:]]
+
+
 class FrameSocket:
     """Blocking frame I/O on one connected TCP socket; every call is bounded by ``timeout_s``.
 
@@ -537,6 +536,11 @@ class FrameSocket:
         except OSError:
             pass
         self._head = bytearray(_FRAME.size)
+        self._chunk_head = memoryview(bytearray(_CHUNK.size))
+        self._trailer = memoryview(bytearray(DIGEST_SIZE + _FRAME.size))  # a CHUNK's digest, then the next frame head
+        self._head_ready = False  # _trailer holds a frame head not yet returned by read_frame_head
+        self._digest_out: list[bytes] = []  # the last CHUNK's digest trailer, sent with the next frame
+        self._rcvlowat = 1  # SO_RCVLOWAT now (bytes); 1 (the kernel's default) except inside the bulk phase
 
     @property
     def closed(self) -> bool:
@@ -576,89 +580,93 @@ class FrameSocket:
         self.send_views([memoryview(b).cast("B") for b in bufs])
 
     def send_views(self, views: list) -> None:
-        """sendmsg over byte memoryviews (consumed: the list is modified), at most MAX_IOV per call."""
-        i = 0
+        """sendmsg over byte memoryviews, MAX_IOV per call. A blocking socket takes a whole call's buffers
+        unless SO_SNDTIMEO expires part-way; only then are the views walked to find where to resume."""
         try:
-            while i < len(views):
-                sent = self.sock.sendmsg(views[i:i + MAX_IOV])
-                while i < len(views) and sent >= len(views[i]):
-                    sent -= len(views[i])
-                    i += 1
-                if sent:
-                    views[i] = views[i][sent:]
+            while views:
+                batch, views = views[:MAX_IOV], views[MAX_IOV:]
+                sent = self.sock.sendmsg(batch)
+                if sent < sum(map(len, batch)):
+                    views = _after(batch, sent) + views
         except OSError as exc:  # includes socket.timeout
             raise self._io_error(exc, "sending") from None
 
     def send_frame(self, ftype: FrameType, payload: bytes) -> None:
-        self.send_all(_FRAME.pack(int(ftype), len(payload)), payload)
+        """One frame, after the last CHUNK's digest if that is still to go (so a frame never splits a CHUNK)."""
+        self.send_views([*self._pending_digest(), memoryview(_FRAME.pack(int(ftype), len(payload))),
+                         memoryview(payload).cast("B")])
+
+    def _pending_digest(self) -> list:
+        out, self._digest_out = self._digest_out, []
+        return out
 
     def send_control(self, ftype: FrameType, obj: dict) -> None:
         self.send_frame(ftype, json.dumps(obj, separators=(",", ":")).encode())
 
     def send_chunk(self, head: ChunkHead, bufs: list, algo: str, corrupt: bool = False) -> int:
-        """One CHUNK frame: head, ``bufs`` (byte memoryviews) in order, then their digest. Each piece is
-        digested right before it is sent, so the kernel copies bytes the digest just pulled into cache.
-        ``corrupt`` (fault injection) flips one byte of the first piece after digesting it. -> bytes sent."""
-        nbytes = sum(len(b) for b in bufs)
-        self.send_views([memoryview(_FRAME.pack(int(FrameType.CHUNK), ChunkHead.SIZE + nbytes + DIGEST_SIZE)
-                                    + head.pack())])
-        digest = Digest(algo)
-        for piece in pieces(bufs):
-            for v in piece:
-                digest.update(v)
-            if corrupt:
-                bad = bytearray(b"".join(piece))
-                bad[len(bad) // 2] ^= 0xFF
-                piece, corrupt = [memoryview(bad)], False
-            self.send_views(piece)
-        self.send_all(_DIGEST.pack(digest.value()))
+        """One CHUNK frame, in one sendmsg with the previous chunk's digest: that digest, frame and chunk heads,
+        then ``bufs`` (byte memoryviews over the pages) in order. The kernel's copy is the pages' first (DRAM)
+        read; they are digested right after, from cache, and the digest goes out first in the next frame's
+        sendmsg (:meth:`send_frame`, or the next chunk's). ``corrupt`` (fault injection) sends a copy of the first
+        buffer with one byte flipped, the digest being the original's. -> payload bytes sent (pages only)."""
+        nbytes = sum(map(len, bufs))
+        prefix = [*self._pending_digest(), _FRAME.pack(int(FrameType.CHUNK), CHUNK_OVERHEAD + nbytes) + head.pack()]
+        if corrupt:
+            digest = chunk_digest(algo, bufs)
+            bad = bytearray(bufs[0])
+            bad[len(bad) // 2] ^= 0xFF
+            self.send_views([*prefix, memoryview(bad), *bufs[1:]])
+        else:
+            self.send_views([*prefix, *bufs])
+            digest = chunk_digest(algo, bufs)
+        self._digest_out = [_DIGEST.pack(digest)]
         return nbytes
 
     # ---- receive ----
     def recv_exact_into(self, view: memoryview, what: str = "receiving") -> None:
-        """Fill ``view`` completely from the socket (recv_into; no intermediate copies)."""
-        view = memoryview(view).cast("B")
-        got = 0
-        n = len(view)
-        try:
-            while got < n:
-                r = self.sock.recv_into(view[got:], n - got)
-                if r == 0:
-                    raise WireError("closed", f"peer closed the connection while {what} ({got} of {n} bytes)")
-                got += r
-        except OSError as exc:
-            raise self._io_error(exc, what) from None
+        """Fill ``view`` completely from the socket (no intermediate copies); woken by any byte that arrives."""
+        self._set_rcvlowat(1)
+        self.recv_exact_into_views([memoryview(view).cast("B")], what)
+
+    def _set_rcvlowat(self, nbytes: int) -> None:
+        if nbytes != self._rcvlowat:
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+            except OSError as exc:
+                raise self._io_error(exc, "setting SO_RCVLOWAT") from None
+            self._rcvlowat = nbytes
 
     def recv_exact_into_views(self, views: list, what: str = "receiving") -> None:
-        """Fill every byte memoryview in order (recvmsg_into: the kernel scatters, no intermediate copy)."""
-        total = sum(len(v) for v in views)
-        views = [v for v in views if len(v)]
+        """Fill every byte memoryview in order: recvmsg_into with MSG_WAITALL, so the kernel scatters a whole call's
+        buffers before waking us (no intermediate copy, no per-segment wake-up). It returns short only on a
+        stall (SO_RCVTIMEO), a signal or EOF; only then are the views walked to find where to resume."""
+        total = sum(map(len, views))
         got = 0
-        i = 0
         try:
-            while i < len(views):
-                r = self.sock.recvmsg_into(views[i:i + MAX_IOV])[0]
-                if r == 0:
-                    raise WireError("closed", f"peer closed the connection while {what} ({got} of {total} bytes)")
+            while views:
+                batch, views = views[:MAX_IOV], views[MAX_IOV:]
+                r = self.sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
                 got += r
-                while i < len(views) and r >= len(views[i]):
-                    r -= len(views[i])
-                    i += 1
-                if r:
-                    views[i] = views[i][r:]
+                if r < sum(map(len, batch)):
+                    if r == 0:
+                        raise WireError("closed", f"peer closed the connection while {what} ({got} of {total} bytes)")
+                    views = _after(batch, r) + views
         except OSError as exc:
             raise self._io_error(exc, what) from None
 
-    def recv_digested(self, views: list, algo: str, what: str) -> tuple[int, int]:
-        """Receive a CHUNK's payload into ``views`` and its digest trailer, digesting each piece as soon as
-        it lands. -> (digest computed here, digest the sender sent)."""
-        digest = Digest(algo)
-        for piece in pieces(views):
-            self.recv_exact_into_views(list(piece), what)
-            for v in piece:
-                digest.update(v)
-        (sent,) = _DIGEST.unpack(self.recv_exact(DIGEST_SIZE, what))
-        return digest.value(), sent
+    def recv_chunk(self, views: list, algo: str, what: str, more: int = 0) -> tuple[bytes, int, int]:
+        """The rest of a CHUNK frame whose head :meth:`read_frame_head` returned, in one recvmsg_into: its chunk
+        head, its pages into ``views`` (byte memoryviews), its digest trailer, and the next frame's head (a CHUNK
+        is always followed by a frame: the next CHUNK, END or ERROR; :meth:`read_frame_head` returns it).
+        ``more``: page bytes the peer still sends after this chunk; while that is RCVLOWAT_BYTES or more, the
+        kernel wakes this receive only once RCVLOWAT_BYTES are queued (everything still to come is at least
+        that much, so the wake-up always comes). -> (chunk head bytes, digest computed here over ``views``,
+        digest the sender sent)."""
+        self._set_rcvlowat(RCVLOWAT_BYTES if more >= RCVLOWAT_BYTES else 1)
+        self.recv_exact_into_views([self._chunk_head, *views, self._trailer], what)
+        self._head_ready = True
+        (sent,) = _DIGEST.unpack_from(self._trailer)
+        return bytes(self._chunk_head), chunk_digest(algo, views), sent
 
     def recv_exact(self, n: int, what: str = "receiving") -> bytes:
         buf = bytearray(n)
@@ -669,6 +677,9 @@ class FrameSocket:
         check_preamble(self.recv_exact(len(PREAMBLE), "reading the preamble"))
 
     def read_frame_head(self, max_bytes: int = MAX_FRAME_BYTES) -> tuple[FrameType, int]:
+        if self._head_ready:  # read with the previous CHUNK
+            self._head_ready = False
+            return decode_frame_head(self._trailer[DIGEST_SIZE:], max_bytes)
         self.recv_exact_into(memoryview(self._head), "reading a frame head")
         return decode_frame_head(self._head, max_bytes)
 
