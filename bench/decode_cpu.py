@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Decode throughput on CPU: pdstack engine vs HF transformers `generate` and llama.cpp, same model, same run.
 
-    .venv/bin/python bench/decode_cpu.py [--max-tokens 64] [--threads 2] [--weights fp32 int8] [--repeat 3]
+    .venv/bin/python bench/decode_cpu.py [--max-tokens 64] [--threads 2] [--weights int4 fp32] [--repeat 3]
 
-SmolLM2-135M-Instruct (the embedded Q4_1 GGUF, dequantised) at batch 1 and with 16 concurrent
-sequences. Every system generates exactly --max-tokens tokens per sequence (EOS ignored / suppressed),
+SmolLM2-135M-Instruct (the embedded Q4_1 GGUF: int4 keeps its 4-bit blocks for pdstack's CPU kernels, fp32, int8
+and bf16 dequantise it) at batch 1 and with 16 concurrent sequences. Every system generates exactly --max-tokens tokens per sequence (EOS ignored / suppressed),
 greedy, from the same prompts; tokens/s = generated tokens / wall time including prefill.
 
 llama.cpp (``llama-cpp-python``, when installed) reads the same GGUF as 4-bit, with ``--threads`` threads
@@ -114,7 +114,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    ap.add_argument("--weights", nargs="+", default=["fp32", "int8"], choices=FORMATS)
+    ap.add_argument("--weights", nargs="+", default=["int4", "fp32"], choices=FORMATS)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--model", default=None, help="GGUF path (default: embedded SmolLM2)")
     ap.add_argument("--repeat", type=int, default=1,
