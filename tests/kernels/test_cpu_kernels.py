@@ -72,7 +72,7 @@ def test_quant_linear_equals_its_float64_arithmetic(fmt, bits, rows, k, n):
     """Every tile shape (rows 1..5, a lone odd block at K=96, N not a multiple of the 4-row tile), both weight
     formats and both activation widths."""
     g = torch.Generator().manual_seed(rows * 1000 + k + n)
-    ql = QuantLinear(torch.randn(n, k, generator=g), fmt, threads=2, act_bits=bits)
+    ql = QuantLinear.from_weight(torch.randn(n, k, generator=g), fmt, threads=2, act_bits=bits)
     x = torch.randn(rows, k, generator=g)
     got = ql.run(x).double()
     ref = _reference(ql, x, PRE_NONE)
@@ -85,7 +85,7 @@ def test_16_bit_activations_keep_fp32s_products():
     w, x = torch.randn(64, 576, generator=g), torch.randn(1, 576, generator=g)
     errs = {}
     for bits in (16, 8):
-        ql = QuantLinear(w, Q4_1, act_bits=bits)
+        ql = QuantLinear.from_weight(w, Q4_1, act_bits=bits)
         ref = x.double() @ _dequant(ql).T
         errs[bits] = float((ql.run(x).double() - ref).abs().max() / ref.abs().max())
     assert errs[16] < 1e-4 < 1e-3 < errs[8], errs
@@ -94,7 +94,7 @@ def test_16_bit_activations_keep_fp32s_products():
 @pytest.mark.parametrize("fmt, bits", list(itertools.product((Q4_1, Q8_0), (16, 8))))
 def test_pre_ops_and_accumulate(fmt, bits):
     g = torch.Generator().manual_seed(5)
-    ql = QuantLinear(torch.randn(24, 64, generator=g), fmt, threads=2, act_bits=bits)
+    ql = QuantLinear.from_weight(torch.randn(24, 64, generator=g), fmt, threads=2, act_bits=bits)
     x, norm = torch.randn(3, 64, generator=g), torch.rand(64, generator=g) + 0.5
     got = ql.run(x, pre=PRE_RMSNORM, norm=norm, eps=1e-5).double()
     ref = _reference(ql, x, PRE_RMSNORM, norm)
@@ -110,7 +110,7 @@ def test_pre_ops_and_accumulate(fmt, bits):
 def test_many_rows_take_the_exact_dequantised_weight():
     """Past KERNEL_MAX_ROWS (prefill chunks) the weight is dequantised for BLAS: no activation quantisation."""
     g = torch.Generator().manual_seed(9)
-    ql = QuantLinear(torch.randn(16, 64, generator=g), Q4_1)
+    ql = QuantLinear.from_weight(torch.randn(16, 64, generator=g), Q4_1)
     x = torch.randn(100, 64, generator=g)
     ref = x.double() @ _dequant(ql).T
     assert (ql(x).double() - ref).abs().max() <= 1e-5 * ref.abs().max()
@@ -119,8 +119,8 @@ def test_many_rows_take_the_exact_dequantised_weight():
 
 def test_shapes_the_kernel_cannot_take_are_refused():
     with pytest.raises(ValueError, match="in_features divisible by 32"):
-        QuantLinear(torch.zeros(4, 48), Q4_1)
-    ql = QuantLinear(torch.zeros(4, 64), Q4_1)
+        QuantLinear.from_weight(torch.zeros(4, 48), Q4_1)
+    ql = QuantLinear.from_weight(torch.zeros(4, 64), Q4_1)
     with pytest.raises(AssertionError, match="64 inputs"):
         ql.run(torch.zeros(1, 32))
 
@@ -264,3 +264,30 @@ def test_auto_weights_pick_int4_on_the_cpu_and_fp32_elsewhere(tiny_model):
     m = load_model(tiny_model).model
     assert _auto_weights(m, torch.bfloat16, torch.device("cpu")) == "fp32"
     assert _auto_weights(m, torch.float32, torch.device("cuda")) == "fp32"
+
+
+def test_int4_from_the_gguf_blocks_equals_quantising_the_dequantised_model():
+    """pdrt up's int4 start-up path (the GGUF's blocks taken as they are) holds the same bytes as quantize_int4 over
+    the dequantised fp32 model, layer by layer and for the head; and decodes the same logits."""
+    from pdruntime.engine.kv_cache import KVCache
+    from pdruntime.model import load_model
+
+    direct = load_model(weights="int4")
+    requant = load_model()
+    requant.model.quantize_int4()
+    pairs = [(direct.model.lm_head, requant.model.lm_head)]
+    for a, b in zip(direct.model.layers, requant.model.layers):
+        pairs += [(getattr(a, n), getattr(b, n)) for n in ("qkv", "o", "gate_up", "down")]
+        assert torch.equal(a.input_norm, b.input_norm) and torch.equal(a.post_norm, b.post_norm)
+    for a, b in pairs:
+        assert a.fmt == b.fmt and torch.equal(a.wq, b.wq) and torch.equal(a.d, b.d)
+        assert (a.m is None and b.m is None) or torch.equal(a.m, b.m)
+    assert torch.equal(direct.model.embed, requant.model.embed)
+    c = direct.model.config
+    outs = []
+    for m in (direct.model, requant.model):
+        kv = KVCache(c.num_layers, 1, 16, c.num_kv_heads, c.head_dim, dtype=torch.float32)
+        with torch.inference_mode():
+            outs.append(m.decode(torch.tensor([42]), torch.tensor([0]), kv.k, kv.v,
+                                 torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1], dtype=torch.int32)))
+    assert torch.equal(outs[0], outs[1])

@@ -261,6 +261,25 @@ class _LazyGGUF(Mapping):
             w = unpermute_qk(w, self.cfg.num_kv_heads)
         return w
 
+    def type_of(self, hf: str) -> str:
+        """The GGUF type a tensor is stored as (``Q4_1``, ``Q8_0``, ``F32`` ...)."""
+        return self.infos[hf].type_name
+
+    def blocks(self, hf: str) -> np.ndarray:
+        """A block-quantised tensor's own bytes, not dequantised: [rows, ne0 / 32, block bytes] uint8 (a view of the
+        memory map, or a copy with Q and K rows put back in HF order)."""
+        t = self.infos[hf]
+        if t.type_name not in _BLOCK_BYTES:
+            raise ModelLoadError(f"{self.path}: tensor {t.name} is {t.type_name}, not a block format "
+                                 f"({', '.join(_BLOCK_BYTES)})")
+        rows, nb = int(np.prod(t.shape[1:])), int(t.shape[0]) // QK
+        raw = np.asarray(self.data[t.offset: t.offset + t.nbytes]).reshape(rows, nb, _BLOCK_BYTES[t.type_name])
+        heads = {"attn_q.weight": self.cfg.num_heads, "attn_k.weight": self.cfg.num_kv_heads}
+        for suffix, n_head in heads.items():
+            if t.name.endswith(suffix):  # unpermute_qk on rows of blocks (whole rows move, blocks stay intact)
+                raw = raw.reshape(n_head, rows // n_head // 2, 2, nb, -1).transpose(0, 2, 1, 3, 4).reshape(raw.shape)
+        return raw
+
     def __contains__(self, name: object) -> bool:  # without reading the tensor (Mapping's default would)
         return name in self.infos
 

@@ -17,6 +17,7 @@ import functools
 import math
 from typing import Callable, Mapping, NamedTuple, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -315,8 +316,48 @@ class LlamaModel(nn.Module):
 
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
-                setattr(layer, name, QuantLinear(getattr(layer, name).weight, Q4_1, threads, act_bits))
-        self.lm_head = QuantLinear(self.lm_head.weight, Q8_0, threads, act_bits)
+                setattr(layer, name, QuantLinear.from_weight(getattr(layer, name).weight, Q4_1, threads=threads,
+                                                             act_bits=act_bits))
+        self.lm_head = QuantLinear.from_weight(self.lm_head.weight, Q8_0, threads=threads, act_bits=act_bits)
+        self.weight_format = "int4"
+        self._decode_layers = self._int4_decoder = None
+
+    def load_gguf_int4(self, tensors, threads: int | None = None, act_bits: int = 16) -> None:
+        """int4 straight from a GGUF file's own blocks, none dequantised and quantised again (the same blocks as
+        :meth:`quantize_int4` gets back, at a fraction of the start-up cost). ``tensors``: the file's lazy
+        mapping (``gguf_loader._LazyGGUF``): fp32 tensors by name for the norms and the embedding table, and
+        ``blocks(name)`` / ``type_of(name)`` for every Linear weight (Q4_1) and the head (Q4_1 or Q8_0). One rank."""
+        from pdruntime.kernels.cpu.quant import QuantLinear
+
+        if self.tp is not None:
+            raise ValueError("load_gguf_int4 loads a whole model; a TP shard takes load_hf_state + quantize_int4")
+        full = self.full_config
+        h, inter = full.hidden_size, full.intermediate_size
+
+        def linear(names: Sequence[str], shape: tuple[int, int]) -> QuantLinear:
+            types = {tensors.type_of(n) for n in names}
+            if len(types) != 1:
+                raise ValueError(f"{', '.join(names)} are stored as {', '.join(sorted(types))}; one layer needs one type")
+            raws = [tensors.blocks(n) for n in names]
+            ql = QuantLinear.from_gguf(types.pop(), raws[0] if len(raws) == 1 else np.concatenate(raws),
+                                       threads=threads, act_bits=act_bits)
+            if (ql.out_features, ql.in_features) != shape:
+                raise ValueError(f"{names[0]} holds {ql.out_features} x {ql.in_features} weights, expected {shape}")
+            return ql
+
+        with torch.no_grad():
+            self.embed.copy_(tensors["model.embed_tokens.weight"])
+            self.norm.copy_(tensors["model.norm.weight"])
+            for n, layer in enumerate(self.layers):
+                p = f"model.layers.{n}."
+                layer.input_norm.copy_(tensors[p + "input_layernorm.weight"])
+                layer.post_norm.copy_(tensors[p + "post_attention_layernorm.weight"])
+                layer.qkv = linear([p + f"self_attn.{x}_proj.weight" for x in "qkv"], (full.q_size + 2 * full.kv_size, h))
+                layer.o = linear([p + "self_attn.o_proj.weight"], (h, full.q_size))
+                layer.gate_up = linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], (2 * inter, h))
+                layer.down = linear([p + "mlp.down_proj.weight"], (h, inter))
+        tied = full.tie_word_embeddings or "lm_head.weight" not in tensors
+        self.lm_head = linear(["model.embed_tokens.weight" if tied else "lm_head.weight"], (full.vocab_size, h))
         self.weight_format = "int4"
         self._decode_layers = self._int4_decoder = None
 

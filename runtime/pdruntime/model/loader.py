@@ -99,18 +99,20 @@ def load_model(source: str | None = None, *, dtype=torch.float32, weights: str =
     if tp is not None:
         shard_config(cfg, tp.size)  # refuses an indivisible TP size before allocating anything
     model = LlamaModel(cfg, dtype=torch_dtype, device=device, tp=tp)
-    model.load_hf_state(tensors)
-    del tensors
     if weights == "auto":
         weights = _auto_weights(model, torch_dtype, device)
-    if weights in ("int4", "int8"):
-        if torch_dtype != torch.float32 or device.type != "cpu":
-            raise ModelLoadError(f"weights={weights!r} needs dtype fp32 on cpu, got {torch_dtype} on {device}; "
-                                 "accepted: --weights fp32 with bf16/fp16 or CUDA")
+    if weights in ("int4", "int8") and (torch_dtype != torch.float32 or device.type != "cpu"):
+        raise ModelLoadError(f"weights={weights!r} needs dtype fp32 on cpu, got {torch_dtype} on {device}; "
+                             "accepted: --weights fp32 with bf16/fp16 or CUDA")
+    if weights == "int4" and tp is None and _gguf_int4_blocks(tensors, cfg):
+        _quantize_int4(model, path, tensors)  # the file's own 4-bit blocks: nothing dequantised and quantised again
+    else:
+        model.load_hf_state(tensors)
         if weights == "int8":
             model.quantize_int8()
-        else:
+        elif weights == "int4":
             _quantize_int4(model, path)
+    del tensors
     model.decode_attention, model.attention_backend = resolve_decode_attention(device, env)
     model.eval()
     info = ModelInfo(
@@ -194,12 +196,28 @@ def _read_hf_dir(path: str):
     return cfg, tensors, tokenizer, files, raw_cfg.get("_name_or_path") or os.path.basename(path.rstrip("/"))
 
 
-def _quantize_int4(model, path: str) -> None:
-    """model.quantize_int4(), with the CPU kernels' build failure or a shape they cannot take as a ModelLoadError."""
+def _gguf_int4_blocks(tensors, cfg: LlamaConfig) -> bool:
+    """True when a GGUF file stores every Linear weight as Q4_1 and its head as Q4_1 or Q8_0: int4 can take its
+    blocks as they are (``LlamaModel.load_gguf_int4``)."""
+    if not hasattr(tensors, "blocks"):
+        return False
+    names = [f"model.layers.{n}.{x}.weight" for n in range(cfg.num_layers) for x in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")]
+    head = "lm_head.weight" if "lm_head.weight" in tensors and not cfg.tie_word_embeddings else "model.embed_tokens.weight"
+    return all(n in tensors and tensors.type_of(n) == "Q4_1" for n in names) and tensors.type_of(head) in ("Q4_1", "Q8_0")
+
+
+def _quantize_int4(model, path: str, gguf=None) -> None:
+    """model.quantize_int4() (or, given a GGUF mapping whose blocks int4 takes as they are, model.load_gguf_int4),
+    with the CPU kernels' build failure or a shape they cannot take as a ModelLoadError."""
     from pdruntime.kernels.cpu.native import NativeUnavailable
 
     try:
-        model.quantize_int4()
+        if gguf is not None:
+            model.load_gguf_int4(gguf)
+        else:
+            model.quantize_int4()
     except NativeUnavailable as exc:
         raise ModelLoadError(f"weights='int4' needs pdstack's CPU kernels, which cannot be used here: {exc}; "
                              "accepted: --weights fp32") from None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -87,30 +88,62 @@ _scratch = _Scratch()
 
 
 class QuantLinear(nn.Module):
-    """A bias-free Linear whose weight is held as Q4_1 or Q8_0 blocks. Call under torch.inference_mode()."""
+    """A bias-free Linear whose weight is held as Q4_1 or Q8_0 blocks. Call under torch.inference_mode().
 
-    def __init__(self, weight: torch.Tensor, fmt: int, threads: int | None = None, act_bits: int = 16) -> None:
+    Built from a float weight (:meth:`from_weight`) or straight from a GGUF file's blocks (:meth:`from_gguf`)."""
+
+    def __init__(self, wq: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, fmt: int, *,
+                 threads: int | None = None, act_bits: int = 16) -> None:
+        """wq, d, m as pdrt_cpu.c lays them out (wq [N, K/2] or [N, K] uint8, d and m [N, K/32] f16)."""
         super().__init__()
         if act_bits not in (8, 16):
             raise ValueError(f"act_bits={act_bits} is not accepted; accepted: 8, 16")
-        self.act_bits = act_bits
-        out_features, in_features = weight.shape
-        if in_features % QK:
-            raise ValueError(f"a quantised Linear needs in_features divisible by {QK}, got {in_features}")
+        if fmt not in (Q4_1, Q8_0):
+            raise ValueError(f"format {fmt} is not accepted; accepted: Q4_1 ({Q4_1}), Q8_0 ({Q8_0})")
+        out_features, blocks = d.shape
+        in_features = blocks * QK
+        assert wq.dtype == torch.uint8 and d.dtype == torch.float16 and (m is None) == (fmt == Q8_0)
+        assert wq.shape == (out_features, in_features // 2 if fmt == Q4_1 else in_features)
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.act_bits, self.threads = act_bits, threads
+        self.register_buffer("wq", wq.contiguous())
+        self.register_buffer("d", d.contiguous())
+        self.register_buffer("m", None if m is None else m.contiguous())
+        self._lib = native()
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, fmt: int, *, threads: int | None = None,
+                    act_bits: int = 16) -> "QuantLinear":
+        """A float weight [N, K] (K divisible by 32, on the CPU) quantised to ``fmt``."""
+        if weight.shape[1] % QK:
+            raise ValueError(f"a quantised Linear needs in_features divisible by {QK}, got {weight.shape[1]}")
         if weight.device.type != "cpu":
             raise ValueError(f"quantised Linear layers run on the CPU, got a weight on {weight.device}")
-        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
-        self.threads = threads
         if fmt == Q4_1:
             wq, d, m = quantize_q4_1(weight)
         elif fmt == Q8_0:
             (wq, d), m = quantize_q8_0(weight), None
         else:
             raise ValueError(f"format {fmt} is not accepted; accepted: Q4_1 ({Q4_1}), Q8_0 ({Q8_0})")
-        self.register_buffer("wq", wq)
-        self.register_buffer("d", d)
-        self.register_buffer("m", m)
-        self._lib = native()
+        return cls(wq, d, m, fmt, threads=threads, act_bits=act_bits)
+
+    @classmethod
+    def from_gguf(cls, type_name: str, raw: np.ndarray, *, threads: int | None = None,
+                  act_bits: int = 16) -> "QuantLinear":
+        """A GGUF tensor's own blocks, raw: [N, K/32, block bytes] uint8 (rows in the layout torch wants):
+        Q4_1 (f16 d, f16 m, 16 bytes of nibbles) or Q8_0 (f16 d, 32 int8), read without dequantising."""
+        raw = np.ascontiguousarray(raw)
+        n, nb, _ = raw.shape
+        d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0])
+        if type_name == "Q4_1":
+            m = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0])
+            wq = torch.from_numpy(raw[..., 4:].copy()).reshape(n, nb * QK // 2)
+            return cls(wq, d, m, Q4_1, threads=threads, act_bits=act_bits)
+        if type_name == "Q8_0":
+            q = torch.from_numpy(raw[..., 2:].copy().view(np.int8)).to(torch.int16) + 128  # [N, nb, 32]
+            return cls(_pair_blocks(q.to(torch.uint8)).reshape(n, nb * QK), d, None, Q8_0, threads=threads,
+                       act_bits=act_bits)
+        raise ValueError(f"GGUF type {type_name} is not a block format of pdstack's kernels; accepted: Q4_1, Q8_0")
 
     @property
     def format_name(self) -> str:
