@@ -27,7 +27,7 @@ for _d in (_TESTS / "support", _TESTS / "pd"):
     if str(_d) not in sys.path:
         sys.path.insert(0, str(_d))
 
-from tiny_stack import client, make_engine, model_id, reference, stack, tiny, tiny_model  # noqa: E402,F401
+from tiny_stack import _shared_stack, client, make_engine, model_id, reference, stack, tiny, tiny_model  # noqa: E402,F401
 
 # The slowest files of `make test` (seconds of setup + call per file, --durations of a full run), run first. The
 # two xdist workers take whole files (--dist loadfile) in collection order, and collection order put some of the

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 pytestmark = pytest.mark.timeout(300)
+SHARED_STACK = True  # its traffic leaves the stack as it found it: the process's shared stack (tiny_stack.py)
 
 openai = pytest.importorskip("openai", reason="the official openai client is in the dev extra")
 

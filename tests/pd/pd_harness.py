@@ -1,7 +1,8 @@
 """Helpers that start real pdrt processes on loopback with a tiny random model.
 
-The shared stack (router + one PD pair, the ``stack`` fixture of tests/support/tiny_stack.py) is module-scoped:
-a module's tests that do not kill processes share it. Tests that kill workers start their own pair and router.
+The shared stack (router + one PD pair, the ``stack`` fixture of tests/support/tiny_stack.py) is module-scoped, or
+one per pytest process for the ``SHARED_STACK`` modules: a module's tests that do not kill processes share it. Tests
+that kill workers start their own pair and router.
 Watchdog timeouts are short via PDRT_* env, and PDRT_TEST_HOOKS=1 enables the workers' test-only POST /debug/test
 (advance the watchdog clock, slow engine steps, stall transfers).
 """
@@ -137,6 +138,23 @@ class Stack:
             idle = all(x["live"] == 0 and x["pool"]["free"] == x["pool"]["total"] for x in (p, d))
             if idle or time.monotonic() > deadline:
                 return p, d
+            time.sleep(0.1)
+
+
+    def leftovers(self, timeout: float = 20.0) -> dict:
+        """What traffic left behind once it settled (polled up to ``timeout`` s): live requests, KV pages in use,
+        an open breaker, requests outstanding at the router. Empty when clean."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = {f"{proc.name} {what}": v for proc in (self.prefill, self.decode) for doc in [self.debug(proc)]
+                    for what, v in (("live", doc["live"]), ("pages in use", doc["pool"]["total"] - doc["pool"]["free"]))
+                    if v}
+            left.update({f"router {what}": v for what, v in (
+                ("live", self.debug(self.router)["live"]),
+                ("breaker open", self.metric(self.router, "pdrt_router_circuit_open")),
+                ("outstanding", self.metric(self.router, "pdrt_router_pair_outstanding_requests"))) if v})
+            if not left or time.monotonic() > deadline:
+                return left
             time.sleep(0.1)
 
 
