@@ -27,28 +27,35 @@ for _d in (_TESTS / "support", _TESTS / "pd"):
     if str(_d) not in sys.path:
         sys.path.insert(0, str(_d))
 
-from tiny_stack import client, make_engine, model_id, reference, stack, tiny, tiny_model  # noqa: E402,F401
+from tiny_stack import _shared_stack, client, make_engine, model_id, reference, stack, tiny, tiny_model  # noqa: E402,F401
 
 # The slowest files of `make test` (seconds of setup + call per file, --durations of a full run), run first. The
 # two xdist workers take whole files (--dist loadfile) in collection order, and collection order put some of the
 # slowest last (tests/tp/test_tp_pd.py, ~50 s): one worker finished while the other still had a minute to go.
 # Started first, the long files overlap each other and the many short ones fill in at the end. A file missing from
 # the list keeps its place; a name here that no longer exists changes nothing.
-SLOWEST_FIRST = (
-    "tests/pd/test_pd_failures.py",
-    "tests/pd/test_pd_stack.py",
-    "tests/pd/test_wire_stack.py",
+SLOWEST_FIRST = (  # issue 23's --durations run (after the shared stack), slowest first
     "tests/runtime/test_probe_agents.py",
-    "tests/tp/test_tp_pd.py",
+    "tests/pd/test_worker_protocol_vllm.py",
+    "tests/pd/test_pd_stack.py",
     "tests/pd/test_engine_failures.py",
-    "tests/pd/test_long_prompt.py",
-    "tests/kernels/test_triton_decode_attention.py",
-    "tests/kernels/test_triton_gpu_compile.py",
-    "tests/operator/test_probes.py",
-    "tests/operator/test_canary_flow.py",
+    "tests/pd/test_wire_stack.py",
+    "tests/pd/test_pd_failures.py",
+    "tests/tp/test_tp_pd.py",
+    "tests/operator/test_operator_integration.py",
     "tests/pd/test_fault_matrix.py",
-    "tests/pd/test_prefix_delta.py",
+    "tests/kernels/test_triton_decode_attention.py",
+    "tests/operator/test_engine_agents_live.py",
     "tests/pd/test_breaker_integration.py",
+    "tests/agent/test_n_shared_prefill.py",
+    "tests/kernels/test_triton_gpu_compile.py",
+    "tests/engine/test_triton_engine.py",
+    "tests/shipping/test_chart.py",
+    "tests/operator/test_rbac_exact.py",
+    "tests/runtime/test_canary_routing.py",
+    "tests/operator/test_canary_flow.py",
+    "tests/operator/test_probes.py",
+    "tests/pd/test_long_prompt.py",
     "tests/engine/test_low_precision.py",
 )
 

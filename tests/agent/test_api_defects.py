@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 pytestmark = pytest.mark.timeout(300)
+SHARED_STACK = True  # its traffic leaves the stack as it found it: the process's shared stack (tiny_stack.py)
 
 openai = pytest.importorskip("openai", reason="the official openai client is in the dev extra")
 
@@ -50,11 +51,17 @@ def test_a_forced_tool_call_cut_by_max_tokens_ends_length_with_the_partial_call(
     assert args.startswith('{"') and whole.startswith(args) and args != whole, (args, whole)
 
 
-def test_a_streamed_forced_tool_call_streams_its_deltas_as_generated_and_ends_length(client, model_id):
+def test_a_streamed_forced_tool_call_streams_its_deltas_as_generated_and_ends_length(stack, client, model_id):
     cut, whole = _cut_point(client, model_id)
-    chunks = list(client.chat.completions.create(model=model_id, max_tokens=cut, stream=True, **FORCED,
-                                                 stream_options={"include_usage": True,
-                                                                 "continuous_usage_stats": True}))
+    # slow decode steps: a reader that falls behind gets the tokens waiting for it in one event (decode_stream), and
+    # a loaded host's reader fell behind for the whole of the arguments' ~16 tokens
+    stack.hooks(stack.decode, step_delay_s=0.02)
+    try:
+        chunks = list(client.chat.completions.create(model=model_id, max_tokens=cut, stream=True, **FORCED,
+                                                     stream_options={"include_usage": True,
+                                                                     "continuous_usage_stats": True}))
+    finally:
+        stack.hooks(stack.decode, step_delay_s=0)
     with_choice = [c for c in chunks if c.choices]
     assert with_choice[-1].choices[0].finish_reason == "length"
     assert all(c.choices[0].finish_reason is None for c in with_choice[:-1])

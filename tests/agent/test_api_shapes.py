@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 pytestmark = pytest.mark.timeout(300)
+SHARED_STACK = True  # its traffic leaves the stack as it found it: the process's shared stack (tiny_stack.py)
 
 
 def test_langchain_counts_streamed_usage_once(stack, model_id):

@@ -17,6 +17,7 @@ from pdruntime.server.openai.structured import tool_grammar
 from pdruntime.server.openai.tools import parser_for
 
 pytestmark = pytest.mark.timeout(600)
+SHARED_STACK = True  # its traffic leaves the stack as it found it: the process's shared stack (tiny_stack.py)
 
 
 class City(BaseModel):

@@ -14,6 +14,7 @@ import torch
 from pd_harness import wait_for
 
 pytestmark = pytest.mark.timeout(300)
+SHARED_STACK = True  # its traffic leaves the stack as it found it: the process's shared stack (tiny_stack.py)
 
 N = 3
 PAGE = 16  # pd_harness.WORKER_FLAGS --block-size

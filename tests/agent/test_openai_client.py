@@ -10,6 +10,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.timeout(600)
+SHARED_STACK = True  # its traffic leaves the stack as it found it: the process's shared stack (tiny_stack.py)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",

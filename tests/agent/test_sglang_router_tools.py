@@ -22,6 +22,7 @@ except ImportError as exc:  # pragma: no cover
     pytest.skip(f"sglang-router is not installed ({exc})", allow_module_level=True)
 
 pytestmark = pytest.mark.timeout(300)
+SHARED_STACK = True  # its traffic leaves the stack as it found it: the process's shared stack (tiny_stack.py)
 
 from .test_openai_client import WEATHER, _validate  # noqa: E402
 

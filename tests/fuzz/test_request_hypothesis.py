@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 pytestmark = pytest.mark.timeout(300)
+SHARED_STACK = True  # its traffic leaves the stack as it found it: the process's shared stack (tiny_stack.py)
 
 EXTREME_FLOATS = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),

@@ -19,6 +19,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
 
 pytestmark = pytest.mark.timeout(300)
+SHARED_STACK = True  # its traffic leaves the stack as it found it: the process's shared stack (tiny_stack.py)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import httpx
 import kmock
 import pytest
 
@@ -116,6 +117,13 @@ def ready_pods(c: Cluster, name: str, n: int) -> list[dict[str, Any]] | None:
     return pods if ok else None
 
 
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 @contextlib.asynccontextmanager
 async def engine_stack(tmp_path: Path, name: str, engine: str, *, inject: tuple[str, str] | None = None,
                        router: bool = False, **spec: Any) -> AsyncIterator[tuple[Cluster, AgentKubelet]]:
@@ -127,8 +135,7 @@ async def engine_stack(tmp_path: Path, name: str, engine: str, *, inject: tuple[
         kubelet = AgentKubelet(api, net, str(tmp_path))
         kubelet.add_node("gpu-a", 8)
         kubelet.inject = dict([inject]) if inject else {}
-        if router:
-            kubelet.router_ip = f"127.0.{net}.2"
+        router_ip = f"127.0.{net}.2"
         try:
             async with kubelet:
                 c = Cluster(api, kubelet, str(server.url))
@@ -141,8 +148,15 @@ async def engine_stack(tmp_path: Path, name: str, engine: str, *, inject: tuple[
                         deploy = await eventually(lambda: api.read(DEPLOYMENTS, NS, f"{name}-router"), what="router")
                         cmd = deploy["spec"]["template"]["spec"]["containers"][0]["command"]
                         assert cmd[cmd.index("--worker-protocol") + 1] == engine, cmd
-                        router_proc = start_router(kubelet.router_ip, yaml.safe_load(cm["data"]["topology.yaml"]),
+                        router_proc = start_router(router_ip, yaml.safe_load(cm["data"]["topology.yaml"]),
                                                    base64.b64decode(secret["data"]["token"]).decode(), tmp_path, cmd)
+                        # its pod appears (Ready) once the process listens: the pod's event starts the reconcile that
+                        # pushes the topology with the ready pair to it. A pod Ready before the process listened lost
+                        # that push, and the router served no pair until an unrelated reconcile ~30 s later. (/metrics:
+                        # its /health waits for a ready pair, which only that push brings)
+                        url = f"http://{router_ip}:{HTTP_PORT}/metrics"
+                        await eventually(lambda: _answers(url), timeout=60, interval=0.1, what="router listening")
+                        kubelet.router_ip = router_ip
                     await eventually(lambda: ready_pods(c, name, 2), timeout=60, interval=0.2,
                                      what=f"both {engine} pods Ready (their agents found the engines)")
                     yield c, kubelet

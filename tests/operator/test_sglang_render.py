@@ -5,6 +5,7 @@ the transfer backend explicit, and the NetworkPolicy admits the ports SGLang ope
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from pathlib import Path
 
@@ -15,16 +16,21 @@ from pdoperator.cli.kubectl_pd import render_manifest
 
 EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "sglang-groups.yaml").read_text())
 
-# importing sglang rewrites os.environ (it points TRITON_CACHE_DIR, CUDA_CACHE_PATH, ... at its own cache dir):
-# restore it, or every process later tests start inherits those (test_process_drift_live.py reports them as drift)
-_ENV = dict(os.environ)
-try:
-    server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang (installed --no-deps by `make setup`) "
-                                      "provides SGLang's own argument parser")
-    router_args = pytest.importorskip("sglang_router.router_args", reason="sglang-router is in the dev extra")
-finally:
-    os.environ.clear()
-    os.environ.update(_ENV)
+
+@functools.cache
+def _parsers():
+    """(sglang.srt.server_args, sglang_router.router_args), imported on first use: in the pytest process that runs
+    this file only (importing sglang.srt costs ~4 CPU s; at collection, every xdist worker paid it). Importing sglang
+    rewrites os.environ (it points TRITON_CACHE_DIR, CUDA_CACHE_PATH, ... at its own cache dir): restored, or every
+    process later tests start inherits those (test_process_drift_live.py reports them as drift)."""
+    env = dict(os.environ)
+    try:
+        return (pytest.importorskip("sglang.srt.server_args", reason="sglang (installed --no-deps by `make setup`) "
+                                    "provides SGLang's own argument parser"),
+                pytest.importorskip("sglang_router.router_args", reason="sglang-router is in the dev extra"))
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
 
 
 def _children(doc=EXAMPLE):
@@ -34,7 +40,7 @@ def _children(doc=EXAMPLE):
 def _sglang_parse(cmd):
     assert cmd[:3] == ["python", "-m", "sglang.launch_server"], cmd
     parser = argparse.ArgumentParser(prog="sglang.launch_server")
-    server_args.ServerArgs.add_cli_args(parser)
+    _parsers()[0].ServerArgs.add_cli_args(parser)
     return parser.parse_args(cmd[3:])  # argparse exits (SystemExit) on anything SGLang does not accept
 
 
@@ -71,7 +77,7 @@ def test_the_router_line_is_parsed_by_sglang_routers_own_argparse_with_every_mem
     cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
     assert cmd[:3] == ["python", "-m", "sglang_router.launch_router"]
     parser = argparse.ArgumentParser()
-    router_args.RouterArgs.add_cli_args(parser)
+    _parsers()[1].RouterArgs.add_cli_args(parser)
     a = parser.parse_args(cmd[3:])
     assert a.pd_disaggregation and a.port == 8000
     assert [p[0] for p in a.prefill] == [f"http://sg-{k}-prefill.sg-workers.serving.svc:8000" for k in (0, 1)]

@@ -1,7 +1,8 @@
 """Helpers that start real pdrt processes on loopback with a tiny random model.
 
-The shared stack (router + one PD pair, the ``stack`` fixture of tests/support/tiny_stack.py) is module-scoped:
-a module's tests that do not kill processes share it. Tests that kill workers start their own pair and router.
+The shared stack (router + one PD pair, the ``stack`` fixture of tests/support/tiny_stack.py) is module-scoped, or
+one per pytest process for the ``SHARED_STACK`` modules: a module's tests that do not kill processes share it. Tests
+that kill workers start their own pair and router.
 Watchdog timeouts are short via PDRT_* env, and PDRT_TEST_HOOKS=1 enables the workers' test-only POST /debug/test
 (advance the watchdog clock, slow engine steps, stall transfers).
 """
@@ -93,6 +94,45 @@ def wait_healthy(procs: list[Proc], timeout: float = 120.0, path: str = "/health
         time.sleep(0.2)
 
 
+def metric(proc: Proc, name: str, labels: dict | None = None) -> float:
+    """Sum of the samples of ``name`` on ``proc``'s /metrics whose labels include ``labels``."""
+    text = httpx.get(proc.url + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        m = re.match(r"^([a-zA-Z_:]+)(\{(.*)\})? (\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
+        if all(got.get(k) == v for k, v in (labels or {}).items()):
+            total += float(m.group(4))
+    return total
+
+
+def hooks(proc: Proc, **kw) -> dict:
+    """Set a worker's test hooks (POST /debug/test, PDRT_TEST_HOOKS=1)."""
+    r = httpx.post(proc.url + "/debug/test", json=kw, timeout=10)
+    r.raise_for_status()
+    return r.json()
+
+
+def start_worker(tmp_dir: str, model: str, role: str, *, env_extra: dict | None = None) -> Proc:
+    """One worker (``role``: prefill or decode) serving ``model`` on loopback, healthy, for a test that talks to
+    that worker alone (no router, no peer: two process start-ups fewer than a stack). The caller stops it."""
+    port = free_port()
+    args = ["--role", role, "--port", str(port), "--model", model, *WORKER_FLAGS]
+    if role == "prefill":
+        args += ["--bootstrap-port", str(free_port())]
+    proc = spawn(role, args, base_env(**(env_extra or {})), tmp_dir, port)
+    try:
+        wait_healthy([proc])
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
 @dataclass
 class Stack:
     router: Proc
@@ -107,27 +147,13 @@ class Stack:
             p.stop()
 
     def metric(self, proc: Proc, name: str, labels: dict | None = None) -> float:
-        """Sum of the samples of ``name`` whose labels include ``labels``."""
-        text = httpx.get(proc.url + "/metrics", timeout=10).text
-        total = 0.0
-        for line in text.splitlines():
-            if not line.startswith(name + "{") and not line.startswith(name + " "):
-                continue
-            m = re.match(r"^([a-zA-Z_:]+)(\{(.*)\})? (\S+)$", line)
-            if not m or m.group(1) != name:
-                continue
-            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
-            if all(got.get(k) == v for k, v in (labels or {}).items()):
-                total += float(m.group(4))
-        return total
+        return metric(proc, name, labels)
 
     def debug(self, proc: Proc) -> dict:
         return httpx.get(proc.url + "/debug/requests", timeout=10).json()
 
     def hooks(self, proc: Proc, **kw) -> dict:
-        r = httpx.post(proc.url + "/debug/test", json=kw, timeout=10)
-        r.raise_for_status()
-        return r.json()
+        return hooks(proc, **kw)
 
     def wait_idle(self, timeout: float = 20.0) -> tuple[dict, dict]:
         """Wait until neither worker has a live request and both pools are fully free."""
@@ -137,6 +163,23 @@ class Stack:
             idle = all(x["live"] == 0 and x["pool"]["free"] == x["pool"]["total"] for x in (p, d))
             if idle or time.monotonic() > deadline:
                 return p, d
+            time.sleep(0.1)
+
+
+    def leftovers(self, timeout: float = 20.0) -> dict:
+        """What traffic left behind once it settled (polled up to ``timeout`` s): live requests, KV pages in use,
+        an open breaker, requests outstanding at the router. Empty when clean."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = {f"{proc.name} {what}": v for proc in (self.prefill, self.decode) for doc in [self.debug(proc)]
+                    for what, v in (("live", doc["live"]), ("pages in use", doc["pool"]["total"] - doc["pool"]["free"]))
+                    if v}
+            left.update({f"router {what}": v for what, v in (
+                ("live", self.debug(self.router)["live"]),
+                ("breaker open", self.metric(self.router, "pdrt_router_circuit_open")),
+                ("outstanding", self.metric(self.router, "pdrt_router_pair_outstanding_requests"))) if v})
+            if not left or time.monotonic() > deadline:
+                return left
             time.sleep(0.1)
 
 

@@ -21,6 +21,7 @@ from pdruntime.server.router.app import Router, RouterConfig
 from pdruntime.server.router.auth import match_api_key, parse_api_keys
 
 pytestmark = pytest.mark.timeout(180)
+SHARED_STACK = True  # its traffic leaves the stack as it found it: the process's shared stack (tiny_stack.py)
 
 KEY_A = "sk-alpha-0123456789abcdef"
 KEY_B = "sk-bravo-0123456789abcdef"

@@ -15,6 +15,7 @@ import pytest
 from pd_harness import wait_for
 
 pytestmark = pytest.mark.timeout(180)
+SHARED_STACK = True  # its traffic leaves the stack as it found it: the process's shared stack (tiny_stack.py)
 
 MARKER = "PROMPT-MARKER-7f3a"  # text that must never reach a log
 

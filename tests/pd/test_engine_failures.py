@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from pd_harness import start_stack
+from pd_harness import hooks, metric, start_stack, start_worker
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -140,24 +140,25 @@ def test_out_of_memory_in_a_step_rejects_with_a_clear_503_and_the_worker_keeps_s
 
 
 def test_step_failures_fail_requests_then_after_n_in_a_row_health_is_503_and_the_worker_exits_70(tiny_model, tmp_path):
-    s = start_stack(str(tmp_path), tiny_model, env_extra={"PDRT_ENGINE_MAX_STEP_FAILURES": "3",
-                                                          "PDRT_ENGINE_FAILURE_EXIT_GRACE_S": "6"})
+    # the decode worker alone, serving monolithic requests (no bootstrap fields): its engine runs every step
+    decode = start_worker(str(tmp_path), tiny_model, "decode", env_extra={"PDRT_ENGINE_MAX_STEP_FAILURES": "3",
+                                                                           "PDRT_ENGINE_FAILURE_EXIT_GRACE_S": "6"})
     try:
-        s.hooks(s.decode, inject_step_errors=10**6)
+        hooks(decode, inject_step_errors=10**6)
         t0 = time.monotonic()
         for i in range(3):
-            r = httpx.post(s.decode.url + "/generate", json={"text": f"hi {i}", "sampling_params": {"max_new_tokens": 4}},
+            r = httpx.post(decode.url + "/generate", json={"text": f"hi {i}", "sampling_params": {"max_new_tokens": 4}},
                            timeout=60)
             assert r.status_code == 500, r.text  # a clear error reaches the client
             assert "engine step failed" in r.json()["error"]["message"]
-        h = httpx.get(s.decode.url + "/health", timeout=5)
+        h = httpx.get(decode.url + "/health", timeout=5)
         assert h.status_code == 503 and "3 consecutive engine steps failed" in h.json()["reason"], h.text
-        cfg = httpx.get(s.decode.url + "/config", timeout=5).json()["engine_health"]
+        cfg = httpx.get(decode.url + "/config", timeout=5).json()["engine_health"]
         assert cfg["healthy"] is False and cfg["reason"] == h.json()["reason"]
-        assert s.metric(s.decode, "pdrt_engine_step_errors_total", {"verdict": "step"}) == 3
-        assert s.metric(s.decode, "pdrt_engine_healthy") == 0
-        assert s.decode.popen.wait(60) == 70  # exits non-zero so the pod (or pdrt up) restarts the pair
+        assert metric(decode, "pdrt_engine_step_errors_total", {"verdict": "step"}) == 3
+        assert metric(decode, "pdrt_engine_healthy") == 0
+        assert decode.popen.wait(60) == 70  # exits non-zero so the pod (or pdrt up) restarts the pair
         assert time.monotonic() - t0 < 60
-        assert "worker unhealthy" in s.decode.log_text()
+        assert "worker unhealthy" in decode.log_text()
     finally:
-        s.stop()
+        decode.stop()

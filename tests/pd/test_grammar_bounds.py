@@ -14,6 +14,8 @@ from pdruntime.server.openai.structured import (MAX_PATTERN_REPEAT, MAX_SCHEMA_B
                                                 check_schema_bounds)
 from pdruntime.util.public_error import public_error
 
+SHARED_STACK = True  # its traffic leaves the stack as it found it: the process's shared stack (tiny_stack.py)
+
 
 def _deep(n: int) -> dict:
     root = cur = {"type": "object"}

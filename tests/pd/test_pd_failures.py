@@ -103,6 +103,10 @@ def test_prefill_killed_decode_aborts_and_router_answers_5xx_within_the_deadline
     assert d["live"] == 0 and d["pool"]["free"] == d["pool"]["total"]
 
 
+# slow tier: the pair restarted together (the survivor stopped at once, both respawned) is
+# test_up_units.py::test_every_restart_backs_off_exponentially_and_the_count_resets_after_a_healthy_period; a live
+# `pdrt up` co-restart stays in make test (test_up_process.py::test_pdrt_up_co_restarts_a_pair_whose_engine_gave_up_...)
+@pytest.mark.slow
 def test_pdrt_up_serves_and_restarts_a_pair_together(tiny_model, tmp_path):
     port = free_port()
     base = free_port_block(3)

@@ -31,6 +31,7 @@ except ImportError as exc:
 from pd_harness import Proc, free_port  # noqa: E402  (tests/pd is on sys.path via conftest.py)
 
 pytestmark = pytest.mark.timeout(120)
+SHARED_STACK = True  # its traffic leaves the stack as it found it: the process's shared stack (tiny_stack.py)
 
 MAX_NEW = 8
 

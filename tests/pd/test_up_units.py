@@ -121,6 +121,7 @@ def test_every_restart_backs_off_exponentially_and_the_count_resets_after_a_heal
         stack.tick(t)
         delays.append(pp.not_before - t)
         assert not pp.ready and pp.phase == "backoff"
+        assert pp.prefill.code == -15  # the survivor stopped at once, not kept with stale transfer state
         stack.tick(t + delays[-1] - 0.01)
         assert pp.phase == "backoff"  # not before its time
         t += delays[-1]
@@ -184,3 +185,33 @@ def test_weights_default_to_auto_for_pdrt_up_and_fp32_for_serve():
     assert pinned[pinned.index("--weights") + 1] == "fp32"
     assert parser.parse_args(["serve", "--role", "decode"]).weights == "fp32"
     assert parser.parse_args(["serve", "--role", "decode", "--weights", "int4"]).weights == "int4"
+
+
+def test_pdrt_up_starts_its_router_with_the_worker_protocol_it_was_given(tmp_path, monkeypatch):
+    """`pdrt up --worker-protocol vllm`: the router it starts runs `pdrt serve --role router --worker-protocol vllm`
+    (that router's vLLM exchange with pdrt workers, live: test_worker_protocol_vllm.py's vllm_router tests)."""
+    import argparse
+
+    from pdruntime.server import commands
+
+    made: dict = {}
+
+    class Made(Exception):
+        pass
+
+    def capture(**kw):
+        made.update(kw)
+        raise Made
+
+    monkeypatch.setattr(supervisor, "LocalStack", capture)
+    parser = argparse.ArgumentParser()
+    commands.register(parser.add_subparsers(dest="command"))
+    with pytest.raises(Made):
+        commands.cmd_up(parser.parse_args(["up", "--worker-protocol", "vllm"]))
+    stack = LocalStack(**{**made, "log_dir": str(tmp_path)})
+    spawned: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(stack, "_spawn", lambda name, args: (spawned.append((name, args)) or FakeProc(), "id"))
+    stack._start_router()
+    (name, argv), = spawned
+    assert name == "router" and argv[:2] == ["--role", "router"]
+    assert argv[argv.index("--worker-protocol") + 1] == "vllm"

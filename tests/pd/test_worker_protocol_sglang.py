@@ -34,6 +34,7 @@ from pdruntime.server.router.protocol import DECODE_STREAM  # noqa: E402
 from pdruntime.util.sse import DONE, iter_sse  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
+SHARED_STACK = True  # its traffic leaves the stack as it found it: the process's shared stack (tiny_stack.py)
 
 CHAT = "/v1/chat/completions"
 UNIT_TOOL = {"type": "function", "function": {

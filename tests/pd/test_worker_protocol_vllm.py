@@ -180,6 +180,10 @@ def test_overload_is_a_429_with_retry_after_in_every_protocol(stack, tmp_path, p
             assert x["live"] == 0 and x["pool"]["free"] == x["pool"]["total"], x
 
 
+# slow tier: `pdrt up` handing --worker-protocol to its router is
+# test_up_units.py::test_pdrt_up_starts_its_router_with_the_worker_protocol_it_was_given, and that router's vLLM
+# exchange with pdrt workers is this module's vllm_router tests (test_chat_runs_the_kv_transfer_params_exchange_...)
+@pytest.mark.slow
 def test_pdrt_up_runs_its_router_in_the_vllm_protocol(tiny_model):
     """`pdrt up --worker-protocol vllm`: the local stack's router dispatches with vLLM's exchange to pdrt workers."""
     import subprocess

@@ -5,9 +5,15 @@ vocab 320, seed 0) is written once per session. The in-process engine tests load
 stack serves it (``stack``: router + one PD pair, ``pd_harness.start_stack``).
 
 Scopes: the checkpoint and the model loaded from it are read-only and session-scoped. The process stack is
-module-scoped: a module's tests set its hooks (slow steps, stalled or corrupt transfers, an advanced watchdog
-clock) and read its counters, so each module gets a stack only its own tests have touched, and three idle
-worker processes are not held through the other suites.
+module-scoped unless the module says ``SHARED_STACK = True``: a module that sets lasting state (an advanced watchdog
+clock, a topology of its own) or kills processes gets a stack only its own tests have touched. A module that sends
+traffic (and at most sets hooks it takes back: a slow step reset to 0, a stall or corruption its own request uses
+up) shares one stack per pytest process with the other such modules: three process start-ups (~5 CPU s, ~3 s on a
+quiet 2-core host, far more on a loaded one) instead of one per module. When a sharing module is done, the shared
+stack must be as it found it: no live request in any process, every KV page free, the breaker closed, nothing
+outstanding; else the module's teardown fails naming what it left, and the next module gets a fresh stack. Counters
+are shared too: a sharing module's test reads a counter as a difference across its own requests, never as an
+absolute value another module's traffic could have moved.
 
 pdstack modules are imported inside the fixtures: this module is imported by the root conftest before any test
 directory's, and ``tests/kernels/conftest.py`` must be the first to import Triton.
@@ -53,9 +59,56 @@ def make_engine(tiny: Any) -> Callable[..., Any]:
     return make
 
 
+class _SharedStack:
+    """The per-process stack of the ``SHARED_STACK`` modules, started on first use, replaced when a module left it
+    in a state the next one must not inherit."""
+
+    def __init__(self, model: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.model, self.tmp = model, tmp_path_factory
+        self.current: Stack | None = None
+
+    def get(self) -> Stack:
+        if self.current is None:
+            self.current = start_stack(str(self.tmp.mktemp("shared-stack")), self.model)
+        return self.current
+
+    def check_and_reset(self) -> None:
+        """After a module: hooks back to their defaults, then fail (and drop the stack) if anything is left."""
+        s = self.current
+        assert s is not None
+        try:
+            for proc in (s.prefill, s.decode):
+                s.hooks(proc, step_delay_s=0, stall_transfers=0, stall_prefill=0, corrupt_kv_chunk=0)
+            left = s.leftovers()
+        except BaseException:
+            self.discard()
+            raise
+        if left:
+            self.discard()
+            raise AssertionError(f"the module left the shared stack dirty (a fresh one replaces it): {left}")
+
+    def discard(self) -> None:
+        if self.current is not None:
+            self.current.stop()
+            self.current = None
+
+
+@pytest.fixture(scope="session")
+def _shared_stack(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[_SharedStack]:
+    shared = _SharedStack(tiny_model, tmp_path_factory)
+    yield shared
+    shared.discard()
+
+
 @pytest.fixture(scope="module")
-def stack(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """Router + one PD pair serving ``tiny_model`` on loopback, shared by one module's tests."""
+def stack(request: pytest.FixtureRequest, tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Router + one PD pair serving ``tiny_model`` on loopback: the module's own, or with ``SHARED_STACK = True`` in
+    the module the process's shared one (checked clean after the module)."""
+    if getattr(request.module, "SHARED_STACK", False):
+        shared: _SharedStack = request.getfixturevalue("_shared_stack")
+        yield shared.get()
+        shared.check_and_reset()
+        return
     s = start_stack(str(tmp_path_factory.mktemp("stack")), tiny_model)
     yield s
     s.stop()
