@@ -527,6 +527,31 @@ class Router:
             client = client_of(headers)
         self.count_rejection(client, status)
 
+    def health_response(self) -> JSONResponse:
+        """``/health``: 200 while a pair can take traffic, else 503 with when the next breaker trial opens."""
+        now = time.monotonic()
+        stale = self.stale_pairs()
+        ok = bool(self.picker.eligible(now, exclude=stale))
+        body = {"status": "ok" if ok else "no ready pair", "pairs": len(self.topology.pairs),
+                "stale_pairs": sorted(stale), "revision": self.topology.revision, "instance": self.instance_id}
+        at = None if ok else self.picker.reopens_at(now)
+        if at is not None:
+            body["next_trial_in_s"] = round(at - now, 3)
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    def render_metrics(self) -> bytes:
+        """``/metrics``: the gauges that are read rather than kept (live, oldest age, per-pair state), then all."""
+        self.metrics.live.labels("router").set(len(self.live))
+        self.metrics.set_oldest_age(self.oldest_by_stage())
+        stale = self.stale_pairs()
+        for p in self.topology.pairs:
+            self.metrics.pair_stale.labels(p.key).set(int(p.index in stale))
+        now = time.monotonic()
+        for st in self.picker.states.values():  # per-pair gauges read here, not written on every request
+            self.metrics.pair_outstanding.labels(st.pair.key).set(st.outstanding)
+            self.metrics.circuit_open.labels(st.pair.key).set(int(st.breaker.state(now) != "closed"))
+        return self.metrics.render()
+
     def build_app(self) -> FastAPI:
         app = lifespan_app("pdrt router", self.start, self.stop)
         app.add_middleware(BodyGuard, max_bytes=self.cfg.max_body_bytes, timeout_s=self.cfg.body_timeout_s,
@@ -580,28 +605,11 @@ class Router:
 
         @app.get("/health")
         async def health():
-            now = time.monotonic()
-            stale = self.stale_pairs()
-            ok = bool(self.picker.eligible(now, exclude=stale))
-            body = {"status": "ok" if ok else "no ready pair", "pairs": len(self.topology.pairs),
-                    "stale_pairs": sorted(stale), "revision": self.topology.revision, "instance": self.instance_id}
-            at = None if ok else self.picker.reopens_at(now)
-            if at is not None:
-                body["next_trial_in_s"] = round(at - now, 3)
-            return JSONResponse(body, status_code=200 if ok else 503)
+            return self.health_response()
 
         @app.get("/metrics")
         async def metrics():
-            self.metrics.live.labels("router").set(len(self.live))
-            self.metrics.set_oldest_age(self.oldest_by_stage())
-            stale = self.stale_pairs()
-            for p in self.topology.pairs:
-                self.metrics.pair_stale.labels(p.key).set(int(p.index in stale))
-            now = time.monotonic()
-            for st in self.picker.states.values():  # per-pair gauges read here, not written on every request
-                self.metrics.pair_outstanding.labels(st.pair.key).set(st.outstanding)
-                self.metrics.circuit_open.labels(st.pair.key).set(int(st.breaker.state(now) != "closed"))
-            return metrics_response(self.metrics.render())
+            return metrics_response(self.render_metrics())
 
         @app.get("/config")
         async def config(request: Request):
