@@ -20,6 +20,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from pd_harness import base_env, free_port, spawn, wait_for, wait_healthy  # noqa: E402
+from raw_http import read_request  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,11 +70,7 @@ class ScriptedWorker:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                line, *lines = head[:-4].decode().split("\r\n")
-                method, path, _ = line.split(" ")
-                headers = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines)}
-                body = await reader.readexactly(int(headers.get("content-length", 0)))
+                method, path, headers, body = await read_request(reader)
                 req = json.loads(body) if body else {}
                 if path == "/generate":
                     self.generates += 1

@@ -15,6 +15,7 @@ import pytest
 from pdruntime.util import h1
 from pdruntime.util.ports import free_port
 from pdruntime.util.sse import DONE, aiter_sse
+from raw_http import read_request
 
 
 CLOSE = object()  # in a reply list: close the connection there
@@ -35,11 +36,7 @@ class RawServer:
         self.open_now += 1
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                line, *lines = head[:-4].decode().split("\r\n")
-                method, path, _ = line.split(" ")
-                headers = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines)}
-                body = await reader.readexactly(int(headers.get("content-length", 0)))
+                method, path, headers, body = await read_request(reader)
                 self.requests.append((method, path, headers, body))
                 out = self.reply(method, path, headers, body)
                 if asyncio.iscoroutine(out):
