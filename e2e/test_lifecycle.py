@@ -68,10 +68,11 @@ def test_the_network_policy_admits_the_operators_reads_which_the_old_one_dropped
         (denied, *_) = eventually(lambda: seen(m, op, False), timeout=120, interval=1,
                                   what="the operator's reads dropped under the old policy")
         assert "ingress to" in denied[4] and "denied" in denied[4], denied
-        # concurrent chats: the router keeps its worker connections alive (util/h1.py), so only requests beyond
-        # its idle connections open new ones, which the CNI then judges under the old policy
-        with ThreadPoolExecutor(6) as pool:
-            replies = list(pool.map(lambda i: _chat(router_url, f"Through the old policy? ({i})"), range(6)))
+        # concurrent chats: the router keeps its worker connections alive (util/h1.py) for 30 s, so only requests
+        # beyond its idle connections open new ones, which the CNI then judges under the old policy; 16 at once is
+        # more than the module's earlier traffic leaves idle
+        with ThreadPoolExecutor(16) as pool:
+            replies = list(pool.map(lambda i: _chat(router_url, f"Through the old policy? ({i})"), range(16)))
         assert all(r["choices"][0]["message"]["content"].strip() for r in replies), replies
         assert seen(m, router, True) and not seen(m, router, False), "the router's own requests must pass"
     finally:

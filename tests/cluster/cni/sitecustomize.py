@@ -68,3 +68,10 @@ if os.environ.get("PDSTACK_CNI_URL"):
 
     socket.socket.connect = connect  # type: ignore[method-assign]
     asyncio.selector_events.BaseSelectorEventLoop.sock_connect = sock_connect  # type: ignore[method-assign]
+
+    # uvloop connects in libuv's C code, past both hooks above: a pod process on it (the router takes uvloop where
+    # installed) would reach every worker whatever the policy says. A real CNI judges the SYN in the kernel, for any
+    # loop; this one can only judge what Python connects, so its pods run asyncio's loop (uvloop unimportable).
+    import sys
+
+    sys.modules["uvloop"] = None  # type: ignore[assignment]
