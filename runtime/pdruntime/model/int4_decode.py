@@ -37,12 +37,11 @@ class _Weight(NamedTuple):
     n: int  # out features
     k: int  # in features
     fmt: int
-    act: int  # activation bits
 
     @classmethod
     def of(cls, ql: QuantLinear) -> "_Weight":
         return cls(ql.wq.data_ptr(), ql.d.data_ptr(), None if ql.m is None else ql.m.data_ptr(), ql.out_features,
-                   ql.in_features, ql.fmt, ql.act_bits)
+                   ql.in_features, ql.fmt)
 
 
 class _Layer(NamedTuple):
@@ -98,8 +97,8 @@ class Int4Decoder:
         def linear(w: _Weight, src: tuple[int, int], dst: tuple[int, int], pre: int = PRE_NONE,
                    norm: int | None = None, accumulate: bool = False) -> None:
             """dst (+)= W . pre(src); src, dst: (pointer, row stride in floats) of B rows."""
-            if lib.pdrt_quant_linear(src[0], bsz, src[1], w.k, pre, norm, eps, w.wq, w.d, w.m, w.n, w.fmt, w.act,
-                                     dst[0], dst[1], int(accumulate), threads) != 0:
+            if lib.pdrt_quant_linear(src[0], bsz, src[1], w.k, pre, norm, eps, w.wq, w.d, w.m, w.n, w.fmt, dst[0],
+                                     dst[1], int(accumulate), threads) != 0:
                 raise MemoryError(f"pdrt_quant_linear could not allocate its activation buffers ({bsz} rows)")
 
         native_attention = native_attention and supports(qkv[:, : hq * d].view(bsz, hq, d), k_cache[0])

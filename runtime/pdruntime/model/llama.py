@@ -297,13 +297,13 @@ class LlamaModel(nn.Module):
         self.weight_format = "int8-dynamic"
         self._decode_layers = None
 
-    def quantize_int4(self, threads: int | None = None, act_bits: int = 16) -> None:
+    def quantize_int4(self, threads: int | None = None) -> None:
         """Opt-in: 4-bit weights on the CPU, run by pdstack's native kernels (``pdruntime.kernels.cpu``).
 
         Every Linear layer becomes Q4_1 blocks and the output head Q8_0: the formats the embedded GGUF stores
         them in, so its own blocks come back. Decode (few rows) reads 5 bits a weight and quantises activations
-        per block of 32 to ``act_bits`` (16: fp32's next-token choices; 8: as llama.cpp does, cheaper and less
-        exact); prefill dequantises each weight for torch's matmul. The
+        per block of 32 to 16-bit integers (fp32's next-token choices); prefill dequantises each weight for
+        torch's matmul. The
         embedding lookup keeps its fp32 table. fp32 models on the CPU only; raises ValueError otherwise, and
         ``NativeUnavailable`` (saying why) where the kernels cannot be built."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
@@ -316,13 +316,12 @@ class LlamaModel(nn.Module):
 
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
-                setattr(layer, name, QuantLinear.from_weight(getattr(layer, name).weight, Q4_1, threads=threads,
-                                                             act_bits=act_bits))
-        self.lm_head = QuantLinear.from_weight(self.lm_head.weight, Q8_0, threads=threads, act_bits=act_bits)
+                setattr(layer, name, QuantLinear.from_weight(getattr(layer, name).weight, Q4_1, threads=threads))
+        self.lm_head = QuantLinear.from_weight(self.lm_head.weight, Q8_0, threads=threads)
         self.weight_format = "int4"
         self._decode_layers = self._int4_decoder = None
 
-    def load_gguf_int4(self, tensors, threads: int | None = None, act_bits: int = 16) -> None:
+    def load_gguf_int4(self, tensors, threads: int | None = None) -> None:
         """int4 straight from a GGUF file's own blocks, none dequantised and quantised again (the same blocks as
         :meth:`quantize_int4` gets back, at a fraction of the start-up cost). ``tensors``: the file's lazy
         mapping (``gguf_loader._LazyGGUF``): fp32 tensors by name for the norms and the embedding table, and
@@ -340,7 +339,7 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"{', '.join(names)} are stored as {', '.join(sorted(types))}; one layer needs one type")
             raws = [tensors.blocks(n) for n in names]
             ql = QuantLinear.from_gguf(types.pop(), raws[0] if len(raws) == 1 else np.concatenate(raws),
-                                       threads=threads, act_bits=act_bits)
+                                       threads=threads)
             if (ql.out_features, ql.in_features) != shape:
                 raise ValueError(f"{names[0]} holds {ql.out_features} x {ql.in_features} weights, expected {shape}")
             return ql

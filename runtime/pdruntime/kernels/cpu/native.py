@@ -98,8 +98,7 @@ def library_path() -> Path:
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "pdrt_simd_level": (_I32, []),
-    "pdrt_quant_linear": (_I32, [_P, _I64, _I64, _I64, _I32, _P, _F32, _P, _P, _P, _I64, _I32, _I32, _P, _I64, _I32,
-                                 _I32]),
+    "pdrt_quant_linear": (_I32, [_P, _I64, _I64, _I64, _I32, _P, _F32, _P, _P, _P, _I64, _I32, _P, _I64, _I32, _I32]),
     "pdrt_dequantize": (None, [_P, _P, _P, _I64, _I64, _I32, _P, _I32]),
     "pdrt_rope_store_kv": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P]),
     "pdrt_paged_attention": (_I32, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _I64, _P, _F32, _P, _I32,

@@ -4,25 +4,27 @@
  * ctypes with raw pointers: no Python object crosses this file. The OpenMP runtime is the one torch already
  * loaded (libgomp.so.1 by soname), so these kernels and torch's own ops share one thread pool.
  *
- * Quantised weights, W: [N, K] (out x in features), K a multiple of 32, in blocks of 32 along K. Blocks go in
- * pairs (2p, 2p + 1); an odd last block stands alone.
- *   Q4_1:  wq [N, K/2] u8, block j of row n = bytes 16j..16j+15: low nibble = element 32j+i, high nibble =
- *          element 32j+16+i (GGUF's own Q4_1 order); w = d * q + m, q in 0..15. A pair's 32 bytes hold, as
- *          low nibbles, elements 0..15 of both blocks and, as high nibbles, elements 16..31 of both.
- *   Q8_0:  wq [N, K] u8 holding q + 128 (q in -127..127, stored unsigned for vpdpbusd); w = d * q. A pair's 64
- *          bytes are [b0[0:16], b1[0:16], b0[16:32], b1[16:32]] (the same halves a Q4_1 pair's nibbles give);
- *          a lone last block is in element order.
- *   d, m:  [N, K/32] f16, as GGUF stores them (m unused by Q8_0)
- * Activations are quantised per 32-block of each row to 16-bit integers (x ~ dx * xq, dx = max|x| / 32767: the
- * default, within ~1e-5 of the block's largest value, so products keep fp32's next-token choices) or to int8
- * (dx = max|x| / 127, as llama.cpp's Q8_1 does: cheaper, and on SmolLM2 it changes 1 next-token choice in 18),
- * so one block's product is one integer dot (vpdpwssd or vpdpbusd):
- *   y[b, n] = sum_j d[n, j] * dx[b, j] * dot(q[n, j], x8[b, j]) + sum_j m'[n, j] * s[b, j]
- * Q4_1: m' = m and s = sum of the block's fp32 x (exact); Q8_0: m' = d and s = -128 * dx * sum(x8) (the +128
- * bias of the stored weights taken back out). xq is laid out in pairs like Q8_0's weights, and dx per pair as
- * [dx0 x L, dx1 x L] (L = 4 for int8, 8 for int16): one vpdpbusd (256-bit) or vpdpwssd (512-bit) over a pair's
- * low halves and one over its high halves leave block 2p's sum in lanes 0..L-1 and block 2p+1's in the next L,
- * scaled by one multiply.
+ * Quantised weights, W: [N, K] (out x in features), K a multiple of 32, in blocks of 32 along K; d, m: [N, K/32]
+ * f16, as GGUF stores them. Q4_1: w = d * q + m, q in 0..15 (4 bits); Q8_0: w = d * q, q in -127..127, stored
+ * as q + 128. Activations are quantised per block of 32 of each row to 16-bit integers (x ~ dx * xq, dx =
+ * max|x| / 32767: within ~1e-5 of the block's largest value, so products keep fp32's next-token choices), and
+ *   y[b, n] = sum_j d[n, j] * dx[b, j] * dot(q[n, j], xq[b, j]) + sum_j m'[n, j] * s[b, j]
+ * Q4_1: m' = m and s = sum of the block's fp32 x (exact); Q8_0: m' = d and s = -128 * dx * sum(xq) (the +128
+ * bias of the stored codes taken back out).
+ *
+ * Layout: a row's blocks go in groups of 16 (G = nb / 16 of them), then the R = nb % 16 blocks left in pairs and
+ * an odd last one alone. In a group, 512-bit vector v (0..15) of activations holds, in its 16-bit word 2k + s,
+ * element 2v + s of the group's block k: one vpdpwssd over vector v of the weights and of the activations adds
+ * two products of every block into that block's own int32 lane, so after 16 of them lane k holds block k's whole
+ * dot, and one convert and one fused multiply-add by [d x dx] of 16 blocks scale them all (the float work is a
+ * sixteenth of a per-block scale). The weights' bytes give those vectors directly:
+ *   Q4_1 group (256 bytes): chunk t (0..7) of 32 bytes holds vector 2t in its low nibbles and 2t + 1 in its high
+ *        ones; the blocks left are GGUF's own order (bytes 16j..16j+15: low nibble element i, high i + 16).
+ *   Q8_0 group (512 bytes): 32 bytes per vector v; a pair left is [b0[0:16], b1[0:16], b0[16:32], b1[16:32]], a
+ *        lone last block in element order.
+ * The activations left after the groups are laid out in pairs like Q8_0's (a pair's low halves, then its high
+ * halves), with their dx per pair as [dx0 x 8, dx1 x 8]; a group's dx are its 16 blocks' in order.
+ * kernels/cpu/quant.py packs the weights (and unpacks them for its tests) in this layout.
  *
  * Paged KV cache (the engine's layout): k, v: [num_pages, BLOCK, Hkv, D] f32; block_table [B, max_pages] i32;
  * query head h reads KV head h / (Hq / Hkv).
@@ -43,35 +45,54 @@
 #endif
 
 #define QK 32
+#define GB 16          /* blocks per group */
 typedef _Float16 f16;  /* storage only: converted to f32 on load (F16C) */
 #define NR 4           /* weight rows per micro-tile */
-#define MR 2           /* activation rows per micro-tile: NR * MR accumulators, the rest of the 32 registers hold
-                          NR decoded weight pairs and their scales */
+#define MR 2           /* activation rows per micro-tile */
 
 enum { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SWIGLU = 2 };
 enum { FMT_Q4_1 = 0, FMT_Q8_0 = 1 };
 
 int pdrt_simd_level(void) { return PDRT_VNNI ? 2 : 0; }  /* 2: AVX-512 VNNI, 0: portable C */
 
-/* Element offset of element i (0..31) of block j inside a row stored in pairs (xq, Q8_0 weights). */
+/* Element offset of element i (0..31) of block j among nb blocks stored in pairs (a lone last block in order). */
 static inline int64_t paired(int64_t nb, int64_t j, int i) {
-    if ((j | 1) >= nb) return j * QK + i;  /* a lone last block */
+    if ((j | 1) >= nb) return j * QK + i;
     return (j & ~1) * QK + (i >= 16) * 32 + (j & 1) * 16 + (i & 15);
+}
+
+/* Element offset of element i of block j in an activation row (and a Q8_0 weight row) of nb blocks. */
+static inline int64_t act_offset(int64_t nb, int64_t j, int i) {
+    const int64_t grouped = nb / GB * GB;
+    if (j < grouped) return (j / GB) * GB * QK + (i / 2) * 32 + (j % GB) * 2 + (i & 1);
+    return grouped * QK + paired(nb - grouped, j - grouped, i);
+}
+
+/* Byte offset and nibble (0 low, 1 high) of element i of block j in a Q4_1 weight row of nb blocks. */
+static inline int64_t q4_offset(int64_t nb, int64_t j, int i, int *high) {
+    const int64_t grouped = nb / GB * GB;
+    if (j < grouped) {
+        *high = (i / 2) & 1;
+        return (j / GB) * 256 + (i / 4) * 32 + (j % GB) * 2 + (i & 1);
+    }
+    *high = i >= 16;
+    return grouped * 16 + (j - grouped) * 16 + (i & 15);
+}
+
+/* Per activation row: dxe [dxe_len] = a group's 16 dx in order, then per pair left [dx0 x 8, dx1 x 8], then a lone
+ * block's dx. */
+static inline int64_t dxe_len(int64_t nb) {
+    const int64_t grouped = nb / GB * GB;
+    return grouped + 16 * ((nb - grouped) / 2) + 1;
 }
 
 /* ------------------------------------------------------------------ activations */
 
-/* Per activation row: xq [K] (paired int8 or int16), dxe [dxe_len] (per pair: dx0 x L, dx1 x L; then a lone
- * block's dx), s [nb]. */
-static inline int64_t lanes(int act) { return act == 16 ? 8 : 4; }
-static inline int64_t dxe_len(int64_t nb, int act) { return 2 * lanes(act) * (nb / 2) + 1; }
-
-/* One row of x (K floats) after its pre-op, quantised to act (8 or 16) bits (see above); tmp: K floats. */
-static void quantize_row(const float *x, int64_t K, int pre, const float *norm_w, float eps, int fmt, int act,
-                         void *xq, float *dxe, float *s, float *tmp) {
+/* One row of x (K floats) after its pre-op, quantised to 16-bit integers (see above); tmp: K floats. */
+static void quantize_row(const float *x, int64_t K, int pre, const float *norm_w, float eps, int fmt,
+                         int16_t *xq, float *dxe, float *s, float *tmp) {
     const float *src = x;
-    const int64_t nb = K / QK, L = lanes(act);
-    const float qmax = act == 16 ? 32767.0f : 127.0f;
+    const int64_t nb = K / QK, grouped = nb / GB * GB;
     if (pre == PRE_RMSNORM) {
         double ss = 0.0;
         for (int64_t i = 0; i < K; i++) ss += (double)x[i] * x[i];
@@ -93,18 +114,20 @@ static void quantize_row(const float *x, int64_t K, int pre, const float *norm_w
             amax = a > amax ? a : amax;
             sum += b[i];
         }
-        float d = amax / qmax, id = d > 0.0f ? 1.0f / d : 0.0f;
+        float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
         int64_t isum = 0;
         for (int i = 0; i < QK; i++) {
             int q = (int)lrintf(b[i] * id);
-            if (act == 16) ((int16_t *)xq)[paired(nb, j, i)] = (int16_t)q;
-            else ((int8_t *)xq)[paired(nb, j, i)] = (int8_t)q;
+            xq[act_offset(nb, j, i)] = (int16_t)q;
             isum += q;
         }
-        if ((j | 1) < nb) {
-            for (int64_t l = 0; l < L; l++) dxe[(j / 2) * 2 * L + (j & 1) * L + l] = d;
+        const int64_t jr = j - grouped, nr = nb - grouped;
+        if (j < grouped) {
+            dxe[j] = d;
+        } else if ((jr | 1) < nr) {
+            for (int l = 0; l < 8; l++) dxe[grouped + (jr / 2) * 16 + (jr & 1) * 8 + l] = d;
         } else {
-            dxe[2 * L * (nb / 2)] = d;
+            dxe[grouped + 16 * (nr / 2)] = d;
         }
         s[j] = fmt == FMT_Q4_1 ? sum : -128.0f * d * (float)isum;
     }
@@ -120,35 +143,7 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* The pair's two f16 scales of weight row w as [d0 x L, d1 x L] in the low 2L float lanes. */
-static inline __m128 pair_scales(const f16 *d) {
-    uint32_t two;
-    memcpy(&two, d, sizeof two);
-    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)two));
-}
-
-/* A pair of weight blocks as its low and high halves, one unsigned byte per element (see the header). */
-static inline void load_pair(const uint8_t *w, int fmt, __m256i *lo, __m256i *hi) {
-    if (fmt == FMT_Q4_1) {
-        const __m256i nib = _mm256_set1_epi8(0x0F);
-        __m256i v = _mm256_loadu_si256((const __m256i *)w);
-        *lo = _mm256_and_si256(v, nib);
-        *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-    } else {
-        *lo = _mm256_loadu_si256((const __m256i *)w);
-        *hi = _mm256_loadu_si256((const __m256i *)(w + 32));
-    }
-}
-
-/* A lone last block, one unsigned byte per element in element order. */
-static inline __m256i load_lone(const uint8_t *w, int fmt) {
-    if (fmt == FMT_Q8_0) return _mm256_loadu_si256((const __m256i *)w);
-    __m128i v = _mm_loadu_si128((const __m128i *)w);
-    return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1),
-                            _mm256_set1_epi8(0x0F));
-}
-
-/* The m' term of row n0 + c for activation row r (see the header), plus the lanes of acc. */
+/* The m' term of a row for one activation row (see the header), plus what the accumulators hold. */
 static inline float row_total(float lanes_sum, const f16 *mrow, const float *srow, int64_t nb) {
     __m256 t = _mm256_setzero_ps();
     int64_t j = 0;
@@ -159,129 +154,139 @@ static inline float row_total(float lanes_sum, const f16 *mrow, const float *sro
     return v;
 }
 
-/* y[r, n0 + c] (+)= row n0 + c of W times int8 activation row r, for c < nr (<= NR), r < mr (<= MR). */
-static inline __attribute__((always_inline)) void tile8(const uint8_t *wq, const f16 *d, const f16 *m,
-        int64_t K, int64_t n0, const int nr, const int8_t *x8, const float *dxe, const float *s, const int mr,
-        float *y, int64_t ldy, int accumulate, int fmt) {
-    const int64_t nb = K / QK, np = nb / 2, row_bytes = fmt == FMT_Q4_1 ? K / 2 : K, dxl = dxe_len(nb, 8);
-    const __m256i zero = _mm256_setzero_si256(), spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    __m256 acc[NR][MR];
-    for (int c = 0; c < nr; c++)
-        for (int r = 0; r < mr; r++) acc[c][r] = _mm256_setzero_ps();
-    for (int64_t p = 0; p < np; p++) {
-        __m256i lo[NR], hi[NR];
-        __m256 dv[NR];
-        for (int c = 0; c < nr; c++) {
-            load_pair(wq + (n0 + c) * row_bytes + p * (fmt == FMT_Q4_1 ? 32 : 64), fmt, &lo[c], &hi[c]);
-            dv[c] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair_scales(d + (n0 + c) * nb + 2 * p)), spread);
-        }
-        for (int r = 0; r < mr; r++) {
-            const int8_t *xr = x8 + r * K + p * 64;
-            __m256i xl = _mm256_loadu_si256((const __m256i *)xr), xh = _mm256_loadu_si256((const __m256i *)(xr + 32));
-            __m256 dxv = _mm256_loadu_ps(dxe + r * dxl + p * 8);
-            for (int c = 0; c < nr; c++) {
-                __m256i pi = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero, lo[c], xl), hi[c], xh);
-                acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pi), _mm256_mul_ps(dv[c], dxv), acc[c][r]);
-            }
-        }
+/* Weight vectors 2t and 2t + 1 of a group (see the header), one 16-bit word per element. */
+static inline void group_vectors(const uint8_t *g, int fmt, int t, __m512i *a, __m512i *b) {
+    if (fmt == FMT_Q4_1) {
+        const __m256i nib = _mm256_set1_epi8(0x0F);
+        __m256i v = _mm256_loadu_si256((const __m256i *)(g + t * 32));
+        *a = _mm512_cvtepu8_epi16(_mm256_and_si256(v, nib));
+        *b = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+    } else {
+        *a = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(g + 2 * t * 32)));
+        *b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(g + (2 * t + 1) * 32)));
     }
-    if (nb & 1) {
-        const int64_t j = nb - 1;
-        for (int c = 0; c < nr; c++) {
-            __m256i wv = load_lone(wq + (n0 + c) * row_bytes + j * (fmt == FMT_Q4_1 ? 16 : 32), fmt);
-            float dj = (float)d[(n0 + c) * nb + j];
-            for (int r = 0; r < mr; r++) {
-                __m256i pi = _mm256_dpbusd_epi32(zero, wv, _mm256_loadu_si256((const __m256i *)(x8 + r * K + j * QK)));
-                acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pi), _mm256_set1_ps(dj * dxe[r * dxl + 8 * np]), acc[c][r]);
-            }
-        }
-    }
-    const f16 *mm = fmt == FMT_Q4_1 ? m : d;
-    for (int c = 0; c < nr; c++)
-        for (int r = 0; r < mr; r++) {
-            float *out = y + r * ldy + n0 + c, v = row_total(hsum8(acc[c][r]), mm + (n0 + c) * nb, s + r * nb, nb);
-            *out = accumulate ? *out + v : v;
-        }
 }
 
-/* tile8 with int16 activations: weights widened to 16 bits, 512-bit vpdpwssd. */
-static inline __attribute__((always_inline)) void tile16(const uint8_t *wq, const f16 *d, const f16 *m,
-        int64_t K, int64_t n0, const int nr, const int16_t *x16, const float *dxe, const float *s, const int mr,
+/* A pair of blocks left after the groups, as its low and high halves widened to 16 bits. */
+static inline void pair_vectors(const uint8_t *w, int fmt, __m512i *lo, __m512i *hi) {
+    if (fmt == FMT_Q4_1) {
+        const __m256i nib = _mm256_set1_epi8(0x0F);
+        __m256i v = _mm256_loadu_si256((const __m256i *)w);
+        *lo = _mm512_cvtepu8_epi16(_mm256_and_si256(v, nib));
+        *hi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+    } else {
+        *lo = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)w));
+        *hi = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 32)));
+    }
+}
+
+/* A lone last block, element order, widened to 16 bits. */
+static inline __m512i lone_vector(const uint8_t *w, int fmt) {
+    if (fmt == FMT_Q8_0) return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)w));
+    __m128i v = _mm_loadu_si128((const __m128i *)w);
+    return _mm512_cvtepu8_epi16(_mm256_and_si256(
+        _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1), _mm256_set1_epi8(0x0F)));
+}
+
+/* y[r, n0 + c] (+)= row n0 + c of W times activation row r, for c < nr (<= NR), r < mr (<= MR). */
+static inline __attribute__((always_inline)) void tile(const uint8_t *wq, const f16 *d, const f16 *m,
+        int64_t K, int64_t n0, const int nr, const int16_t *xq, const float *dxe, const float *s, const int mr,
         float *y, int64_t ldy, int accumulate, int fmt) {
-    const int64_t nb = K / QK, np = nb / 2, row_bytes = fmt == FMT_Q4_1 ? K / 2 : K, dxl = dxe_len(nb, 16);
+    const int64_t nb = K / QK, ng = nb / GB, grouped = ng * GB, dxl = dxe_len(nb);
+    const int64_t row_bytes = fmt == FMT_Q4_1 ? K / 2 : K, group_bytes = fmt == FMT_Q4_1 ? 256 : 512;
     const __m512i zero = _mm512_setzero_si512();
-    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     __m512 acc[NR][MR];
     for (int c = 0; c < nr; c++)
         for (int r = 0; r < mr; r++) acc[c][r] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < np; p++) {
-        __m512i lo[NR], hi[NR];
-        __m512 dv[NR];
-        for (int c = 0; c < nr; c++) {
-            __m256i l8, h8;
-            load_pair(wq + (n0 + c) * row_bytes + p * (fmt == FMT_Q4_1 ? 32 : 64), fmt, &l8, &h8);
-            lo[c] = _mm512_cvtepu8_epi16(l8);
-            hi[c] = _mm512_cvtepu8_epi16(h8);
-            dv[c] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(pair_scales(d + (n0 + c) * nb + 2 * p)));
-        }
-        for (int r = 0; r < mr; r++) {
-            const int16_t *xr = x16 + r * K + p * 64;
-            __m512i xl = _mm512_loadu_si512(xr), xh = _mm512_loadu_si512(xr + 32);
-            __m512 dxv = _mm512_loadu_ps(dxe + r * dxl + p * 16);
+    for (int64_t g = 0; g < ng; g++) {  /* 16 blocks: 16 vpdpwssd per (row, activation row), one scaling */
+        __m512i dot[NR][MR];
+        for (int c = 0; c < nr; c++)
+            for (int r = 0; r < mr; r++) dot[c][r] = zero;
+        for (int t = 0; t < 8; t++) {
             for (int c = 0; c < nr; c++) {
-                __m512i pi = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(zero, lo[c], xl), hi[c], xh);
-                acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pi), _mm512_mul_ps(dv[c], dxv), acc[c][r]);
+                __m512i a, b;
+                group_vectors(wq + (n0 + c) * row_bytes + g * group_bytes, fmt, t, &a, &b);
+                for (int r = 0; r < mr; r++) {
+                    const int16_t *xv = xq + r * K + g * GB * QK + 2 * t * 32;
+                    dot[c][r] = _mm512_dpwssd_epi32(dot[c][r], a, _mm512_loadu_si512(xv));
+                    dot[c][r] = _mm512_dpwssd_epi32(dot[c][r], b, _mm512_loadu_si512(xv + 32));
+                }
+            }
+        }
+        for (int c = 0; c < nr; c++) {
+            __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + (n0 + c) * nb + g * GB)));
+            for (int r = 0; r < mr; r++)
+                acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c][r]),
+                                            _mm512_mul_ps(dw, _mm512_loadu_ps(dxe + r * dxl + g * GB)), acc[c][r]);
+        }
+    }
+    const int64_t nrem = nb - grouped, np = nrem / 2;
+    const uint8_t *rem = wq + grouped * (fmt == FMT_Q4_1 ? 16 : 32);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int64_t p = 0; p < np; p++) {  /* pairs left: one scaling per pair */
+        for (int c = 0; c < nr; c++) {
+            __m512i lo, hi;
+            pair_vectors(rem + (n0 + c) * row_bytes + p * (fmt == FMT_Q4_1 ? 32 : 64), fmt, &lo, &hi);
+            uint32_t two;  /* the pair's two f16 scales -> [d0 x 8, d1 x 8] */
+            memcpy(&two, d + (n0 + c) * nb + grouped + 2 * p, sizeof two);
+            __m512 dv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)two))));
+            for (int r = 0; r < mr; r++) {
+                const int16_t *xr = xq + r * K + grouped * QK + p * 64;
+                __m512i pi = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(zero, lo, _mm512_loadu_si512(xr)), hi,
+                                                 _mm512_loadu_si512(xr + 32));
+                acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pi),
+                                            _mm512_mul_ps(dv, _mm512_loadu_ps(dxe + r * dxl + grouped + p * 16)), acc[c][r]);
             }
         }
     }
-    if (nb & 1) {
+    if (nrem & 1) {  /* a lone last block */
         const int64_t j = nb - 1;
         for (int c = 0; c < nr; c++) {
-            __m512i wv = _mm512_cvtepu8_epi16(load_lone(wq + (n0 + c) * row_bytes + j * (fmt == FMT_Q4_1 ? 16 : 32), fmt));
+            __m512i wv = lone_vector(rem + (n0 + c) * row_bytes + (nrem - 1) * (fmt == FMT_Q4_1 ? 16 : 32), fmt);
             float dj = (float)d[(n0 + c) * nb + j];
             for (int r = 0; r < mr; r++) {
-                __m512i pi = _mm512_dpwssd_epi32(zero, wv, _mm512_loadu_si512(x16 + r * K + j * QK));
-                acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pi), _mm512_set1_ps(dj * dxe[r * dxl + 16 * np]), acc[c][r]);
+                __m512i pi = _mm512_dpwssd_epi32(zero, wv, _mm512_loadu_si512(xq + r * K + j * QK));
+                acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pi), _mm512_set1_ps(dj * dxe[r * dxl + grouped + 16 * np]),
+                                            acc[c][r]);
             }
         }
     }
     const f16 *mm = fmt == FMT_Q4_1 ? m : d;
     for (int c = 0; c < nr; c++)
         for (int r = 0; r < mr; r++) {
-            float *out = y + r * ldy + n0 + c, v = row_total(_mm512_reduce_add_ps(acc[c][r]), mm + (n0 + c) * nb, s + r * nb, nb);
+            float *out = y + r * ldy + n0 + c;
+            float v = row_total(_mm512_reduce_add_ps(acc[c][r]), mm + (n0 + c) * nb, s + r * nb, nb);
             *out = accumulate ? *out + v : v;
         }
 }
-
-#define TILE(ACT, NRV, MRV) (ACT == 16 ? tile16(wq, d, m, K, n, NRV, (const int16_t *)xr, dxr, sr, MRV, yr, ldy, accumulate, fmt) \
-                                       : tile8(wq, d, m, K, n, NRV, (const int8_t *)xr, dxr, sr, MRV, yr, ldy, accumulate, fmt))
 #else
-/* Block j of weight row w (Q4_1 nibbles, or Q8_0 paired) dotted with block j of xq (paired, act bits). */
-static inline int64_t block_dot(const uint8_t *row, const void *xq, int act, int64_t nb, int64_t j, int fmt) {
-    int64_t acc = 0;
-    for (int i = 0; i < QK; i++) {
-        int w = fmt == FMT_Q8_0 ? row[paired(nb, j, i)]
-                                : (i < 16 ? row[j * 16 + i] & 15 : row[j * 16 + i - 16] >> 4);
-        int64_t xi = act == 16 ? ((const int16_t *)xq)[paired(nb, j, i)] : ((const int8_t *)xq)[paired(nb, j, i)];
-        acc += w * xi;
-    }
-    return acc;
+/* Weight code (0..15 for Q4_1, 0..255 for Q8_0) of element i of block j in a row. */
+static inline int weight_code(const uint8_t *row, int64_t nb, int64_t j, int i, int fmt) {
+    if (fmt == FMT_Q8_0) return row[act_offset(nb, j, i)];
+    int high;
+    uint8_t byte = row[q4_offset(nb, j, i, &high)];
+    return high ? byte >> 4 : byte & 15;
 }
 
-static inline void tile_portable(const uint8_t *wq, const f16 *d, const f16 *m, int64_t K, int64_t n0, const int nr,
-        const void *xq, int act, const float *dxe, const float *s, const int mr, float *y, int64_t ldy, int accumulate,
+static inline float block_dx(const float *dxe, int64_t nb, int64_t j) {
+    const int64_t grouped = nb / GB * GB, jr = j - grouped, nr = nb - grouped;
+    if (j < grouped) return dxe[j];
+    return (jr | 1) < nr ? dxe[grouped + (jr / 2) * 16 + (jr & 1) * 8] : dxe[grouped + 16 * (nr / 2)];
+}
+
+static inline void tile(const uint8_t *wq, const f16 *d, const f16 *m, int64_t K, int64_t n0, const int nr,
+        const int16_t *xq, const float *dxe, const float *s, const int mr, float *y, int64_t ldy, int accumulate,
         int fmt) {
-    const int64_t nb = K / QK, row_bytes = fmt == FMT_Q4_1 ? K / 2 : K, dxl = dxe_len(nb, act), L = lanes(act);
+    const int64_t nb = K / QK, row_bytes = fmt == FMT_Q4_1 ? K / 2 : K, dxl = dxe_len(nb);
     const f16 *mm = fmt == FMT_Q4_1 ? m : d;
-    const size_t esz = act == 16 ? 2 : 1;
     for (int c = 0; c < nr; c++) {
         const uint8_t *row = wq + (n0 + c) * row_bytes;
         for (int r = 0; r < mr; r++) {
             float v = 0.0f;
             for (int64_t j = 0; j < nb; j++) {
-                float dx = (j | 1) < nb ? dxe[r * dxl + (j / 2) * 2 * L + (j & 1) * L] : dxe[r * dxl + 2 * L * (nb / 2)];
-                v += (float)d[(n0 + c) * nb + j] * dx
-                         * (float)block_dot(row, (const char *)xq + r * K * esz, act, nb, j, fmt)
+                int64_t dot = 0;
+                for (int i = 0; i < QK; i++) dot += (int64_t)weight_code(row, nb, j, i, fmt) * xq[r * K + act_offset(nb, j, i)];
+                v += (float)d[(n0 + c) * nb + j] * block_dx(dxe + r * dxl, nb, j) * (float)dot
                      + (float)mm[(n0 + c) * nb + j] * s[r * nb + j];
             }
             float *out = y + r * ldy + n0 + c;
@@ -289,21 +294,19 @@ static inline void tile_portable(const uint8_t *wq, const f16 *d, const f16 *m, 
         }
     }
 }
-
-#define TILE(ACT, NRV, MRV) tile_portable(wq, d, m, K, n, NRV, xr, ACT, dxr, sr, MRV, yr, ldy, accumulate, fmt)
 #endif
 
-/* Rows [n_lo, n_hi) of y for activation rows [r0, r0 + mr) of xq (act bits). */
+/* Rows [n_lo, n_hi) of y for activation rows [r0, r0 + mr). */
 static void rows_range(const uint8_t *wq, const f16 *d, const f16 *m, int64_t K, int64_t n_lo, int64_t n_hi,
-                       const void *xq, int act, const float *dxe, const float *s, int64_t r0, int mr, float *y,
+                       const int16_t *xq, const float *dxe, const float *s, int64_t r0, int mr, float *y,
                        int64_t ldy, int accumulate, int fmt) {
     const int64_t nb = K / QK;
-    const void *xr = (const char *)xq + r0 * K * (act == 16 ? 2 : 1);
-    const float *dxr = dxe + r0 * dxe_len(nb, act), *sr = s + r0 * nb;
+    const int16_t *xr = xq + r0 * K;
+    const float *dxr = dxe + r0 * dxe_len(nb), *sr = s + r0 * nb;
     float *yr = y + r0 * ldy;
     int64_t n = n_lo;
-#define PDRT_TILES(NRV) if (act == 16) { if (mr == 1) TILE(16, NRV, 1); else TILE(16, NRV, 2); } \
-                        else { if (mr == 1) TILE(8, NRV, 1); else TILE(8, NRV, 2); }
+#define PDRT_TILES(NRV) if (mr == 1) tile(wq, d, m, K, n, NRV, xr, dxr, sr, 1, yr, ldy, accumulate, fmt); \
+                        else tile(wq, d, m, K, n, NRV, xr, dxr, sr, 2, yr, ldy, accumulate, fmt);
     const int64_t row_bytes = fmt == FMT_Q4_1 ? K / 2 : K, ahead = 2 * NR;
     for (; n + NR <= n_hi; n += NR) {
         /* Weight rows are read once per call, straight from DRAM: fetch the tile two tiles ahead (its quants and
@@ -323,22 +326,21 @@ static void rows_range(const uint8_t *wq, const f16 *d, const f16 *m, int64_t K,
 #undef PDRT_TILES
 }
 
-/* y[M, N] (+)= pre(x)[M, K] @ W^T for a Q4_1 or Q8_0 W (see the header), activations quantised to act (8 or 16)
- * bits. x rows are ldx floats apart (for PRE_SWIGLU a row holds [gate K | up K]); y rows ldy apart. pre:
- * PRE_NONE | PRE_RMSNORM (norm_w [K], eps) | PRE_SWIGLU. accumulate: add into y (the residual) instead of
- * overwriting it. Returns 0, or -1 when out of memory (nothing written). */
+/* y[M, N] (+)= pre(x)[M, K] @ W^T for a Q4_1 or Q8_0 W (see the header). x rows are ldx floats apart (for
+ * PRE_SWIGLU a row holds [gate K | up K]); y rows ldy apart. pre: PRE_NONE | PRE_RMSNORM (norm_w [K], eps) |
+ * PRE_SWIGLU. accumulate: add into y (the residual) instead of overwriting it. Returns 0, or -1 when out of
+ * memory (nothing written). */
 int pdrt_quant_linear(const float *x, int64_t M, int64_t ldx, int64_t K, int pre, const float *norm_w, float eps,
-                      const uint8_t *wq, const f16 *d, const f16 *m, int64_t N, int fmt, int act,
+                      const uint8_t *wq, const f16 *d, const f16 *m, int64_t N, int fmt,
                       float *y, int64_t ldy, int accumulate, int nthreads) {
-    const int64_t nb = K / QK, dxl = dxe_len(nb, act), esz = act == 16 ? 2 : 1;
-    char *xq = malloc((size_t)(M * K * esz));
+    const int64_t nb = K / QK, dxl = dxe_len(nb);
+    int16_t *xq = malloc(sizeof(int16_t) * (size_t)(M * K));
     float *dxe = malloc(sizeof(float) * (size_t)(M * (dxl + nb + K)));
     if (!xq || !dxe) { free(xq); free(dxe); return -1; }
     float *s = dxe + M * dxl, *tmp = s + M * nb;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
     for (int64_t r = 0; r < M; r++)
-        quantize_row(x + r * ldx, K, pre, norm_w, eps, fmt, act, xq + r * K * esz, dxe + r * dxl, s + r * nb,
-                     tmp + r * K);
+        quantize_row(x + r * ldx, K, pre, norm_w, eps, fmt, xq + r * K, dxe + r * dxl, s + r * nb, tmp + r * K);
     /* Split N into chunks of whole tiles; each chunk runs every activation tile over its weight rows, so a
      * chunk's weights are read from memory once and stay in cache across the activation tiles. */
     const int64_t chunk = NR * 8, nchunks = (N + chunk - 1) / chunk;
@@ -346,8 +348,8 @@ int pdrt_quant_linear(const float *x, int64_t M, int64_t ldx, int64_t K, int pre
     for (int64_t c = 0; c < nchunks; c++) {
         int64_t lo = c * chunk, hi = lo + chunk < N ? lo + chunk : N;
         for (int64_t r0 = 0; r0 < M; r0 += MR)
-            rows_range(wq, d, m, K, lo, hi, xq, act, dxe, s, r0, (int)(M - r0 < MR ? M - r0 : MR), y, ldy,
-                       accumulate, fmt);
+            rows_range(wq, d, m, K, lo, hi, xq, dxe, s, r0, (int)(M - r0 < MR ? M - r0 : MR), y, ldy, accumulate,
+                       fmt);
     }
     free(xq);
     free(dxe);
@@ -364,13 +366,14 @@ void pdrt_dequantize(const uint8_t *wq, const f16 *d, const f16 *m, int64_t N, i
             float dd = (float)d[n * nb + j], *o = out + n * K + j * QK;
             if (fmt == FMT_Q8_0) {
                 const uint8_t *q = wq + n * K;
-                for (int i = 0; i < QK; i++) o[i] = dd * (float)((int)q[paired(nb, j, i)] - 128);
+                for (int i = 0; i < QK; i++) o[i] = dd * (float)((int)q[act_offset(nb, j, i)] - 128);
             } else {
-                const uint8_t *q = wq + n * (K / 2) + j * (QK / 2);
+                const uint8_t *q = wq + n * (K / 2);
                 float mm = (float)m[n * nb + j];
-                for (int i = 0; i < QK / 2; i++) {
-                    o[i] = dd * (float)(q[i] & 15) + mm;
-                    o[i + QK / 2] = dd * (float)(q[i] >> 4) + mm;
+                for (int i = 0; i < QK; i++) {
+                    int high;
+                    uint8_t byte = q[q4_offset(nb, j, i, &high)];
+                    o[i] = dd * (float)(high ? byte >> 4 : byte & 15) + mm;
                 }
             }
         }

@@ -6,11 +6,14 @@ same rule (min/max over each block of 32; max|w| / 127) gives back the file's ow
 the file: 20 bytes per 32 weights for Q4_1, 34 for Q8_0.
 
 Few activation rows (decode: one per sequence) run the native kernel, which reads 5 (or 8.5) bits a weight
-instead of 32 and quantises the activations per block of 32 to 16-bit integers (``act_bits=16``, the default: the
-next-token choices stay fp32's) or to int8 as llama.cpp does (``act_bits=8``: cheaper, and on SmolLM2 it changes
-one next-token choice in 18, docs/benchmarks.md). Many rows (prefill
+instead of 32 and quantises the activations per block of 32 to 16-bit integers, so the next-token choices stay
+fp32's (int8 activations, as llama.cpp's, changed one in 18 on SmolLM2: docs/benchmarks.md). Many rows (prefill
 chunks) dequantise the weight into a reused fp32 buffer and take torch's BLAS matmul: that is compute-bound,
 and it keeps prefill's numerics those of the fp32 model.
+
+The kernel reads its weights in its own layout (groups of 16 blocks whose bytes give 16 blocks' elements per
+vector, then the blocks left in pairs; ``pdrt_cpu.c``'s header): :func:`pack` writes it from each block's codes,
+:func:`unpack` reads it back.
 """
 
 from __future__ import annotations
@@ -32,8 +35,11 @@ PRE_NONE, PRE_RMSNORM, PRE_SWIGLU = 0, 1, 2  # pdrt_cpu.c's pre-ops
 KERNEL_MAX_ROWS = 32
 
 
+GB = 16  # blocks per group of the kernel's layout
+
+
 def quantize_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w: [N, K] float, K % 32 == 0 -> (wq [N, K/2] uint8, d [N, K/32] f16, m [N, K/32] f16), w ~ d * q + m.
+    """w: [N, K] float, K % 32 == 0 -> (codes [N, K/32, 32] uint8 in 0..15, d, m [N, K/32] f16), w ~ d * q + m.
 
     q is computed against the fp16-rounded m and d, so d * q + m is the block's best fit in what is stored."""
     n, k = w.shape
@@ -43,29 +49,70 @@ def quantize_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     d = ((hi - m.float()) / 15.0).half()
     df = d.float()
     inv = torch.where(df > 0, 1.0 / df, torch.zeros_like(df))
-    q = ((blocks - m.float()[..., None]) * inv[..., None]).round_().clamp_(0, 15).to(torch.uint8)  # [N, K/32, 32]
-    packed = q[..., : QK // 2] | (q[..., QK // 2:] << 4)  # GGUF order: low nibble i, high nibble i + 16
-    return packed.reshape(n, k // 2).contiguous(), d.contiguous(), m.contiguous()
+    q = ((blocks - m.float()[..., None]) * inv[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+    return q, d.contiguous(), m.contiguous()
 
 
 def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w: [N, K] float, K % 32 == 0 -> (wq [N, K] uint8 = q + 128, d [N, K/32] f16), w ~ d * q."""
+    """w: [N, K] float, K % 32 == 0 -> (codes [N, K/32, 32] uint8 = q + 128, d [N, K/32] f16), w ~ d * q."""
     n, k = w.shape
     blocks = w.detach().float().reshape(n, k // QK, QK)
     d = (blocks.abs().amax(dim=-1) / 127.0).half()
     df = d.float()
     inv = torch.where(df > 0, 1.0 / df, torch.zeros_like(df))
-    q = ((blocks * inv[..., None]).round_().clamp_(-127, 127).to(torch.int16) + 128).to(torch.uint8)  # [N, nb, 32]
-    return _pair_blocks(q).reshape(n, k).contiguous(), d.contiguous()
+    q = ((blocks * inv[..., None]).round_().clamp_(-127, 127).to(torch.int16) + 128).to(torch.uint8)
+    return q, d.contiguous()
+
+
+def pack(codes: torch.Tensor, fmt: int) -> torch.Tensor:
+    """codes [N, nb, 32] uint8 (Q4_1: 0..15; Q8_0: q + 128) -> wq [N, nb * 16 or nb * 32] in the kernel's layout."""
+    n, nb, _ = codes.shape
+    grouped = nb // GB * GB
+    head = codes[:, :grouped].reshape(n, nb // GB, GB, QK // 2, 2)  # [N, group, block k, vector v, s]
+    head = head.permute(0, 1, 3, 2, 4)  # vector v's words: (block k, s) -> element 2v + s of block k
+    rest = codes[:, grouped:]
+    if fmt == Q4_1:  # chunk t: vector 2t in the low nibbles, 2t + 1 in the high ones
+        head = head.reshape(n, nb // GB, QK // 4, 2, GB * 2)
+        head = head[:, :, :, 0] | (head[:, :, :, 1] << 4)
+        rest = rest[..., : QK // 2] | (rest[..., QK // 2:] << 4)  # GGUF's order: low nibble i, high nibble i + 16
+    else:
+        rest = _pair_blocks(rest)
+    return torch.cat([head.reshape(n, -1), rest.reshape(n, -1)], dim=1).contiguous()
+
+
+def unpack(wq: torch.Tensor, fmt: int) -> torch.Tensor:
+    """The inverse of :func:`pack`: wq -> codes [N, nb, 32] uint8."""
+    n = wq.shape[0]
+    nb = wq.shape[1] * (2 if fmt == Q4_1 else 1) // QK
+    grouped = nb // GB * GB
+    split = grouped * (QK // 2 if fmt == Q4_1 else QK)
+    head, rest = wq[:, :split], wq[:, split:]
+    if fmt == Q4_1:
+        head = head.reshape(n, nb // GB, QK // 4, 1, GB * 2)
+        head = torch.cat([head & 15, head >> 4], dim=3)  # [N, group, t, nibble, 32]
+        rest = rest.reshape(n, nb - grouped, QK // 2)
+        rest = torch.cat([rest & 15, rest >> 4], dim=2)
+    else:
+        rest = _unpair_blocks(rest.reshape(n, -1), nb - grouped)
+    head = head.reshape(n, nb // GB, QK // 2, GB, 2).permute(0, 1, 3, 2, 4).reshape(n, grouped, QK)
+    return torch.cat([head, rest.reshape(n, nb - grouped, QK)], dim=1)
 
 
 def _pair_blocks(q: torch.Tensor) -> torch.Tensor:
-    """q: [N, nb, 32] -> the same bytes with each pair of blocks (2p, 2p + 1) as [b0[:16], b1[:16], b0[16:],
-    b1[16:]] (pdrt_cpu.c's paired layout); a lone last block stays in element order."""
+    """q: [N, nb, 32] -> each pair of blocks (2p, 2p + 1) as [b0[:16], b1[:16], b0[16:], b1[16:]]; a lone last block
+    stays in element order. -> [N, nb * 32]."""
     n, nb, _ = q.shape
     pairs = nb // 2 * 2
     head = q[:, :pairs].reshape(n, pairs // 2, 2, 2, QK // 2).transpose(2, 3).reshape(n, pairs * QK)
     return torch.cat([head, q[:, pairs:].reshape(n, -1)], dim=1)
+
+
+def _unpair_blocks(b: torch.Tensor, nb: int) -> torch.Tensor:
+    """The inverse of :func:`_pair_blocks`: [N, nb * 32] -> [N, nb, 32]."""
+    n = b.shape[0]
+    pairs = nb // 2 * 2
+    head = b[:, : pairs * QK].reshape(n, pairs // 2, 2, 2, QK // 2).transpose(2, 3).reshape(n, pairs, QK)
+    return torch.cat([head, b[:, pairs * QK:].reshape(n, nb - pairs, QK)], dim=1)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -92,57 +139,49 @@ class QuantLinear(nn.Module):
 
     Built from a float weight (:meth:`from_weight`) or straight from a GGUF file's blocks (:meth:`from_gguf`)."""
 
-    def __init__(self, wq: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, fmt: int, *,
-                 threads: int | None = None, act_bits: int = 16) -> None:
-        """wq, d, m as pdrt_cpu.c lays them out (wq [N, K/2] or [N, K] uint8, d and m [N, K/32] f16)."""
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, fmt: int, *,
+                 threads: int | None = None) -> None:
+        """codes [N, K/32, 32] uint8 (Q4_1: 0..15; Q8_0: q + 128), d and m [N, K/32] f16 (m: Q4_1 only)."""
         super().__init__()
-        if act_bits not in (8, 16):
-            raise ValueError(f"act_bits={act_bits} is not accepted; accepted: 8, 16")
         if fmt not in (Q4_1, Q8_0):
             raise ValueError(f"format {fmt} is not accepted; accepted: Q4_1 ({Q4_1}), Q8_0 ({Q8_0})")
-        out_features, blocks = d.shape
-        in_features = blocks * QK
-        assert wq.dtype == torch.uint8 and d.dtype == torch.float16 and (m is None) == (fmt == Q8_0)
-        assert wq.shape == (out_features, in_features // 2 if fmt == Q4_1 else in_features)
-        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
-        self.act_bits, self.threads = act_bits, threads
-        self.register_buffer("wq", wq.contiguous())
+        out_features, blocks, _ = codes.shape
+        assert codes.dtype == torch.uint8 and d.shape == (out_features, blocks) and d.dtype == torch.float16
+        assert (m is None) == (fmt == Q8_0)
+        self.in_features, self.out_features, self.fmt, self.threads = blocks * QK, out_features, fmt, threads
+        self.register_buffer("wq", pack(codes, fmt))
         self.register_buffer("d", d.contiguous())
         self.register_buffer("m", None if m is None else m.contiguous())
         self._lib = native()
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, fmt: int, *, threads: int | None = None,
-                    act_bits: int = 16) -> "QuantLinear":
+    def from_weight(cls, weight: torch.Tensor, fmt: int, *, threads: int | None = None) -> "QuantLinear":
         """A float weight [N, K] (K divisible by 32, on the CPU) quantised to ``fmt``."""
         if weight.shape[1] % QK:
             raise ValueError(f"a quantised Linear needs in_features divisible by {QK}, got {weight.shape[1]}")
         if weight.device.type != "cpu":
             raise ValueError(f"quantised Linear layers run on the CPU, got a weight on {weight.device}")
         if fmt == Q4_1:
-            wq, d, m = quantize_q4_1(weight)
+            codes, d, m = quantize_q4_1(weight)
         elif fmt == Q8_0:
-            (wq, d), m = quantize_q8_0(weight), None
+            (codes, d), m = quantize_q8_0(weight), None
         else:
             raise ValueError(f"format {fmt} is not accepted; accepted: Q4_1 ({Q4_1}), Q8_0 ({Q8_0})")
-        return cls(wq, d, m, fmt, threads=threads, act_bits=act_bits)
+        return cls(codes, d, m, fmt, threads=threads)
 
     @classmethod
-    def from_gguf(cls, type_name: str, raw: np.ndarray, *, threads: int | None = None,
-                  act_bits: int = 16) -> "QuantLinear":
+    def from_gguf(cls, type_name: str, raw: np.ndarray, *, threads: int | None = None) -> "QuantLinear":
         """A GGUF tensor's own blocks, raw: [N, K/32, block bytes] uint8 (rows in the layout torch wants):
         Q4_1 (f16 d, f16 m, 16 bytes of nibbles) or Q8_0 (f16 d, 32 int8), read without dequantising."""
         raw = np.ascontiguousarray(raw)
-        n, nb, _ = raw.shape
         d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0])
         if type_name == "Q4_1":
             m = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0])
-            wq = torch.from_numpy(raw[..., 4:].copy()).reshape(n, nb * QK // 2)
-            return cls(wq, d, m, Q4_1, threads=threads, act_bits=act_bits)
+            nibbles = torch.from_numpy(raw[..., 4:].copy())  # GGUF's order: low nibble i, high nibble i + 16
+            return cls(torch.cat([nibbles & 15, nibbles >> 4], dim=-1), d, m, Q4_1, threads=threads)
         if type_name == "Q8_0":
-            q = torch.from_numpy(raw[..., 2:].copy().view(np.int8)).to(torch.int16) + 128  # [N, nb, 32]
-            return cls(_pair_blocks(q.to(torch.uint8)).reshape(n, nb * QK), d, None, Q8_0, threads=threads,
-                       act_bits=act_bits)
+            q = torch.from_numpy(raw[..., 2:].copy().view(np.int8)).to(torch.int16) + 128
+            return cls(q.to(torch.uint8), d, None, Q8_0, threads=threads)
         raise ValueError(f"GGUF type {type_name} is not a block format of pdstack's kernels; accepted: Q4_1, Q8_0")
 
     @property
@@ -177,8 +216,7 @@ class QuantLinear(nn.Module):
         assert out.shape == (rows, self.out_features) and out.stride(-1) == 1
         rc = self._lib.pdrt_quant_linear(x.data_ptr(), rows, x.stride(0), self.in_features, pre, _ptr(norm), eps,
                                          self.wq.data_ptr(), self.d.data_ptr(), _ptr(self.m), self.out_features,
-                                         self.fmt, self.act_bits, out.data_ptr(), out.stride(0), int(accumulate),
-                                         self._nthreads())
+                                         self.fmt, out.data_ptr(), out.stride(0), int(accumulate), self._nthreads())
         if rc != 0:
             raise MemoryError(f"pdrt_quant_linear could not allocate its activation buffers ({rows} x "
                               f"{self.in_features})")
@@ -196,5 +234,4 @@ class QuantLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format_name}, "
-                f"act_bits={self.act_bits}")
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format_name}"
