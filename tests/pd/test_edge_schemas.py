@@ -51,6 +51,20 @@ def test_parse_body_rejects_what_is_not_a_json_object_of_unicode_text(raw, statu
     assert (e.value.status, e.value.code) == (status, code) and "accepted:" in e.value.message
 
 
+@pytest.mark.parametrize("raw", [
+    b'{"model": "m", "prompt": "Say hi", "max_tokens": 1, "temperature": 0}',
+    b'{"seed": 123456789012345678901234567890, "x": -0, "y": 1.5e300, "z": [1, {"a": null}]}',  # ints past 64 bits
+    b'{"a": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b"}",  # as deep as accepted
+    b'{"prompt": "brackets in text: [[[[{{{{", "k": "\\u00e9 \\ud83d\\ude00", "dup": 1, "dup": 2}',
+    b'{"top_p": 1e400}',  # the stdlib reads inf (the model then rejects it); orjson refuses it
+])
+def test_parse_body_gives_the_stdlib_parsers_value_whichever_parser_reads_it(raw):
+    """parse_body reads most bodies with orjson, and falls back to the stdlib's parser (which also words the
+    errors): the value is the same either way, a 30-digit integer stays an exact int."""
+    got = parse_body(raw)
+    assert got == json.loads(raw) and [type(v) for v in got.values()] == [type(v) for v in json.loads(raw).values()]
+
+
 def test_proper_surrogate_pairs_and_astral_text_pass():
     assert parse_body(b'{"prompt": "\\ud83d\\ude00 ok"}')["prompt"] == "\U0001f600 ok"
 

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdruntime.server.openai.schemas import ApiError, error_body
 from pdruntime.util.aio import within
+from pdruntime.util.sse import SSE_DONE
 
 log = logging.getLogger("pdruntime.server")
 
@@ -120,6 +121,22 @@ class GuardedStream(StreamingResponse):
             self._completed = True
 
         super().__init__(body(), media_type="text/event-stream", **kw)
+
+    async def stream_response(self, send: Callable) -> None:
+        """Starlette's, except that the chunk ending the SSE stream (``data: [DONE]``) is sent as the body's end:
+        the last event and the chunked terminator go out in one write, one segment and one wake-up for the reader
+        (the router's decode leg), where Starlette sends the terminator as a write of its own."""
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        ended = False
+        async for chunk in self.body_iterator:
+            if ended:
+                continue  # nothing follows [DONE]; the iterator still runs to its end (completion is recorded there)
+            if not isinstance(chunk, (bytes, memoryview)):
+                chunk = chunk.encode(self.charset)
+            ended = chunk.endswith(SSE_DONE)
+            await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope, receive, send) -> None:
         try:

@@ -139,6 +139,7 @@ class Response:
 
     def __init__(self, conn: "_Conn", req: Request, status: int, headers: Headers, read_s: float | None) -> None:
         self._conn: _Conn | None = conn  # None once the answer is complete (the connection is back in the pool)
+        self._loop = conn.client.loop
         self.request = req
         self.status_code, self.headers = status, headers
         self._read_s = read_s
@@ -197,7 +198,7 @@ class Response:
 
     def arrival(self) -> asyncio.Future:
         """A future done once :meth:`take` has something (a piece, the end, an error); no read timeout of its own."""
-        self._waiter = waiter = asyncio.get_running_loop().create_future()
+        self._waiter = waiter = self._loop.create_future()
         if self._pieces or self._ended or self._error is not None or self._conn is None:
             waiter.set_result(None)
         return waiter
@@ -210,7 +211,7 @@ class Response:
         return piece  # type: ignore[return-value]
 
     async def _wait(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         self._waiter = waiter = loop.create_future()
         timer = loop.call_later(self._read_s, self._timed_out, waiter) if self._read_s is not None else None
         try:
@@ -278,7 +279,7 @@ class Response:
         self._released = True
         self._pieces.clear()
         if conn.keep:
-            asyncio.get_running_loop().call_later(DRAIN_S, self._drain_over, conn)
+            self._loop.call_later(DRAIN_S, self._drain_over, conn)
         else:
             self._drain_over(conn)
 
@@ -326,7 +327,7 @@ class Call:
         self.client, self.req, self.whole = client, req, whole
         self.connect_s, self.read_s = _timeouts(req.timeout, client._default)
         self.wire = req.encode()
-        self.fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.fut: asyncio.Future = client.loop.create_future()
         self.conn: _Conn | None = None
         self.timer: asyncio.TimerHandle | None = None
 
@@ -508,6 +509,16 @@ class Client:
         self.keepalive_s, self.max_idle = keepalive_s, max_idle_per_host
         self._idle: dict[tuple[str, int], deque[_Conn]] = {}
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop this client's connections live on (its first call's): asked once, because on Python 3.11
+        every ``asyncio.get_running_loop()`` is a ``getpid()`` system call (a fork check)."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     # ---- pool ----
     def _take_idle(self, key: tuple[str, int]) -> _Conn | None:

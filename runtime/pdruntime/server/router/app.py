@@ -71,6 +71,23 @@ class RouterConfig:
     worker_agent_port: int = AGENT_PORT  # --worker-agent-port: the sidecar's /config and /debug/requests (0: the worker)
 
 
+class RequestIds:
+    """Request ids: 16 random bytes each, in hex, cut from ``os.urandom`` 4 KiB at a time (one ``getrandom`` system
+    call per 256 requests instead of one per request)."""
+
+    __slots__ = ("_pool", "_at")
+
+    def __init__(self) -> None:
+        self._pool, self._at = b"", 0
+
+    def new(self) -> str:
+        at = self._at
+        if at >= len(self._pool):
+            self._pool, at = os.urandom(4096), 0
+        self._at = at + 16
+        return self._pool[at:at + 16].hex()
+
+
 class Router:
     def __init__(self, env: RuntimeEnv, *, topology: Topology | None = None, topology_file: str | None = None,
                  config: RouterConfig | None = None, host: str = "127.0.0.1", port: int = 8000) -> None:
@@ -84,6 +101,7 @@ class Router:
         self.picker = PairPicker(self.cfg.breaker_threshold, self.cfg.breaker_cooldown_s, self.cfg.breaker_trial_timeout_s,
                                  self.cfg.routing)
         self.admission = Admission(self.cfg.max_pending_per_pair, self.cfg.admission_wait_s, self.cfg.max_queued_requests)
+        self.request_ids = RequestIds()
         self.live: dict[str, LiveRequest] = {}
         self.models: dict[str, dict] = {}  # model id -> /get_model_info of a worker
         self.client: h1.Client | None = None
@@ -417,7 +435,7 @@ class Router:
         decode worker forks the choices off the transferred prompt pages (see worker/decode.py); its events carry
         their choice's ``index``, and failing or aborting the request ends every choice."""
         client_label = self.metrics.clients.label(req.client)
-        rid = os.urandom(16).hex()
+        rid = self.request_ids.new()
         connection = f"{call.peer[0]}:{call.peer[1]}" if call.peer else ""
         headers = {"x-client-id": req.client, REQUEST_ID_HEADER: rid, CLIENT_CONNECTION_HEADER: connection}
         if not req.body.stream:  # one response: decode may send its tokens in fewer, larger events

@@ -143,7 +143,7 @@ class Legs:
         """Send the prefill leg now. Its outcome, as a future: None (``prefill_result`` holds its answer) or its
         LegError. Driven by the answer's arrival, without a task; cancelling it (:meth:`_cancel_prefill`) closes
         the call's connection (the worker sees the router hang up)."""
-        outcome = asyncio.get_running_loop().create_future()
+        outcome = self.client.loop.create_future()
         headers = {**self.headers, DEADLINE_HEADER: f"{self.remaining():.3f}"}  # prefill's admission reads it
         try:
             self._prefill_call = self.client.start(self.client.build_request(
@@ -311,7 +311,7 @@ class Legs:
     async def first_event(self) -> TokenEvent:
         """Start both legs; return decode's first token event. Raises LegError (legs aborted). Both legs run on
         their answers' arrival (h1.Client.start), awaited here: no task per leg."""
-        timer = asyncio.get_running_loop().call_later(self.remaining(), self._deadline_passed)
+        timer = self.client.loop.call_later(self.remaining(), self._deadline_passed)
         self.prefill_task = self._start_prefill()
         self.stage = "waiting_first_token"
         try:

@@ -177,10 +177,15 @@ class Reply:
         try:
             while (ev := await self.next_event()) is not None:
                 i = ev.choice
-                for c in self.shape.stream_chunks(ev, first=not started[i], include_usage=include_usage,
-                                                  continuous_usage=continuous, state=tools[i], choices=self.choices):
-                    yield sse(c)
+                chunk = b"".join(sse(c) for c in self.shape.stream_chunks(
+                    ev, first=not started[i], include_usage=include_usage, continuous_usage=continuous,
+                    state=tools[i], choices=self.choices))
                 started[i] = True
+                if self.choices.done:  # the last event: [DONE] in the same write
+                    yield chunk + SSE_DONE
+                    return
+                if chunk:
+                    yield chunk
         except LegError as exc:
             self.outcome = "failed"
             yield sse(error_body(exc.status, f"generation failed after the first token: {exc.message}",

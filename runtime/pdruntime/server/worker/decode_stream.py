@@ -201,21 +201,27 @@ class DecodeStream:
         ``[DONE]``; a failure ends with an error event."""
         choices = Choices(self.req.n)
         states = [shape.stream_state() if shape is not None else None for _ in range(self.req.n)]
+        done_sent = False
         try:
             async for ev in self.events():
                 i, first = choices.see(ev)
                 if shape is None:
-                    yield sse(ev.to_json())
+                    chunk = sse(ev.to_json())
                 else:
-                    for c in shape.stream_chunks(ev, first=first, include_usage=include_usage,
-                                                 continuous_usage=continuous_usage, state=states[i], choices=choices):
-                        yield sse(c)
+                    chunk = b"".join(sse(c) for c in shape.stream_chunks(
+                        ev, first=first, include_usage=include_usage, continuous_usage=continuous_usage,
+                        state=states[i], choices=choices))
+                if choices.done:  # the last event: [DONE] goes out in the same write (one wake-up for the reader)
+                    chunk, done_sent = chunk + SSE_DONE, True
+                if chunk:
+                    yield chunk
         except DecodeFailed as exc:
             err = exc.body()
             err["error"]["status"] = exc.status  # the HTTP status this would have had (200 was already sent)
             yield sse(err)
             return
-        yield SSE_DONE
+        if not done_sent:
+            yield SSE_DONE
 
     async def respond(self, shape: OpenAIShape | None) -> JSONResponse:
         """The whole answer: SGLang's last event (a list of them for n > 1), or an OpenAI response."""
