@@ -35,6 +35,7 @@ from typing import Any, Sequence, TypedDict, Unpack
 import torch
 
 from pdruntime.env import ConfigError, RuntimeEnv
+from pdruntime.kernels.cpu.attention import cpu_decode_attention, supports
 from pdruntime.kernels.reference import torch_decode_attention
 from pdruntime.kernels.split_heuristic import BLOCK_N, effective_target_ctas, num_kv_splits
 
@@ -215,8 +216,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_splits, sm_scale, plan = split.get("num_splits"), split.get("sm_scale"), split.get("plan")
     cfg = config if config is not None else active_config()
     if cfg.backend == CPU:
-        from pdruntime.kernels.cpu.attention import cpu_decode_attention, supports
-
         if supports(q, k_cache):
             return cpu_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale, out=out)
     if cfg.backend in (CPU, TORCH):

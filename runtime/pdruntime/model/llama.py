@@ -28,6 +28,16 @@ from .parallel import TPShard, all_reduce_fn, shard_config
 DecodeAttention = Callable[..., torch.Tensor]
 
 
+def gguf_int4_tensors(cfg: LlamaConfig, tensors) -> tuple[list[str], str]:
+    """The tensors :meth:`LlamaModel.load_gguf_int4` takes blocks from: every layer's Linear weights, and the output
+    head's (the file's own ``lm_head``, or the embedding when tied or when the file stores no head)."""
+    linears = [f"model.layers.{n}.{x}.weight" for n in range(cfg.num_layers) for x in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")]
+    tied = cfg.tie_word_embeddings or "lm_head.weight" not in tensors
+    return linears, "model.embed_tokens.weight" if tied else "lm_head.weight"
+
+
 class PrefillChunk(NamedTuple):
     token_ids: torch.Tensor  # [T] int64, positions start_pos .. start_pos + T - 1
     start_pos: int
@@ -297,7 +307,7 @@ class LlamaModel(nn.Module):
         self.weight_format = "int8-dynamic"
         self._decode_layers = None
 
-    def quantize_int4(self, threads: int | None = None) -> None:
+    def quantize_int4(self) -> None:
         """Opt-in: 4-bit weights on the CPU, run by pdstack's native kernels (``pdruntime.kernels.cpu``).
 
         Every Linear layer becomes Q4_1 blocks and the output head Q8_0: the formats the embedded GGUF stores
@@ -308,20 +318,16 @@ class LlamaModel(nn.Module):
         ``NativeUnavailable`` (saying why) where the kernels cannot be built."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise ValueError(f"int4 weights need an fp32 model on cpu, got {self.dtype} on {self.device}")
-        from pdruntime.kernels.cpu.attention import MAX_HEAD_DIM
         from pdruntime.kernels.cpu.quant import Q4_1, Q8_0, QuantLinear
-
-        if self.config.head_dim > MAX_HEAD_DIM:
-            raise ValueError(f"int4 decode takes head_dim <= {MAX_HEAD_DIM}, the model has {self.config.head_dim}")
 
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
-                setattr(layer, name, QuantLinear.from_weight(getattr(layer, name).weight, Q4_1, threads=threads))
-        self.lm_head = QuantLinear.from_weight(self.lm_head.weight, Q8_0, threads=threads)
+                setattr(layer, name, QuantLinear.from_weight(getattr(layer, name).weight, Q4_1))
+        self.lm_head = QuantLinear.from_weight(self.lm_head.weight, Q8_0)
         self.weight_format = "int4"
         self._decode_layers = self._int4_decoder = None
 
-    def load_gguf_int4(self, tensors, threads: int | None = None) -> None:
+    def load_gguf_int4(self, tensors) -> None:
         """int4 straight from a GGUF file's own blocks, none dequantised and quantised again (the same blocks as
         :meth:`quantize_int4` gets back, at a fraction of the start-up cost). ``tensors``: the file's lazy
         mapping (``gguf_loader._LazyGGUF``): fp32 tensors by name for the norms and the embedding table, and
@@ -338,8 +344,7 @@ class LlamaModel(nn.Module):
             if len(types) != 1:
                 raise ValueError(f"{', '.join(names)} are stored as {', '.join(sorted(types))}; one layer needs one type")
             raws = [tensors.blocks(n) for n in names]
-            ql = QuantLinear.from_gguf(types.pop(), raws[0] if len(raws) == 1 else np.concatenate(raws),
-                                       threads=threads)
+            ql = QuantLinear.from_gguf(types.pop(), raws[0] if len(raws) == 1 else np.concatenate(raws))
             if (ql.out_features, ql.in_features) != shape:
                 raise ValueError(f"{names[0]} holds {ql.out_features} x {ql.in_features} weights, expected {shape}")
             return ql
@@ -355,8 +360,7 @@ class LlamaModel(nn.Module):
                 layer.o = linear([p + "self_attn.o_proj.weight"], (h, full.q_size))
                 layer.gate_up = linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], (2 * inter, h))
                 layer.down = linear([p + "mlp.down_proj.weight"], (h, inter))
-        tied = full.tie_word_embeddings or "lm_head.weight" not in tensors
-        self.lm_head = linear(["model.embed_tokens.weight" if tied else "lm_head.weight"], (full.vocab_size, h))
+        self.lm_head = linear([gguf_int4_tensors(full, tensors)[1]], (full.vocab_size, h))
         self.weight_format = "int4"
         self._decode_layers = self._int4_decoder = None
 

@@ -13,7 +13,7 @@ import torch
 
 from ..util.filehash import sha256_files
 from .config import DEFAULT_FILE, DEFAULT_PACKAGE, INSTALL_HINT, LlamaConfig, ModelLoadError, default_model_path  # noqa: F401
-from .llama import LlamaModel, resolve_decode_attention
+from .llama import LlamaModel, gguf_int4_tensors, resolve_decode_attention
 from .tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_json
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -201,10 +201,7 @@ def _gguf_int4_blocks(tensors, cfg: LlamaConfig) -> bool:
     blocks as they are (``LlamaModel.load_gguf_int4``)."""
     if not hasattr(tensors, "blocks"):
         return False
-    names = [f"model.layers.{n}.{x}.weight" for n in range(cfg.num_layers) for x in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-        "mlp.up_proj", "mlp.down_proj")]
-    head = "lm_head.weight" if "lm_head.weight" in tensors and not cfg.tie_word_embeddings else "model.embed_tokens.weight"
+    names, head = gguf_int4_tensors(cfg, tensors)
     return all(n in tensors and tensors.type_of(n) == "Q4_1" for n in names) and tensors.type_of(head) in ("Q4_1", "Q8_0")
 
 

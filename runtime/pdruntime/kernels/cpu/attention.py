@@ -2,8 +2,8 @@
 
 The torch path (``kernels/reference.py``) gathers every page of the batch into one buffer and runs SDPA over
 it: at 8 sequences of ~2,500 tokens that gather alone was a quarter of a decode step. This kernel reads each
-sequence's pages where they are, one (sequence, KV head) per work item with the query heads that share the KV
-head together, online softmax over chunks of 16 tokens, and cuts long contexts into spans merged by their max
+sequence's pages where they are, one span of one sequence per work item, all its KV heads, with the query heads
+that share a KV head together, online softmax over chunks of 16 tokens, and cuts long contexts into spans merged by their max
 and sum when there are fewer work items than threads (flash-decoding). fp32 caches; the caller keeps the torch
 path for others.
 """
@@ -20,7 +20,6 @@ from .native import native
 #: tokens a span must keep when a long context is cut for more parallel work items (shorter spans cost more in
 #: the merge than they win in balance)
 MIN_SPAN_TOKENS = 64
-MAX_HEAD_DIM = 512  # pdrt_rope_store_kv's row buffer
 MAX_GROUP = 16  # query heads per KV head (pdrt_cpu.c's GMAX)
 
 
@@ -69,7 +68,7 @@ def rope_store_kv(qkv: torch.Tensor, heads: HeadShape, positions: torch.Tensor, 
     the model keeps them), then k and v stored at ``slots`` [B] int64 (flat rows of the [num_pages * BLOCK, Hkv, D]
     caches = (k_cache, v_cache))."""
     (cos, sin_signed), (k_cache, v_cache) = rope, caches
-    assert heads.dim <= MAX_HEAD_DIM and qkv.is_contiguous() and qkv.dtype == torch.float32
+    assert qkv.is_contiguous() and qkv.dtype == torch.float32
     assert positions.dtype == slots.dtype == torch.int64 and positions.is_contiguous() and slots.is_contiguous()
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.float32
     native().pdrt_rope_store_kv(qkv.data_ptr(), qkv.shape[0], heads.q, heads.kv, heads.dim, positions.data_ptr(),

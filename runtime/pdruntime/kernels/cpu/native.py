@@ -138,4 +138,4 @@ def unavailable_reason() -> str | None:
 
 def simd_level() -> str:
     """The instruction set the kernels were built for: ``avx512-vnni`` or ``portable``."""
-    return {2: "avx512-vnni"}.get(native().pdrt_simd_level(), "portable")
+    return "avx512-vnni" if native().pdrt_simd_level() == 2 else "portable"

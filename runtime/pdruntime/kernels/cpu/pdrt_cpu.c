@@ -383,19 +383,22 @@ void pdrt_dequantize(const uint8_t *wq, const f16 *d, const f16 *m, int64_t N, i
 /* ------------------------------------------------------------------ decode attention */
 
 /* RoPE (rotate-half, sin sign-folded as the model keeps it: out[i] = x[i] cos[i] + x[(i - D/2) mod D] sin[i])
- * on q and k of each row of qkv [B, (Hq + 2 Hkv) * D] in place, then k and v stored at each row's slot. */
+ * on q and k of each row of qkv [B, (Hq + 2 Hkv) * D] in place, element i with i + D/2 (any even D), then k and
+ * v stored at each row's slot. */
 void pdrt_rope_store_kv(float *qkv, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const int64_t *positions,
                         const float *cos_tab, const float *sin_tab, const int64_t *slots, float *k_cache,
                         float *v_cache) {
     const int64_t row = (Hq + 2 * Hkv) * D, half = D / 2;
-    float tmp[512];
     for (int64_t b = 0; b < B; b++) {
         float *r = qkv + b * row;
         const float *c = cos_tab + positions[b] * D, *sn = sin_tab + positions[b] * D;
         for (int64_t h = 0; h < Hq + Hkv; h++) {
             float *x = r + h * D;
-            memcpy(tmp, x, sizeof(float) * (size_t)D);
-            for (int64_t i = 0; i < D; i++) x[i] = tmp[i] * c[i] + tmp[(i + D - half) % D] * sn[i];
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x[i], b = x[i + half];
+                x[i] = a * c[i] + b * sn[i];
+                x[i + half] = b * c[i + half] + a * sn[i + half];
+            }
         }
         memcpy(k_cache + slots[b] * Hkv * D, r + Hq * D, sizeof(float) * (size_t)(Hkv * D));
         memcpy(v_cache + slots[b] * Hkv * D, r + (Hq + Hkv) * D, sizeof(float) * (size_t)(Hkv * D));
@@ -451,7 +454,7 @@ static inline __m512 exp512(__m512 x) {
 
 #if PDRT_VNNI
 /* One chunk, one KV head, DV = D / 16 (a constant after inlining); with REG the G query heads and accumulators
- * live in registers for the chunk (G * DV <= 12), else they are read from L1 per token. */
+ * live in registers for the chunk (G <= 4 and DV <= 4), else they are read from L1 per token. */
 static inline __attribute__((always_inline)) void chunk_vec(const float *q, const int G, const int DV,
         const float **kr, const float **vr, int n, float *acc, float *mx, float *sum) {
     const int64_t D = 16 * DV;
@@ -530,7 +533,7 @@ static void chunk_plain(const float *q, int64_t G, int64_t D, const float **kr, 
     }
 }
 
-/* One chunk of n tokens for KV head kvh: dispatch on (G, D) to a constant-shaped vector body where one exists. */
+/* One chunk of n tokens for one KV head: dispatch on (G, D) to a constant-shaped vector body where one exists. */
 static inline void attend_chunk(const float *q, int64_t G, int64_t D, const float **kr, const float **vr, int n,
                                 float *acc, float *mx, float *sum) {
 #if PDRT_VNNI

@@ -188,10 +188,6 @@ class QuantLinear(nn.Module):
     def format_name(self) -> str:
         return "q4_1" if self.fmt == Q4_1 else "q8_0"
 
-    def nbytes(self) -> int:
-        """Bytes read per pass over the weight (quants and scales)."""
-        return sum(t.numel() * t.element_size() for t in (self.wq, self.d, self.m) if t is not None)
-
     def _nthreads(self) -> int:
         return self.threads or torch.get_num_threads()
 
