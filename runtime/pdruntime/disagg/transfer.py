@@ -426,7 +426,8 @@ def _send_body(fs: FrameSocket, header: KVHeader, sources: Sequence[ShardSource]
             per_chunk = wire.chunk_pages_for(src.layout.page_bytes)
             for layer, kind, p0, n, bufs in src.chunks(header.sent_pages, per_chunk):
                 # fault injection: one byte flipped "in flight", after the digest saw it
-                stats.bytes += fs.send_chunk(ChunkHead(si, layer, kind, p0, n), bufs, header.checksum, corrupt_first_chunk)
+                stats.bytes += fs.send_chunk(wire.chunk_head_bytes(si, layer, kind, p0, n), bufs, header.checksum,
+                                             corrupt_first_chunk)
                 corrupt_first_chunk = False
                 stats.chunks += 1
         fs.send_control(FrameType.END, {"bytes": stats.bytes, "chunks": stats.chunks})
@@ -557,7 +558,7 @@ def _recv_chunks(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], 
     fs.send_control(FrameType.READY, {"room": header.room})
     stats.start()
     P = header.sent_pages  # the sinks hold exactly the pages sent (after decode's held ones)
-    index = 0
+    index, total_bytes = 0, header.total_bytes
     for si, (layout, sink) in enumerate(zip(header.shards, sinks)):
         pb = layout.page_bytes
         sink.check_capacity(P)
@@ -570,7 +571,7 @@ def _recv_chunks(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], 
             # the frame length says how many pages, and wire order where they go: they land in place before the
             # chunk head is checked (a wrong head or digest fails the request, whose pages are its own)
             bufs = sink.buffers(layer, kind, p, n, P)
-            more = header.total_bytes - stats.bytes - n * pb  # page bytes still to come after this chunk
+            more = total_bytes - stats.bytes - n * pb  # page bytes still to come after this chunk
             head, digest, sent = fs.recv_chunk(bufs, header.checksum, f"receiving CHUNK {index}", more)
             if head != wire.chunk_head_bytes(si, layer, kind, p, n):
                 got = ChunkHead.unpack(head)
@@ -586,7 +587,7 @@ def _recv_chunks(fs: FrameSocket, header: KVHeader, sinks: Sequence[ShardSink], 
             index += 1
             u += n
     end = fs.read_control(FrameType.END)
-    if end.get("bytes") != stats.bytes or stats.bytes != header.total_bytes:
+    if end.get("bytes") != stats.bytes or stats.bytes != total_bytes:
         raise WireError("protocol", f"END reports {end.get('bytes')!r} bytes; received {stats.bytes}, header promised "
                                     f"{header.total_bytes}")
     for sink in sinks:

@@ -603,14 +603,14 @@ class FrameSocket:
     def send_control(self, ftype: FrameType, obj: dict) -> None:
         self.send_frame(ftype, json.dumps(obj, separators=(",", ":")).encode())
 
-    def send_chunk(self, head: ChunkHead, bufs: list, algo: str, corrupt: bool = False) -> int:
+    def send_chunk(self, head: bytes, bufs: list, algo: str, corrupt: bool = False) -> int:
         """One CHUNK frame, in one sendmsg with the previous chunk's digest: that digest, frame and chunk heads,
         then ``bufs`` (byte memoryviews over the pages) in order. The kernel's copy is the pages' first (DRAM)
         read; they are digested right after, from cache, and the digest goes out first in the next frame's
         sendmsg (:meth:`send_frame`, or the next chunk's). ``corrupt`` (fault injection) sends a copy of the first
         buffer with one byte flipped, the digest being the original's. -> payload bytes sent (pages only)."""
         nbytes = sum(map(len, bufs))
-        prefix = [*self._pending_digest(), _FRAME.pack(int(FrameType.CHUNK), CHUNK_OVERHEAD + nbytes) + head.pack()]
+        prefix = [*self._pending_digest(), _FRAME.pack(int(FrameType.CHUNK), CHUNK_OVERHEAD + nbytes) + head]
         if corrupt:
             digest = chunk_digest(algo, bufs)
             bad = bytearray(bufs[0])
@@ -640,7 +640,6 @@ class FrameSocket:
         """Fill every byte memoryview in order: recvmsg_into with MSG_WAITALL, so the kernel scatters a whole call's
         buffers before waking us (no intermediate copy, no per-segment wake-up). It returns short only on a
         stall (SO_RCVTIMEO), a signal or EOF; only then are the views walked to find where to resume."""
-        total = sum(map(len, views))
         got = 0
         try:
             while views:
@@ -649,6 +648,7 @@ class FrameSocket:
                 got += r
                 if r < sum(map(len, batch)):
                     if r == 0:
+                        total = got + sum(map(len, batch)) + sum(map(len, views))
                         raise WireError("closed", f"peer closed the connection while {what} ({got} of {total} bytes)")
                     views = _after(batch, r) + views
         except OSError as exc:

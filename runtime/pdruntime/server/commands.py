@@ -327,8 +327,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     protocol = connections.guarded_protocol(limits, on_close=lambda why: m.connections_closed.labels(why).inc(),
                                             on_count=m.connections_open.set)
     # loop="asyncio": uvicorn's default ("auto") takes uvloop whenever it is installed (uvicorn[standard], vLLM's
-    # deps), and the KV wire, the connection guard and every timing in docs/reliability.md are built and tested on
-    # asyncio's own loop: with uvloop present, decode's KV reads failed as "peer stalled" under load
+    # deps), and the connection guard and every timing in docs/reliability.md are measured on asyncio's own loop.
+    # (The KV wire's "peer stalled" failures under uvloop are fixed in the wire itself, KVConn._blocking_again,
+    # and tests/pd/test_wire_bulk.py runs a transfer under uvloop: the pin is no longer needed for them.)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_keep_alive=75,
                 http=protocol, loop="asyncio")
     return 0

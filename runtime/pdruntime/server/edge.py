@@ -131,8 +131,8 @@ class GuardedStream(StreamingResponse):
         async for chunk in self.body_iterator:
             if ended:
                 continue  # nothing follows [DONE]; the iterator still runs to its end (completion is recorded there)
-            if not isinstance(chunk, (bytes, memoryview)):
-                chunk = chunk.encode(self.charset)
+            if not isinstance(chunk, bytes):
+                chunk = bytes(chunk) if isinstance(chunk, memoryview) else chunk.encode(self.charset)
             ended = chunk.endswith(SSE_DONE)
             await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
         if not ended:

@@ -1,7 +1,8 @@
 """Server-sent events as OpenAI and SGLang stream them: ``data: <json>`` lines, ended by ``data: [DONE]``.
 
 Writing (:func:`sse`, :data:`SSE_DONE`) is for servers; :func:`sse_data`, :func:`iter_sse` and
-:func:`aiter_sse` are the one parser every client (router legs, ``pdrt chat``, probes, tests, benchmarks) uses.
+:func:`aiter_sse` are the parser every client (``pdrt chat``, probes, tests, benchmarks) uses, and
+:class:`SSEBuffer` the same line rule for a body read in pieces as bytes (the router's decode leg).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 from typing import Any, AsyncIterable, AsyncIterator, Iterable, Iterator
 
 DONE = "[DONE]"  # the payload of the stream's last event
+DONE_BYTES = DONE.encode()  # the same, as SSEBuffer returns it
 SSE_DONE = b"data: [DONE]\n\n"
 
 

@@ -27,7 +27,7 @@ from pdruntime.server.openai.events import TokenEvent
 from pdruntime.server.openai.schemas import (MAX_BODY_BYTES, ApiError, ChatCompletionRequest, CompletionRequest,
                                              error_body, openapi_components, parse_body, validate)
 from pdruntime.server.router.admission import MAX_PENDING, MAX_QUEUED, WAIT_S, Admission
-from pdruntime.server.router.auth import (admin_token, bearer, client_identity, client_of, client_request_id,
+from pdruntime.server.router.auth import (admin_token, bearer, client_of, client_request_id,
                                           is_loopback, match_api_key, same_secret)
 from pdruntime.server.router.health_probe import HealthProber
 from pdruntime.server.router.legs import LegError, Legs, Outbound
@@ -578,7 +578,7 @@ class Router:
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
             # unknown paths (404) and wrong methods (405, with Allow) are the router's own 4xx answers too
-            self.count_rejection(client_identity(request) if not self.cfg.api_keys else "unauthenticated", exc.status_code)
+            self.count_rejection(client_of(request.headers) if not self.cfg.api_keys else "unauthenticated", exc.status_code)
             return JSONResponse(error_body(exc.status_code, str(exc.detail), code="http_error"),
                                 status_code=exc.status_code, headers=getattr(exc, "headers", None))
 

@@ -7,7 +7,6 @@ import hmac
 import ipaddress
 from typing import Any
 
-from fastapi import Request
 
 from pdruntime.util.headers import ADMIN_TOKEN_HEADER, REQUEST_ID_HEADER
 
@@ -44,11 +43,6 @@ def client_request_id(headers: Any) -> str | None:
 def key_name(key: str) -> str:
     """The attribution name of an API key without a name: a hash prefix, never the key."""
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
-
-
-def client_identity(request: Request) -> str:
-    """Who sent a request (no API keys configured): :func:`client_of` its headers."""
-    return client_of(request.headers)
 
 
 def client_of(headers: Any) -> str:

@@ -20,9 +20,8 @@ from pdruntime.server.router.topology import Pair
 from pdruntime.util import h1
 from pdruntime.util.aio import detach, within
 from pdruntime.util.headers import BUSY_WAIT_HEADER, DEADLINE_HEADER
-from pdruntime.util.sse import SSEBuffer
+from pdruntime.util.sse import DONE_BYTES as DONE, SSEBuffer
 
-DONE = b"[DONE]"  # decode's last SSE payload
 
 ABORT_TIMEOUT_S = 2.0  # seconds for the best-effort /abort_request calls
 PREFILL_VERDICT_WAIT_S = 1.0  # seconds a failed decode leg waits for prefill's answer (it may name a 4xx cause)
@@ -114,14 +113,12 @@ class Legs:
         self.pair = pair
         self.out = out
         self.protocol = protocol or WorkerProtocol()
-        self.rid = out.rid
         self.room = self.protocol.room(out)
         self.deadline = out.deadline  # time.monotonic() seconds
         self.prefill_req = self.protocol.prefill(out, pair, self.room)
         self._read = self.protocol.reader(out)  # decode's SSE payload -> its token events
         self._pending: collections.deque[TokenEvent] = collections.deque()
         self.headers = out.headers
-        self.n = out.n
         self.busy_until = out.busy_until
         self.prefill_task: asyncio.Future | None = None  # the prefill leg's outcome (_start_prefill)
         self._prefill_call: h1.Call | None = None  # its h1 call
@@ -132,7 +129,6 @@ class Legs:
         self._sse = SSEBuffer()  # decode's body -> its SSE payloads
         self._payloads: collections.deque[bytes] = collections.deque()  # received, not yet read
         self._decode_done = False  # decode's stream ended ([DONE] or its body's end)
-        self.stage = "dispatching"
         self.prefill_result: dict | None = None  # prefill's answer (meta_info: the first token's logprobs)
 
     def remaining(self) -> float:
@@ -313,7 +309,6 @@ class Legs:
         their answers' arrival (h1.Client.start), awaited here: no task per leg."""
         timer = self.client.loop.call_later(self.remaining(), self._deadline_passed)
         self.prefill_task = self._start_prefill()
-        self.stage = "waiting_first_token"
         try:
             try:
                 return await self._open_decode()

@@ -144,6 +144,11 @@ class RouterConnection(asyncio.Protocol):
         if self.drained is not None and not self.drained.done():
             self.drained.set_result(None)
 
+    def hang_up(self) -> None:
+        """Close the connection from this side; nothing more is written or answered on it."""
+        self.closing = True
+        self.transport.close()  # type: ignore[union-attr]
+
     async def _drain(self) -> None:
         if self.write_paused and not self.closing:
             self.drained = self.loop.create_future()
@@ -220,8 +225,7 @@ class RouterConnection(asyncio.Protocol):
         if self.closing:
             return
         if not ex.keep_alive:
-            self.closing = True
-            self.transport.close()  # type: ignore[union-attr]
+            self.hang_up()
         elif self.queue:
             if len(self.queue) == MAX_PIPELINED:
                 self.transport.resume_reading()  # type: ignore[union-attr]
@@ -254,9 +258,8 @@ class RouterConnection(asyncio.Protocol):
         ex = _Exchange()
         ex.keep_alive, ex.version = False, "1.1"
         self._write_json(ex, error.status, error.body(), error_headers(error))
-        self.closing = True
         self._cancel_body_timer()
-        self.transport.close()  # type: ignore[union-attr]
+        self.hang_up()
 
     def _body_too_slow(self) -> None:
         self.body_timer = None
@@ -313,8 +316,7 @@ class RouterConnection(asyncio.Protocol):
             if head is not None:
                 self._write_json(ex, 500, err.body())
                 return True
-            self.closing = True
-            self.transport.close()  # type: ignore[union-attr]
+            self.hang_up()
             return False
         finally:
             await asyncio.shield(out.finish(completed))
@@ -373,8 +375,7 @@ class RouterConnection(asyncio.Protocol):
                 self._write_json(ex, 500, err.body())
                 state["complete"] = True
         if not state["complete"] and not self.closing:  # the app ended without a whole answer: nothing else fits
-            self.closing = True
-            self.transport.close()  # type: ignore[union-attr]
+            self.hang_up()
         self._answered(ex)
 
     def _asgi_head(self, ex: _Exchange, message: dict) -> tuple[bytes, bool]:
@@ -421,8 +422,7 @@ async def _sweep(connections: set, keepalive_s: float) -> None:
         now = loop.time()
         for conn in list(connections):
             if not conn.busy and not conn.queue and now - conn.idle_since > keepalive_s and not conn.closing:
-                conn.closing = True
-                conn.transport.close()
+                conn.hang_up()
 
 
 async def serve(router: Any, app: Any, host: str, port: int, limits: ConnectionLimits, *,
@@ -457,8 +457,7 @@ async def serve(router: Any, app: Any, host: str, port: int, limits: ConnectionL
         server.close()
         for conn in list(connections):  # idle ones now; busy ones once their answer is complete
             if not conn.busy and not conn.queue:
-                conn.closing = True
-                conn.transport.close()
+                conn.hang_up()
             else:
                 for ex in (conn.active, *conn.queue):
                     if ex is not None:

@@ -211,7 +211,10 @@ class DecodeStream:
                     chunk = b"".join(sse(c) for c in shape.stream_chunks(
                         ev, first=first, include_usage=include_usage, continuous_usage=continuous_usage,
                         state=states[i], choices=choices))
-                if choices.done:  # the last event: [DONE] goes out in the same write (one wake-up for the reader)
+                # the last event: [DONE] goes out in the same write (one wake-up for the reader). Not a return here:
+                # events() ends by itself right after, and one left suspended is finalised through the loop's
+                # thread-safe wake-up (a system call)
+                if choices.done:
                     chunk, done_sent = chunk + SSE_DONE, True
                 if chunk:
                     yield chunk
