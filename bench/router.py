@@ -13,8 +13,9 @@ The routers: ``pdrt serve --role router`` (pdstack) and ``python -m sglang_route
 --pd-disaggregation`` (the Rust router from PyPI's ``sglang-router``, round robin), both started against the same
 worker URLs. Load: ``wrk`` (C, one thread) posting a non-streamed 1-token ``/v1/completions``; concurrency 1
 for latency (p50, p99, and the p50 the router adds over the decode worker's own answer), concurrency 16 for
-requests/s. CPU: the router process's user+system seconds (``/proc/PID/stat``) over the run, per 1,000 requests; the
-same for the prefill and decode workers together (what each router's requests cost the workers it shares the CPUs with).
+requests/s. CPU: the router process's user+system seconds (``/proc/PID/stat``) per 1,000 requests, at concurrency
+1 and at 16 apart (at 1 every request pays its own wake-ups; at 16 a busy process shares them); the same for the
+prefill and decode workers together (what each router's requests cost the workers it shares the CPUs with).
 Rounds interleave the routers (A B A B); the table gives medians over rounds and the ratio pdstack / sglang.
 
     .venv/bin/python bench/router.py [--seconds 6] [--rounds 3] [--workers noop pdrt]
@@ -240,17 +241,26 @@ def wrk(url: str, conns: int, seconds: float, script: str) -> dict:
 
 
 def measure(url: str, pid: int | None, seconds: float, script: str, workers: tuple[int, ...] = ()) -> dict:
-    """wrk at 1 and 16 connections; CPU seconds per 1,000 requests of the router (``pid``) and of the ``workers``."""
-    c0 = cpu_seconds(pid) if pid else 0.0
-    w0 = sum(cpu_seconds(w) for w in workers)
+    """wrk at 1 and 16 connections; CPU seconds per 1,000 requests of the router (``pid``) and of the ``workers``,
+    each concurrency apart: at 1 a request pays its own wake-ups, at 16 a busy event loop shares them."""
+    def cpu() -> tuple[float, float]:
+        return (cpu_seconds(pid) if pid else 0.0), sum(cpu_seconds(w) for w in workers)
+
+    def per_1k(before: tuple[float, float], after: tuple[float, float], n: int) -> tuple[float, float]:
+        if not n:
+            return float("nan"), float("nan")
+        return 1000 * (after[0] - before[0]) / n, 1000 * (after[1] - before[1]) / n
+
+    c0 = cpu()
     lat = wrk(url, 1, seconds, script)
+    c1 = cpu()
     thr = wrk(url, 16, seconds, script)
-    cpu = (cpu_seconds(pid) - c0) if pid else 0.0
-    wcpu = sum(cpu_seconds(w) for w in workers) - w0
-    n = lat["requests"] + thr["requests"]
+    c16 = cpu()
+    cpu1, wcpu1 = per_1k(c0, c1, lat["requests"])
+    cpu16, wcpu16 = per_1k(c1, c16, thr["requests"])
     return {"p50_ms": lat["p50_ms"], "p99_ms": lat["p99_ms"], "rps16": thr["rps"], "p50_16_ms": thr["p50_ms"],
-            "cpu_per_1k": 1000 * cpu / n if n else float("nan"), "requests": n,
-            "workers_cpu_per_1k": 1000 * wcpu / n if n else float("nan"),
+            "cpu_per_1k_c1": cpu1, "cpu_per_1k_c16": cpu16, "workers_cpu_per_1k_c1": wcpu1,
+            "workers_cpu_per_1k_c16": wcpu16, "requests": lat["requests"] + thr["requests"],
             "failed": lat["non2xx"] + thr["non2xx"], "socket_errors": lat["socket_errors"] or thr["socket_errors"]}
 
 
@@ -297,7 +307,7 @@ def main() -> int:
                     row = measure(urls[which], pids[which], args.seconds, script, worker_pids)
                     results.setdefault((kind, which), []).append(row)
                     print(f"{kind} round {r + 1} {which}: p50 {row['p50_ms']:.2f} ms, {row['rps16']:.0f} req/s at 16, "
-                          f"{row['cpu_per_1k']:.2f} CPU s / 1k, {row['failed']} failed, load {os.getloadavg()[0]:.1f}",
+                          f"{row['cpu_per_1k_c1']:.2f} / {row['cpu_per_1k_c16']:.2f} CPU s / 1k at 1 / 16, {row['failed']} failed, load {os.getloadavg()[0]:.1f}",
                           flush=True)
             for which in ("pdstack", "sglang"):
                 stack.stop(f"router-{which}")
@@ -311,22 +321,23 @@ def main() -> int:
     print(f"\nrouter cost: pdstack router ({loop} loop) vs sglang-router 0.3.2, non-streamed 1-token /v1/completions, "
           f"wrk 1 thread; medians of {args.rounds} interleaved rounds of {args.seconds:g} s; {os.cpu_count()} CPUs "
           f"({platform.processor() or platform.machine()}), load average {load_start} at the start, {load} at the end")
-    print("| workers | router | p50 c=1 ms | added p50 ms | p99 c=1 ms | req/s c=16 | p50 c=16 ms | CPU s / 1k req | "
-          "workers' CPU s / 1k req | failed |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| workers | router | p50 c=1 ms | added p50 ms | p99 c=1 ms | req/s c=16 | p50 c=16 ms | CPU s / 1k c=1 | "
+          "CPU s / 1k c=16 | workers' CPU s / 1k c=1 | workers' CPU s / 1k c=16 | failed |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    cpu_keys = ("cpu_per_1k_c1", "cpu_per_1k_c16", "workers_cpu_per_1k_c1", "workers_cpu_per_1k_c16")
     for kind in args.workers:
         direct = med(results[(kind, "direct")], "p50_ms") if (kind, "direct") in results else None
         for which in ("pdstack", "sglang"):
             rows = results[(kind, which)]
             added = f"{med(rows, 'p50_ms') - direct:.2f}" if direct is not None else "-"
+            cpus = " | ".join(f"{med(rows, k):.3f}" for k in cpu_keys)
             print(f"| {kind} | {which} | {med(rows, 'p50_ms'):.2f} | {added} | {med(rows, 'p99_ms'):.2f} | "
-                  f"{med(rows, 'rps16'):.0f} | {med(rows, 'p50_16_ms'):.2f} | {med(rows, 'cpu_per_1k'):.2f} | "
-                  f"{med(rows, 'workers_cpu_per_1k'):.2f} | {sum(r['failed'] for r in rows)} |")
+                  f"{med(rows, 'rps16'):.0f} | {med(rows, 'p50_16_ms'):.2f} | {cpus} | {sum(r['failed'] for r in rows)} |")
         a, b = results[(kind, "pdstack")], results[(kind, "sglang")]
+        ratios = " | ".join(f"{med(a, k) / med(b, k):.2f}x" for k in cpu_keys)
         print(f"| {kind} | pdstack / sglang | {med(a, 'p50_ms') / med(b, 'p50_ms'):.2f}x | "
               f"{med(a, 'p50_ms') - med(b, 'p50_ms'):+.2f} ms | | {med(a, 'rps16') / med(b, 'rps16'):.2f}x | | "
-              f"{med(a, 'cpu_per_1k') / med(b, 'cpu_per_1k'):.2f}x | "
-              f"{med(a, 'workers_cpu_per_1k') / med(b, 'workers_cpu_per_1k'):.2f}x | |")
+              f"{ratios} | |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({f"{k[0]}/{k[1]}": v for k, v in results.items()}, fh, indent=1)

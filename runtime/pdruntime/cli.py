@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdruntime.env import WEIGHT_FORMATS
+
 
 def _add_generate(subparsers) -> None:
     g = subparsers.add_parser("generate", help="generate a completion in-process and print it")
@@ -24,7 +26,7 @@ def _add_generate(subparsers) -> None:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--system", default=None, help="with --chat: a system message")
     g.add_argument("--model", default=None, help="GGUF file or HF-layout dir (default: PDRT_MODEL, else SmolLM2)")
-    g.add_argument("--weights", choices=("auto", "fp32", "int4", "int8"), default="fp32",
+    g.add_argument("--weights", choices=WEIGHT_FORMATS, default="fp32",
                    help="fp32: exact (default); int4: 4-bit blocks (the GGUF's own) run by pdstack's CPU kernels; "
                         "int8: torch's dynamic int8, only 55%% of SmolLM2's next-token choices match fp32's; auto: int4 "
                         "where it can run, else fp32 (docs/benchmarks.md)")

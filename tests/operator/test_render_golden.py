@@ -125,6 +125,76 @@ def test_tensor_parallel_size_defaults_to_gpus_and_must_match_across_the_pair():
         parse_spec({**raw, "model": {**raw["model"], "dtype": "int4"}}, name="llm")
 
 
+
+def test_model_weights_renders_pdrts_weights_flag_on_cpu_pods_and_is_refused_where_it_cannot_run():
+    """spec.model.weights is pdrt's --weights: unset (fp32) renders the command it always did; int4 is a new revision
+    with the flag on both sides of the pair; GPU pods, a non-fp32 dtype and the other engines are refused with what
+    is accepted."""
+    cpu = yaml.safe_load((ROOT / "examples" / "cpu-demo.yaml").read_text())["spec"]
+    gpu = yaml.safe_load((ROOT / "examples" / "gpu-8x-pairs.yaml").read_text())["spec"]
+    owner = Owner("llm", "inference", "u")
+
+    def cmd(spec, role):
+        return worker_pod(spec, owner, revision_hash(spec), 0, role, "abc")["spec"]["containers"][0]["command"]
+
+    def with_weights(raw, weights, **model):
+        return {**raw, "model": {**(raw.get("model") or {}), "weights": weights, **model}}
+
+    base = parse_spec(cpu, name="llm")
+    assert base.model.weights == "fp32"
+    assert all("--weights" not in cmd(base, role) for role in ("prefill", "decode"))
+    assert revision_hash(parse_spec(with_weights(cpu, "fp32"), name="llm")) == revision_hash(base)
+    int4 = parse_spec(with_weights(cpu, "int4"), name="llm")
+    for role in ("prefill", "decode"):
+        line = cmd(int4, role)
+        assert line[line.index("--weights") + 1] == "int4"
+    assert revision_hash(int4) != revision_hash(base)  # a new weight format is a rollout
+    auto = parse_spec(with_weights(gpu, "auto"), name="llm")  # auto runs anywhere: fp32 (bf16) on GPU pods
+    assert cmd(auto, "decode")[cmd(auto, "decode").index("--weights") + 1] == "auto"
+
+    with pytest.raises(SpecError, match=r"spec.model.weights='int4' runs on CPU pods only .* "
+                                        r"spec.prefill.resources.gpus=4 and spec.decode.resources.gpus=4; "
+                                        r"accepted: fp32 or auto on GPU pods"):
+        parse_spec(with_weights(gpu, "int4"), name="llm")
+    with pytest.raises(SpecError, match=r"spec.model.weights='int8' computes in fp32, but spec.model.dtype='bf16'; "
+                                        r"accepted: dtype auto or fp32"):
+        parse_spec(with_weights(cpu, "int8", dtype="bf16"), name="llm")
+    sglang = yaml.safe_load((ROOT / "examples" / "sglang-groups.yaml").read_text())["spec"]
+    with pytest.raises(SpecError, match=r"spec.model.weights='int4' is pdstack's runtime's --weights and engine "
+                                        r"'sglang' has no such flag; accepted: fp32 \(the default\)"):
+        parse_spec(with_weights(sglang, "int4"), name="llm")
+    with pytest.raises(SpecError, match=r"spec.model.weights='q4' is invalid; accepted: auto \| fp32 \| int4 \| int8"):
+        parse_spec(with_weights(cpu, "q4"), name="llm")
+
+
+@pytest.mark.parametrize("spec", [
+    {"model": {"weights": "int4"}},
+    {"model": {"weights": "auto"}, "prefill": {"resources": {"gpus": 1}}, "decode": {"resources": {"gpus": 1}}},
+    {"model": {"weights": "int4"}, "decode": {"resources": {"gpus": 1}}},
+    {"model": {"weights": "int8", "dtype": "fp32"}},
+    {"model": {"weights": "int8", "dtype": "fp16"}},
+    {"engine": "sglang", "runtimeImage": "r", "model": {"source": "m", "weights": "int4"}},
+    {"engine": "sglang", "runtimeImage": "r", "model": {"source": "m", "weights": "fp32"}},
+])
+def test_the_crds_cel_rules_on_model_weights_agree_with_the_operator(spec):
+    """What the API server refuses at admission (the CRD's CEL rules, run by the test cluster's evaluator) is what
+    parse_spec refuses, and the other way round."""
+    import copy
+
+    import emu_apiext as apiext
+
+    schema = yaml.safe_load((ROOT / "crds" / "pddeployment.yaml").read_text())["spec"]["versions"][0]["schema"][
+        "openAPIV3Schema"]
+    obj = {"spec": {"image": "i", **copy.deepcopy(spec)}}
+    apiext.apply_defaults(obj, schema, {})
+    cel = [c.message for c in apiext.validate(obj, schema, {}) if "weights" in c.message]
+    try:
+        parse_spec({"image": "i", **copy.deepcopy(spec)}, name="llm")
+        refused = None
+    except SpecError as exc:
+        refused = [p for p in exc.problems if "weights" in p]
+    assert bool(cel) == bool(refused), (cel, refused)
+
 def test_topology_file_format():
     text = topology_yaml("abc123", [TopologyPair(0, True, "10.0.0.11", "10.0.0.12"),
                                     TopologyPair(1, True, "10.0.0.13", None),

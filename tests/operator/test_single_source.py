@@ -254,6 +254,22 @@ def test_runtime_attention_backends_are_the_models_choices():
     assert runtime_env.ATTENTION_BACKENDS == k.knob.choices
 
 
+def test_runtime_weight_formats_are_the_models_choices():
+    """spec.model.weights renders as pdrt's --weights: every choice the model accepts, serve's parser accepts (and
+    its default is serve's, so an unset field renders no flag)."""
+    import argparse
+
+    from pdruntime.server.commands import register
+
+    parser = argparse.ArgumentParser(prog="pdrt")
+    register(parser.add_subparsers(dest="command", required=True))
+    (k,) = [k for k in KNOBS if k.path == "model.weights"]
+    assert runtime_env.WEIGHT_FORMATS == k.knob.choices
+    for choice in k.knob.choices:
+        assert parser.parse_args(["serve", "--role", "decode", "--weights", choice]).weights == choice
+    assert parser.parse_args(["serve", "--role", "decode"]).weights == k.default
+
+
 def test_parse_spec_defaults_are_the_models():
     """parse_spec of an empty spec (canary set to {}) yields every modelled default at its place."""
     spec = parse_spec({"image": "img", "rollout": {"canary": {}}})

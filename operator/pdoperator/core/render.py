@@ -19,7 +19,7 @@ import yaml
 
 from .engines import vllm_kv_lease_s
 from .spec import (AGENT_PORT, BOOTSTRAP_PORT, GPU_RESOURCE, GROUP, HTTP_PORT, KIND, VERSION, VLLM_KV_CONNECTOR,
-                   WORKER_UID, PDSpec, PodTemplate, RoleSpec, RoutingSpec, default_of)
+                   WORKER_UID, ModelSpec, PDSpec, PodTemplate, RoleSpec, RoutingSpec, default_of)
 
 LABEL_DEPLOYMENT = "pdstack.io/deployment"
 LABEL_PAIR = "pdstack.io/pair"
@@ -148,6 +148,8 @@ def worker_command(spec: PDSpec, owner: Owner, role: str) -> list[str]:
     if spec.model.served_name:
         cmd += ["--served-model-name", spec.model.served_name]
     cmd += ["--device", r.device, "--dtype", spec.model.dtype, "--tensor-parallel-size", str(r.tp_size)]
+    if spec.model.weights != default_of(ModelSpec, "weights"):  # unset renders the command it always did
+        cmd += ["--weights", spec.model.weights]
     if not spec.prefix_cache.enabled:
         cmd += ["--no-prefix-cache"]
     elif spec.prefix_cache.max_pages is not None:

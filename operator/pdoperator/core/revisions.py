@@ -68,7 +68,8 @@ def effective_config(spec: PDSpec) -> dict[str, Any]:
         "model": {"source": spec.model.source, "servedName": spec.model.served_name,
                   **({"sha256": spec.model.sha256} if spec.model.sha256 else {}),
                   **({"storage": _jsonable(asdict(spec.model.storage))} if spec.model.storage else {}),
-                  **({"dtype": spec.model.dtype} if spec.model.dtype != "auto" else {})},
+                  **({"dtype": spec.model.dtype} if spec.model.dtype != "auto" else {}),
+                  **({"weights": spec.model.weights} if spec.model.weights != "fp32" else {})},
         "prefill": _role_config(spec.prefill),
         "decode": _role_config(spec.decode),
         "placement": {
@@ -212,7 +213,7 @@ def _role_view(spec: PDSpec, role: str) -> dict[str, Any]:
         "engine": spec.engine,
         "image": spec.image,
         "model": {"source": spec.model.source, "servedName": spec.model.served_name,
-                  "sha256": spec.model.sha256 or UNSET, "dtype": spec.model.dtype},
+                  "sha256": spec.model.sha256 or UNSET, "dtype": spec.model.dtype, "weights": spec.model.weights},
         "tensorParallelSize": r.tp_size,
         "replicas": r.replicas,
         "gpus": r.gpus,

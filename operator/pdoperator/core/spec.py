@@ -45,6 +45,9 @@ DRIFT_POLICIES = ("Report", "Revert")
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")  # mirrors pdruntime.env.ATTENTION_BACKENDS
 ROUTING_POLICIES = ("least-load", "round-robin", "prefix")  # mirrors pdruntime.server.router.policy
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # mirrors pdruntime.engine.device.DTYPE_CHOICES
+WEIGHTS = ("auto", "fp32", "int4", "int8")  # mirrors pdruntime.env.WEIGHT_FORMATS (pdrt --weights)
+QUANTIZED_WEIGHTS = ("int4", "int8")  # CPU pods only: fp32 activations on pdstack's CPU kernels
+WEIGHTS_AUTO = "int4 where pdstack's CPU kernels run, else the dtype's own (fp32 on CPU pods, bf16 on GPU pods)"
 GPU_RESOURCE = "nvidia.com/gpu"
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 DEFAULT_STARTUP_SECONDS = 1800  # a 70B+ checkpoint from network storage can take tens of minutes
@@ -138,6 +141,8 @@ class ModelSpec:
     served_name: str | None = None
     # weights/activations/KV: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32
     dtype: str = knob("dtype", "auto", choices=DTYPES)
+    # pdrt's weight format: fp32 (the dtype's, exact) | int4 | int8 (CPU pods) | auto (int4 on CPU pods, else fp32)
+    weights: str = knob("weights", "fp32", choices=WEIGHTS)
     sha256: str | None = None  # expected weights hash: recorded in the revision; the download verifies it
     storage: ModelStorage | None = section("storage", ModelStorage, optional=True)
 
@@ -725,6 +730,29 @@ def _pod_template(r: _Reader, d: Mapping[str, Any], path: str) -> PodTemplate:
     )
 
 
+def _check_weights(r: _Reader, model: ModelSpec, engine: str, prefill: RoleSpec, decode: RoleSpec) -> None:
+    """spec.model.weights is pdrt's ``--weights``: another engine has no such flag, and the 4-bit and 8-bit formats
+    run on pdstack's CPU kernels (fp32 activations), so on CPU pods only."""
+    if model.weights == default_of(ModelSpec, "weights"):
+        return
+    if engine != "pdrt":
+        r.problems.append(f"spec.model.weights={model.weights!r} is pdstack's runtime's --weights and engine "
+                          f"'{engine}' has no such flag; accepted: fp32 (the default) with engine '{engine}', whose "
+                          "own quantisation flags go in spec.prefill.args and spec.decode.args")
+        return
+    if model.weights not in QUANTIZED_WEIGHTS:
+        return
+    gpu_roles = [f"spec.{role}.resources.gpus={x.gpus}" for role, x in (("prefill", prefill), ("decode", decode))
+                 if x.gpus]
+    if gpu_roles:
+        r.problems.append(f"spec.model.weights={model.weights!r} runs on CPU pods only (pdstack's CPU kernels), but "
+                          f"{' and '.join(gpu_roles)}; accepted: fp32 or auto on GPU pods (auto: {WEIGHTS_AUTO})")
+    elif model.dtype not in ("auto", "fp32"):
+        r.problems.append(f"spec.model.weights={model.weights!r} computes in fp32, but spec.model.dtype="
+                          f"{model.dtype!r}; accepted: dtype auto or fp32 with weights {model.weights}, or weights "
+                          "fp32 or auto with that dtype")
+
+
 def _model(r: _Reader, d: Mapping[str, Any], engine: str) -> ModelSpec:
     m = r.obj(d.get("model"), "spec.model")
     sha = r.str_(m, "sha256", "spec.model")
@@ -733,7 +761,8 @@ def _model(r: _Reader, d: Mapping[str, Any], engine: str) -> ModelSpec:
         sha = None
     model = ModelSpec(source=r.take(m, "spec.model", ModelSpec, "source"),
                       served_name=r.str_(m, "servedName", "spec.model"),
-                      dtype=r.take(m, "spec.model", ModelSpec, "dtype"), sha256=sha,
+                      dtype=r.take(m, "spec.model", ModelSpec, "dtype"),
+                      weights=r.take(m, "spec.model", ModelSpec, "weights"), sha256=sha,
                       storage=_model_storage(r, m.get("storage")))
     if model.storage and model.source and not model.source.startswith(model.storage.mount_path.rstrip("/") + "/"):
         r.problems.append(f"spec.model.source={model.source!r} is outside spec.model.storage.mountPath="
@@ -871,6 +900,7 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
         r.problems.append(f"spec.prefill tensor-parallel size {prefill.tp_size} differs from spec.decode's "
                           f"{decode.tp_size} (from tensorParallelSize, else resources.gpus); KV transfer moves one "
                           "shard per rank, so accepted: equal sizes on both sides of a pair")
+    _check_weights(r, model, engine, prefill, decode)
 
     p = r.obj(d.get("placement"), "spec.placement")
     placement = Placement(

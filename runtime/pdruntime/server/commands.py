@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from pdruntime.agent import AGENT_PORT
+from pdruntime.env import WEIGHT_FORMATS
 from pdruntime.server import connections
 from pdruntime.server.router import admission
 from pdruntime.server.worker.lease import KV_LEASE_S
@@ -18,7 +19,7 @@ ROLES = ("prefill", "decode", "router")
 
 def _engine_flags(p: argparse.ArgumentParser, weights: str) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--weights", choices=("auto", "fp32", "int4", "int8"), default=weights,
+    g.add_argument("--weights", choices=WEIGHT_FORMATS, default=weights,
                    help=f"weight format (default {weights}): fp32 (the model's dtype, exact); int4 (CPU, fp32: 4-bit "
                         "blocks, the GGUF's own, run by pdstack's native kernels, ~98%% of next-token choices as "
                         "fp32's, docs/benchmarks.md); int8 (CPU: torch's dynamic int8, 55%%); auto: int4 where it "
