@@ -5,10 +5,11 @@
 #   images/build.sh --no-smoke       build only
 #   images/build.sh --push REGISTRY  also tag and push REGISTRY/runtime:$TAG and REGISTRY/operator:$TAG
 #
-# Environment: TAG (default: dev), PDSTACK_BASE_IMAGE (default: the local debootstrap base,
-# pdstack-base:bookworm, made by images/base.sh when missing), PYTHON (default: .venv/bin/python).
+# Environment: TAG (default: dev), PDSTACK_BASE_IMAGE (default: the local debootstrap bases, pdstack-base:bookworm
+# for the operator and pdstack-base-cc:bookworm, the same with gcc, for the runtime, made by images/base.sh when
+# missing; a base given here is used for both), PYTHON (default: .venv/bin/python).
 # Installs docker.io and debootstrap when missing (apt-get, as root) and starts dockerd when it is not
-# running. Cached between runs: the base image (docker) and the wheelhouse (.wheelhouse/, refetched only
+# running. Cached between runs: the base images (docker) and the wheelhouse (.wheelhouse/, refetched only
 # when the requirements change); docker's layer cache makes an unchanged rebuild quick.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,10 +47,15 @@ if ! docker info >/dev/null 2>&1; then
 fi
 export DOCKER_BUILDKIT="${DOCKER_BUILDKIT:-0}"  # the classic builder: no buildx plugin needed
 
-# ---- base image (cached)
+# ---- base images (cached): the operator's, and the runtime's with a C compiler (pdstack's CPU kernels are built
+# for the pod's own CPU at first use; without one they fall back to torch, and --weights auto to fp32)
+RUNTIME_BASE="$BASE"
 if [ "$BASE" = pdstack-base:bookworm ]; then
-    command -v debootstrap >/dev/null || docker image inspect "$BASE" >/dev/null 2>&1 || apt_install debootstrap
+    RUNTIME_BASE=pdstack-base-cc:bookworm
+    command -v debootstrap >/dev/null || { docker image inspect "$BASE" >/dev/null 2>&1 \
+        && docker image inspect "$RUNTIME_BASE" >/dev/null 2>&1; } || apt_install debootstrap
     images/base.sh "$BASE"
+    images/base.sh "$RUNTIME_BASE" gcc libc6-dev
 fi
 
 # ---- wheelhouses (cached) and images
@@ -64,7 +70,8 @@ for image in operator runtime; do
     for target in build final; do
         if [ $target = build ]; then args=(--target build -t "pdstack-$image-build:cache"); else args=(-t "pdstack-$image:$TAG"); fi
         docker build -q -f "images/$image/Dockerfile" "${args[@]}" \
-            --build-arg BASE_IMAGE="$BASE" --build-arg VERSION="$VERSION" \
+            --build-arg BASE_IMAGE="$(if [ "$image" = runtime ]; then echo "$RUNTIME_BASE"; else echo "$BASE"; fi)" \
+            --build-arg VERSION="$VERSION" \
             --build-arg REVISION="$REVISION" --build-arg CREATED="$CREATED" \
             ".wheelhouse/$image" 2> >(grep -v -e DEPRECATED -e 'legacy builder' -e buildx -e BuildKit -e 'environment-variable' -e '^ *$' >&2) >/dev/null
     done

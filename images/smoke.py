@@ -29,7 +29,9 @@ from pdruntime.util.ports import free_port, free_port_block
 
 ROOT = Path(__file__).resolve().parents[1]
 UID = "10001"
-HARDENED = ["--read-only", "--user", f"{UID}:{UID}", "--tmpfs", "/tmp:rw,size=512m,mode=1777",
+# /tmp as a pod's emptyDir is: writable and exec (docker's tmpfs default is noexec), for the CPU kernels the runtime
+# compiles there at first use and loads
+HARDENED = ["--read-only", "--user", f"{UID}:{UID}", "--tmpfs", "/tmp:rw,exec,size=512m,mode=1777",
             "--network", "host", "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
 READY_TIMEOUT_S = 900.0  # model load + three processes on a contended 2-core machine
 
@@ -127,6 +129,15 @@ def smoke_runtime(image: str) -> None:
         status, raw = http("GET", url + "/metrics", timeout=30)
         if status != 200 or b"pdrt_requests_total" not in raw:
             fail("router /metrics has no pdrt_requests_total", name)
+        for role, port in (("prefill", base), ("decode", base + 1)):  # pdrt up's first group: base, base + 1
+            status, raw = http("GET", f"http://127.0.0.1:{port}/config", timeout=30)
+            engine = json.loads(raw).get("engine", {}) if status == 200 else {}
+            # `pdrt up` asks for --weights auto: int4 once the image's C compiler built the CPU kernels (under /tmp:
+            # the root filesystem is read-only); fp32 here means they did not build and every CPU pod runs slow
+            if engine.get("weights") != "int4":
+                fail(f"{role} runs weights={engine.get('weights')!r}, not int4: pdstack's CPU kernels did not build "
+                     f"in the image (attention: {engine.get('attention_kernel')!r}; /config answered {status})", name)
+        print("smoke: runtime: both workers on int4 weights, kernels built in the container")
         helm_test_hook(name, url)
         who = subprocess.run(["docker", "exec", name, "id", "-u"], capture_output=True, text=True).stdout.strip()
         if who != UID:
