@@ -64,6 +64,17 @@ def test_helm_test_hook_passes(kube: Kubectl) -> None:
     assert "chat completion OK" in out
 
 
+def test_the_demo_workers_run_int4_weights(kube: Kubectl) -> None:
+    """The example asks for ``model.weights: auto``: int4 once pdstack's CPU kernels build in the pod (the runtime
+    image ships gcc; the test cluster's pods run on this host, which has one), as each worker's engine line says."""
+    pods = _pair_pods(kube, 0)
+    assert set(pods) == {"prefill", "decode"}, pods
+    for role, pod in pods.items():
+        log = kube("logs", pod["metadata"]["name"], "-c", role)
+        line = next((ln for ln in log.splitlines() if "engine: device=" in ln), None)
+        assert line is not None and " weights=int4 " in line, (role, line or log[-2000:])
+
+
 def test_deleting_the_decode_pod_co_restarts_its_pair(kube: Kubectl, router_url: str) -> None:
     before = _pair_pods(kube, 0)
     assert set(before) == {"prefill", "decode"} and all(_ready(p) for p in before.values())

@@ -131,6 +131,7 @@ def test_model_weights_renders_pdrts_weights_flag_on_cpu_pods_and_is_refused_whe
     with the flag on both sides of the pair; GPU pods, a non-fp32 dtype and the other engines are refused with what
     is accepted."""
     cpu = yaml.safe_load((ROOT / "examples" / "cpu-demo.yaml").read_text())["spec"]
+    cpu["model"] = {k: v for k, v in cpu.get("model", {}).items() if k != "weights"}  # the example asks for auto
     gpu = yaml.safe_load((ROOT / "examples" / "gpu-8x-pairs.yaml").read_text())["spec"]
     owner = Owner("llm", "inference", "u")
 
