@@ -199,3 +199,24 @@ def test_status_condition_and_stalls_list():
     oc = next(c for c in ok["conditions"] if c["type"] == "Stalled")
     assert (oc["status"], oc["reason"], oc["message"]) == ("False", "AsExpected", "no stalled pair")
     assert ok["stalls"] is None and oc["lastTransitionTime"] != cond["lastTransitionTime"]
+
+
+def test_the_next_stall_look_is_due_even_when_no_router_answered():
+    """A sweep that found routers but no answer (one restarting) still requeues within stall_check_s: the stalls
+    are not left unwatched until the next resync (30 s). Off, or no router to ask: no stall timer."""
+    from types import SimpleNamespace
+
+    from pdoperator.core.config import OperatorConfig
+    from pdoperator.safety.rollout import Safety
+    from pdoperator.shell.reconcile import Acted, _requeue
+
+    cfg = OperatorConfig(stall_check_s=15.0, process_drift_s=0)
+    ctx = SimpleNamespace(config=cfg, router=object(), steps=SimpleNamespace(rejections=[]))
+    safety = Safety(None, None, None, None, None)
+
+    def requeue(stalls, due):
+        return _requeue(ctx, None, Acted(None, [], stalls, True, safety, stall_due=due), ready=True)
+
+    assert requeue(None, True) == 15.0  # routers asked, none answered
+    assert requeue([], True) == 15.0
+    assert requeue(None, False) is None  # off, or no router: nothing to look at

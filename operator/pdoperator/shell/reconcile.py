@@ -281,6 +281,9 @@ class Acted:
     stalls: list[stall.Evidence] | None  # None: no look this time
     router_ready: bool
     safety: Safety
+    #: the stall sweep is on and has routers to ask: the next look is due in stall_check_s, whether or not a router
+    #: answered this time (one restarting must not leave stalls unwatched until the next resync)
+    stall_due: bool = False
 
 
 async def act(ctx: Context, obs: Observed, planned: Planned) -> Acted:
@@ -304,7 +307,8 @@ async def act(ctx: Context, obs: Observed, planned: Planned) -> Acted:
                     >= ctx.spec.router.replicas)
     _pair_metrics(ctx, plan_)
     safety = await rollout_safety_step(ctx, obs, plan_, confirmed)
-    return Acted(unsched, entries, stalls, router_ready, safety)
+    stall_due = bool(ctx.drains and ctx.config.stall_check_s > 0 and obs.router_ips and ctx.router is not None)
+    return Acted(unsched, entries, stalls, router_ready, safety, stall_due)
 
 
 async def _push_topology(ctx: Context, obs: Observed, doc: Mapping[str, Any]) -> bool:
@@ -532,7 +536,7 @@ def _requeue(ctx: Context, after: float | None, acted: Acted, ready: bool) -> fl
     cfg = ctx.config
     timers = [acted.safety.wait,
               cfg.process_drift_s if cfg.process_drift_s > 0 and ctx.router is not None else None,
-              cfg.stall_check_s if acted.stalls is not None and cfg.stall_check_s > 0 else None]
+              cfg.stall_check_s if acted.stall_due else None]
     for t in timers:
         if t is not None:
             after = min(after or t, t)
