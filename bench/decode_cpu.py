@@ -120,9 +120,16 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1,
                     help="interleaved rounds per system; the median round counts")
     ap.add_argument("--no-llama", action="store_true", help="leave llama.cpp out even when it is installed")
+    ap.add_argument("--kernel-march", default="native",
+                    help="-march of pdstack's CPU kernels (default native); x86-64-v3 measures the portable build an "
+                         "AVX2-only CPU gets (with ATEN_CPU_CAPABILITY=avx2 to hold torch to AVX2 too)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.kernel_march != "native":
+        from pdruntime.kernels.cpu import native
+
+        native.CFLAGS = tuple(f"-march={args.kernel_march}" if f == "-march=native" else f for f in native.CFLAGS)
     from transformers import AutoModelForCausalLM
 
     from pdruntime.model import default_model_path, load_model

@@ -132,12 +132,17 @@ def smoke_runtime(image: str) -> None:
         for role, port in (("prefill", base), ("decode", base + 1)):  # pdrt up's first group: base, base + 1
             status, raw = http("GET", f"http://127.0.0.1:{port}/config", timeout=30)
             engine = json.loads(raw).get("engine", {}) if status == 200 else {}
-            # `pdrt up` asks for --weights auto: int4 once the image's C compiler built the CPU kernels (under /tmp:
-            # the root filesystem is read-only); fp32 here means they did not build and every CPU pod runs slow
-            if engine.get("weights") != "int4":
-                fail(f"{role} runs weights={engine.get('weights')!r}, not int4: pdstack's CPU kernels did not build "
-                     f"in the image (attention: {engine.get('attention_kernel')!r}; /config answered {status})", name)
-        print("smoke: runtime: both workers on int4 weights, kernels built in the container")
+            # the image's C compiler built pdstack's CPU kernels (under /tmp: the root filesystem is read-only), and
+            # `pdrt up`'s --weights auto took int4 where they are the AVX-512 VNNI build (fp32 on their portable one)
+            kernels = (engine.get("attention_kernel") or {}).get("cpu_kernels")
+            if kernels is None:
+                fail(f"{role}: pdstack's CPU kernels did not build in the image (attention: "
+                     f"{engine.get('attention_kernel')!r}; /config answered {status})", name)
+            want = "int4" if kernels == "avx512-vnni" else "float32"
+            if engine.get("weights") != want:
+                fail(f"{role} runs weights={engine.get('weights')!r} on the {kernels} kernels; --weights auto should "
+                     f"give {want}", name)
+        print(f"smoke: runtime: CPU kernels built in the container ({kernels}), both workers on {want} weights")
         helm_test_hook(name, url)
         who = subprocess.run(["docker", "exec", name, "id", "-u"], capture_output=True, text=True).stdout.strip()
         if who != UID:

@@ -29,7 +29,7 @@ def _add_generate(subparsers) -> None:
     g.add_argument("--weights", choices=WEIGHT_FORMATS, default="fp32",
                    help="fp32: exact (default); int4: 4-bit blocks (the GGUF's own) run by pdstack's CPU kernels; "
                         "int8: torch's dynamic int8, only 55%% of SmolLM2's next-token choices match fp32's; auto: int4 "
-                        "where it can run, else fp32 (docs/benchmarks.md)")
+                        "where the kernels run with AVX-512 VNNI, else fp32 (docs/benchmarks.md)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--device", default="auto", help="auto (cuda:0 when CUDA is available, else cpu) | cpu | cuda | cuda:N")
     g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on cpu) | bf16 | fp16 | fp32")

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 PREFIX = "PDRT_"
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
-#: ``--weights``: fp32 (the dtype's own), int4 and int8 (CPU, fp32), auto (int4 where it can run, else fp32)
+#: ``--weights``: fp32 (the dtype's own), int4 and int8 (CPU, fp32), auto (int4 on AVX-512 VNNI, else fp32)
 WEIGHT_FORMATS = ("auto", "fp32", "int4", "int8")
 
 #: families of variables ``/config`` reports as the process sees them (drift against the declared spec)

@@ -261,6 +261,26 @@ def test_auto_weights_pick_int4_on_the_cpu_and_fp32_elsewhere(tiny_model):
     assert _auto_weights(m, torch.float32, torch.device("cuda")) == "fp32"
 
 
+def test_auto_weights_leave_int4_out_where_the_kernels_are_the_portable_build(tiny_model, monkeypatch, caplog):
+    """A CPU without AVX-512 VNNI gets the kernels' portable build, which decodes int4 ~3x slower than fp32
+    (docs/benchmarks.md): auto takes fp32 there; an explicit int4 still loads, with a warning saying so."""
+    import logging
+
+    from pdruntime.kernels.cpu import native
+    from pdruntime.model import load_model
+    from pdruntime.model.loader import _auto_weights
+
+    m = load_model(tiny_model).model
+    assert _auto_weights(m, torch.float32, torch.device("cpu")) == ("int4" if native.simd_level() == "avx512-vnni"
+                                                                     else "fp32")
+    monkeypatch.setattr(native, "simd_level", lambda: "portable")
+    assert _auto_weights(m, torch.float32, torch.device("cpu")) == "fp32"
+    assert load_model(tiny_model, weights="auto").info.weights == "float32"
+    with caplog.at_level(logging.WARNING, logger="pdruntime.model"):
+        assert load_model(tiny_model, weights="int4").info.weights == "int4"
+    assert any("portable int4 kernels" in r.getMessage() for r in caplog.records)
+
+
 def test_int4_from_the_gguf_blocks_equals_quantising_the_dequantised_model():
     """pdrt up's int4 start-up path (the GGUF's blocks taken as they are) holds the same bytes as quantize_int4 over
     the dequantised fp32 model, layer by layer and for the head; and decodes the same logits."""

@@ -47,7 +47,8 @@ ROUTING_POLICIES = ("least-load", "round-robin", "prefix")  # mirrors pdruntime.
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # mirrors pdruntime.engine.device.DTYPE_CHOICES
 WEIGHTS = ("auto", "fp32", "int4", "int8")  # mirrors pdruntime.env.WEIGHT_FORMATS (pdrt --weights)
 QUANTIZED_WEIGHTS = ("int4", "int8")  # CPU pods only: fp32 activations on pdstack's CPU kernels
-WEIGHTS_AUTO = "int4 where pdstack's CPU kernels run, else the dtype's own (fp32 on CPU pods, bf16 on GPU pods)"
+WEIGHTS_AUTO = ("int4 where pdstack's CPU kernels run with AVX-512 VNNI, else the dtype's own (fp32 on CPU pods, "
+                "bf16 on GPU pods)")
 GPU_RESOURCE = "nvidia.com/gpu"
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 DEFAULT_STARTUP_SECONDS = 1800  # a 70B+ checkpoint from network storage can take tens of minutes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -15,6 +16,8 @@ from ..util.filehash import sha256_files
 from .config import DEFAULT_FILE, DEFAULT_PACKAGE, INSTALL_HINT, LlamaConfig, ModelLoadError, default_model_path  # noqa: F401
 from .llama import LlamaModel, gguf_int4_tensors, resolve_decode_attention
 from .tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_json
+
+log = logging.getLogger("pdruntime.model")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -71,8 +74,8 @@ def load_model(source: str | None = None, *, dtype=torch.float32, weights: str =
 
     source: GGUF file, or HF-layout directory (config.json + *.safetensors + tokenizer.json);
     None = the default SmolLM2 GGUF. weights="int4" holds the Linear layers as 4-bit blocks run by pdstack's CPU
-    kernels; "int8" quantises them with torch's dynamic int8 (both fp32 on cpu only); "auto" is int4 where it can
-    run (fp32 on the CPU, the kernels build here, every Linear's inputs a multiple of 32), else fp32.
+    kernels; "int8" quantises them with torch's dynamic int8 (both fp32 on cpu only); "auto" is int4 where it is
+    fast (fp32 on the CPU, the kernels build here for AVX-512 VNNI, every Linear's inputs a multiple of 32), else fp32.
     tp: a ``TPShard``: load only this rank's shard. Safetensors are read lazily, one tensor at a time,
     so a large checkpoint never sits on the host whole (or in fp32).
     Raises ModelLoadError naming the path and the problem."""
@@ -220,16 +223,22 @@ def _quantize_int4(model, path: str, gguf=None) -> None:
                              "accepted: --weights fp32") from None
     except ValueError as exc:
         raise ModelLoadError(f"{path}: weights='int4' cannot hold this model: {exc}; accepted: --weights fp32") from None
+    from pdruntime.kernels.cpu.native import simd_level
+
+    if simd_level() != "avx512-vnni":
+        log.warning("weights=int4 on this CPU runs pdstack's portable int4 kernels (no AVX-512 VNNI): about 3x slower "
+                    "decode than --weights fp32 (docs/benchmarks.md); --weights auto picks fp32 here")
 
 
 def _auto_weights(model, dtype: torch.dtype, device: torch.device) -> str:
-    """``--weights auto``: int4 on the CPU in fp32 where pdstack's kernels build and every Linear layer's inputs come
-    in whole blocks of 32; fp32 (the model's own dtype) anywhere else."""
+    """``--weights auto``: int4 on the CPU in fp32 where pdstack's kernels build for AVX-512 VNNI and every Linear
+    layer's inputs come in whole blocks of 32; fp32 (the model's own dtype) anywhere else. Their portable build (a
+    CPU without AVX-512 VNNI) decodes int4 about 3x slower than fp32 (docs/benchmarks.md), so auto leaves it out."""
     if dtype != torch.float32 or device.type != "cpu":
         return "fp32"
-    from pdruntime.kernels.cpu.native import unavailable_reason
+    from pdruntime.kernels.cpu.native import simd_level, unavailable_reason
 
     cfg = model.config
     if any(k % 32 for k in (cfg.hidden_size, cfg.q_size, cfg.intermediate_size)) or unavailable_reason():
         return "fp32"
-    return "int4"
+    return "int4" if simd_level() == "avx512-vnni" else "fp32"

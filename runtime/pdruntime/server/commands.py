@@ -22,8 +22,8 @@ def _engine_flags(p: argparse.ArgumentParser, weights: str) -> None:
     g.add_argument("--weights", choices=WEIGHT_FORMATS, default=weights,
                    help=f"weight format (default {weights}): fp32 (the model's dtype, exact); int4 (CPU, fp32: 4-bit "
                         "blocks, the GGUF's own, run by pdstack's native kernels, ~98%% of next-token choices as "
-                        "fp32's, docs/benchmarks.md); int8 (CPU: torch's dynamic int8, 55%%); auto: int4 where it "
-                        "can run, else fp32")
+                        "fp32's, docs/benchmarks.md); int8 (CPU: torch's dynamic int8, 55%%); auto: int4 where the "
+                        "kernels run with AVX-512 VNNI (their portable build is slower than fp32), else fp32")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pages (default: from --kv-cache-mib)")
     g.add_argument("--kv-cache-mib", type=int, default=None, help="KV budget in MiB when --num-blocks is not given")
