@@ -307,7 +307,8 @@ def main() -> int:
                     row = measure(urls[which], pids[which], args.seconds, script, worker_pids)
                     results.setdefault((kind, which), []).append(row)
                     print(f"{kind} round {r + 1} {which}: p50 {row['p50_ms']:.2f} ms, {row['rps16']:.0f} req/s at 16, "
-                          f"{row['cpu_per_1k_c1']:.2f} / {row['cpu_per_1k_c16']:.2f} CPU s / 1k at 1 / 16, {row['failed']} failed, load {os.getloadavg()[0]:.1f}",
+                          f"{row['cpu_per_1k_c1']:.2f} / {row['cpu_per_1k_c16']:.2f} CPU s / 1k at 1 / 16, "
+                          f"{row['failed']} failed, load {os.getloadavg()[0]:.1f}",
                           flush=True)
             for which in ("pdstack", "sglang"):
                 stack.stop(f"router-{which}")
@@ -332,7 +333,8 @@ def main() -> int:
             added = f"{med(rows, 'p50_ms') - direct:.2f}" if direct is not None else "-"
             cpus = " | ".join(f"{med(rows, k):.3f}" for k in cpu_keys)
             print(f"| {kind} | {which} | {med(rows, 'p50_ms'):.2f} | {added} | {med(rows, 'p99_ms'):.2f} | "
-                  f"{med(rows, 'rps16'):.0f} | {med(rows, 'p50_16_ms'):.2f} | {cpus} | {sum(r['failed'] for r in rows)} |")
+                  f"{med(rows, 'rps16'):.0f} | {med(rows, 'p50_16_ms'):.2f} | {cpus} | "
+                  f"{sum(r['failed'] for r in rows)} |")
         a, b = results[(kind, "pdstack")], results[(kind, "sglang")]
         ratios = " | ".join(f"{med(a, k) / med(b, k):.2f}x" for k in cpu_keys)
         print(f"| {kind} | pdstack / sglang | {med(a, 'p50_ms') / med(b, 'p50_ms'):.2f}x | "

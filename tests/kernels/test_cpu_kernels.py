@@ -271,7 +271,7 @@ def test_auto_weights_leave_int4_out_where_the_kernels_are_the_portable_build(ti
     from pdruntime.model.loader import _auto_weights
 
     m = load_model(tiny_model).model
-    assert _auto_weights(m, torch.float32, torch.device("cpu")) == ("int4" if native.simd_level() == "avx512-vnni"
+    assert _auto_weights(m, torch.float32, torch.device("cpu")) == ("int4" if native.simd_level() == native.VNNI
                                                                      else "fp32")
     monkeypatch.setattr(native, "simd_level", lambda: "portable")
     assert _auto_weights(m, torch.float32, torch.device("cpu")) == "fp32"

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from dataclasses import asdict
 
-from .spec import PDSpec, PodTemplate, Probes, RoleSpec
+from .spec import ModelSpec, PDSpec, PodTemplate, Probes, RoleSpec, default_of
 
 #: annotation on a ControllerRevision: when it last became the current revision (RFC 3339, UTC)
 ANN_CURRENT_SINCE = "pdstack.io/current-since"
@@ -69,7 +69,8 @@ def effective_config(spec: PDSpec) -> dict[str, Any]:
                   **({"sha256": spec.model.sha256} if spec.model.sha256 else {}),
                   **({"storage": _jsonable(asdict(spec.model.storage))} if spec.model.storage else {}),
                   **({"dtype": spec.model.dtype} if spec.model.dtype != "auto" else {}),
-                  **({"weights": spec.model.weights} if spec.model.weights != "fp32" else {})},
+                  **({"weights": spec.model.weights}
+                     if spec.model.weights != default_of(ModelSpec, "weights") else {})},
         "prefill": _role_config(spec.prefill),
         "decode": _role_config(spec.decode),
         "placement": {

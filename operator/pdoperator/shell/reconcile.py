@@ -300,14 +300,14 @@ async def act(ctx: Context, obs: Observed, planned: Planned) -> Acted:
     entries = await _apply_children(ctx, planned) + obs.pod_drift
     entries += await _runtime_drift(ctx, obs, entries)
     await _watchdog_mapping(ctx)
-    stalls = await _stall_sweep(ctx, obs) if ctx.drains else None
+    stall_due = _stall_sweep_on(ctx, obs)
+    stalls = await _stall_sweep(ctx, obs) if stall_due else None
     router_obj = await steps.run(ctx.kube.get(path("apps/v1", "Deployment", ctx.namespace, router_name(ctx.name))),
                                  default={})
     router_ready = (int(((router_obj or {}).get("status") or {}).get("availableReplicas", 0) or 0)
                     >= ctx.spec.router.replicas)
     _pair_metrics(ctx, plan_)
     safety = await rollout_safety_step(ctx, obs, plan_, confirmed)
-    stall_due = bool(ctx.drains and ctx.config.stall_check_s > 0 and obs.router_ips and ctx.router is not None)
     return Acted(unsched, entries, stalls, router_ready, safety, stall_due)
 
 
@@ -462,14 +462,17 @@ async def _process_drift(ctx: Context, views: list[Any]) -> list[DriftEntry]:
     return entries
 
 
+def _stall_sweep_on(ctx: Context, obs: Observed) -> bool:
+    """Stall detection runs this reconcile: it is on, and there are routers to ask (and a client to ask them with)."""
+    return bool(ctx.drains and ctx.config.stall_check_s > 0 and obs.router_ips and ctx.router is not None)
+
+
 async def _stall_sweep(ctx: Context, obs: Observed) -> list[stall.Evidence] | None:
     """Stall detection (``stall.evaluate`` decides), at most every ``stall_check_s``: every router's
     ``/debug/requests`` (its rows and its workers') and each ready worker's ``/metrics``. A Warning Event
     ``Stalled`` and a log line when a pair turns stalled (once per episode: the status remembers it);
-    ``pdstack_pair_stalled`` per pair. None: no look (off, no router, no router answered)."""
+    ``pdstack_pair_stalled`` per pair. None: no router answered. Run only when :func:`_stall_sweep_on`."""
     cfg, http, last = ctx.config, ctx.router, ctx.state.stall_sweep
-    if cfg.stall_check_s <= 0 or not obs.router_ips or http is None:
-        return None
     if last is not None and time.monotonic() - last[0] < cfg.stall_check_s:
         return list(last[1].values())
     workers = [v for v in obs.views if v.ready and v.ip and not v.terminating]

@@ -118,11 +118,11 @@ class Engine:
         self.num_preemptions = 0
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0  # prompt tokens computed by prefill forwards (cache hits excluded)
-        log.info("engine: device=%s dtype=%s tp=%d attention=%s cuda_graphs=%s weights=%s (%.1f MiB); KV cache %d pages "
-                 "x %d tokens = %d tokens (%.1f MiB, %s): max context %d tokens x %d sequences%s",
+        log.info("engine: device=%s dtype=%s tp=%d attention=%s cuda_graphs=%s weights=%s (%.1f MiB); KV cache %d "
+                 "pages x %d tokens = %d tokens (%.1f MiB, %s): max context %d tokens x %d sequences%s",
                  self.config.device, self.config.dtype, self.tp_size, self.model.attention_backend, self.graphs_status,
-                 self.model.weight_format, _weight_bytes(self.model) / 2**20, num_blocks, bs, num_blocks * bs, self.kv.nbytes / 2**20,
-                 self.kv_budget_source, self.max_model_len, self.max_full_context_seqs,
+                 self.model.weight_format, _weight_bytes(self.model) / 2**20, num_blocks, bs, num_blocks * bs,
+                 self.kv.nbytes / 2**20, self.kv_budget_source, self.max_model_len, self.max_full_context_seqs,
                  f"; {torch.cuda.memory_allocated(self.device) / 2**20:.0f} MiB allocated on {self.device}"
                  if self.device.type == "cuda" else "")
 

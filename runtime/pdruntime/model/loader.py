@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..env import WEIGHT_FORMATS
 from ..util.filehash import sha256_files
 from .config import DEFAULT_FILE, DEFAULT_PACKAGE, INSTALL_HINT, LlamaConfig, ModelLoadError, default_model_path  # noqa: F401
 from .llama import LlamaModel, gguf_int4_tensors, resolve_decode_attention
@@ -21,7 +22,6 @@ log = logging.getLogger("pdruntime.model")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-WEIGHT_FORMATS = ("auto", "fp32", "int4", "int8")
 
 
 @dataclass(frozen=True)
@@ -223,22 +223,21 @@ def _quantize_int4(model, path: str, gguf=None) -> None:
                              "accepted: --weights fp32") from None
     except ValueError as exc:
         raise ModelLoadError(f"{path}: weights='int4' cannot hold this model: {exc}; accepted: --weights fp32") from None
-    from pdruntime.kernels.cpu.native import simd_level
+    from pdruntime.kernels.cpu.native import int4_is_fast
 
-    if simd_level() != "avx512-vnni":
+    if not int4_is_fast():
         log.warning("weights=int4 on this CPU runs pdstack's portable int4 kernels (no AVX-512 VNNI): about 3x slower "
                     "decode than --weights fp32 (docs/benchmarks.md); --weights auto picks fp32 here")
 
 
 def _auto_weights(model, dtype: torch.dtype, device: torch.device) -> str:
     """``--weights auto``: int4 on the CPU in fp32 where pdstack's kernels build for AVX-512 VNNI and every Linear
-    layer's inputs come in whole blocks of 32; fp32 (the model's own dtype) anywhere else. Their portable build (a
-    CPU without AVX-512 VNNI) decodes int4 about 3x slower than fp32 (docs/benchmarks.md), so auto leaves it out."""
+    layer's inputs come in whole blocks of 32; fp32 (the model's own dtype) anywhere else (:func:`int4_is_fast`)."""
     if dtype != torch.float32 or device.type != "cpu":
         return "fp32"
-    from pdruntime.kernels.cpu.native import simd_level, unavailable_reason
+    from pdruntime.kernels.cpu.native import int4_is_fast, unavailable_reason
 
     cfg = model.config
     if any(k % 32 for k in (cfg.hidden_size, cfg.q_size, cfg.intermediate_size)) or unavailable_reason():
         return "fp32"
-    return "int4" if simd_level() == "avx512-vnni" else "fp32"
+    return "int4" if int4_is_fast() else "fp32"

@@ -3,9 +3,9 @@
 The torch path (``kernels/reference.py``) gathers every page of the batch into one buffer and runs SDPA over
 it: at 8 sequences of ~2,500 tokens that gather alone was a quarter of a decode step. This kernel reads each
 sequence's pages where they are, one span of one sequence per work item, all its KV heads, with the query heads
-that share a KV head together, online softmax over chunks of 16 tokens, and cuts long contexts into spans merged by their max
-and sum when there are fewer work items than threads (flash-decoding). fp32 caches; the caller keeps the torch
-path for others.
+that share a KV head together, online softmax over chunks of 16 tokens, and cuts long contexts into spans merged
+by their max and sum when there are fewer work items than threads (flash-decoding). fp32 caches; the caller keeps
+the torch path for others.
 """
 
 from __future__ import annotations

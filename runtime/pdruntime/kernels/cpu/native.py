@@ -136,6 +136,15 @@ def unavailable_reason() -> str | None:
     return str(lib) if isinstance(lib, NativeUnavailable) else None
 
 
+VNNI = "avx512-vnni"
+
+
 def simd_level() -> str:
     """The instruction set the kernels were built for: ``avx512-vnni`` or ``portable``."""
-    return "avx512-vnni" if native().pdrt_simd_level() == 2 else "portable"
+    return VNNI if native().pdrt_simd_level() == 2 else "portable"
+
+
+def int4_is_fast() -> bool:
+    """Whether int4 weights beat fp32 here: on the AVX-512 VNNI build only; the portable build (a CPU without it)
+    decodes int4 about 3x slower than fp32 (docs/benchmarks.md, "int4 on a CPU without AVX-512 VNNI")."""
+    return simd_level() == VNNI
