@@ -203,3 +203,55 @@ def test_client_of_from_header_or_api_key_never_the_key():
     assert key.startswith("key-") and "secret" not in key
     assert key == client_of({"authorization": "Bearer sk-secret-123"})
     assert client_of({}) == "anonymous"
+
+
+class _Recorder:
+    """A transport that keeps each write apart (what goes out as one segment and one wake-up for the client)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("version, ends_with_done", [("1.1", True), ("1.1", False), ("1.0", True)])
+def test_a_streamed_answer_ends_in_the_write_that_carries_done(version, ends_with_done):
+    """The router's server writes the head with the first chunk and, when a chunk ends in ``data: [DONE]``, the
+    chunked terminator with that chunk: a one-token stream is one write. A stream that ends without [DONE] still gets
+    its terminator, in a write of its own; HTTP/1.0 gets no chunk framing; ``finish`` runs once, told it completed."""
+    import asyncio
+
+    from pdruntime.server.router.reply import Streamed
+    from pdruntime.server.router.server import RouterConnection, _Exchange
+    from pdruntime.util.sse import SSE_DONE
+
+    last = b'data: {"n": 2}\n\n' + (SSE_DONE if ends_with_done else b"")
+    finished: list[bool] = []
+
+    async def chunks():
+        yield b'data: {"n": 1}\n\n'
+        yield last
+
+    async def finish(completed: bool) -> None:
+        finished.append(completed)
+
+    async def run() -> list[bytes]:
+        conn = RouterConnection()
+        conn.transport = _Recorder()  # type: ignore[assignment]
+        ex = _Exchange()
+        ex.version, ex.keep_alive = version, True
+        assert await conn._stream(ex, Streamed(chunks(), finish))
+        return conn.transport.writes  # type: ignore[attr-defined]
+
+    writes = asyncio.run(run())
+    assert finished == [True]
+    if version == "1.0":
+        assert len(writes) == 2 and writes[0].endswith(b'data: {"n": 1}\n\n') and writes[1] == last
+        return
+    assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and b"transfer-encoding: chunked" in writes[0]
+    assert writes[1] == b"%x\r\n%b\r\n" % (len(last), last) + (b"0\r\n\r\n" if ends_with_done else b"")
+    assert writes[2:] == ([] if ends_with_done else [b"0\r\n\r\n"])

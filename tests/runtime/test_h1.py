@@ -284,3 +284,25 @@ def test_against_uvicorn_as_the_workers_serve():
     finally:
         server.should_exit = True
         th.join(10)
+
+
+def test_a_request_head_carries_every_header_and_a_non_text_value_too():
+    """The head is joined in C for str values (the router's legs) and written value by value otherwise."""
+    req = h1.Request("POST", "http://127.0.0.1:9/generate?x=1", b"{}", {"x-client-id": "c1", "x-n": 3}, None)
+    assert req.encode() == (b"POST /generate?x=1 HTTP/1.1\r\nHost: 127.0.0.1:9\r\nContent-Length: 2\r\n"
+                            b"x-client-id: c1\r\nx-n: 3\r\n\r\n{}")
+    assert h1.Request("GET", "http://h:8/health", b"", None, None).encode() == \
+        b"GET /health HTTP/1.1\r\nHost: h:8\r\n\r\n"
+
+
+async def test_a_connect_and_read_timeout_pair_bounds_the_wait_for_an_answer():
+    """``timeout=(connect, read)``, as the router's legs pass it: the read bound cuts a peer that never answers;
+    ``(connect, None)``: no read bound of its own (decode's stream)."""
+    async with RawServer(lambda m, p, h, b: [30.0, ok(b"{}")]) as srv:
+        client = h1.Client()
+        with pytest.raises(httpx.ReadTimeout):
+            await client.send(client.build_request("POST", srv.url + "/generate", json={}, timeout=(5.0, 0.3)))
+        call = client.start(client.build_request("POST", srv.url + "/generate", json={}, timeout=(5.0, None)))
+        assert (call.connect_s, call.read_s, call.timer) == (5.0, None, None)
+        call.cancel()
+        await client.aclose()

@@ -31,7 +31,7 @@ PREFILL_VERDICT_WAIT_S = 1.0  # seconds a failed decode leg waits for prefill's 
 #: when its process is frozen (the health prober catches those in 5 s), so this only has to outlast the router's
 #: own event loop being starved on a saturated host, where a 3-s limit failed healthy workers as unreachable
 CONNECT_TIMEOUT_S = 10.0
-DECODE_TIMEOUT = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
+DECODE_TIMEOUT = (CONNECT_TIMEOUT_S, None)  # (connect, read) seconds: no read timeout of its own (h1._timeouts)
 
 
 class LegError(Exception):
@@ -140,11 +140,12 @@ class Legs:
         LegError. Driven by the answer's arrival, without a task; cancelling it (:meth:`_cancel_prefill`) closes
         the call's connection (the worker sees the router hang up)."""
         outcome = self.client.loop.create_future()
-        headers = {**self.headers, DEADLINE_HEADER: f"{self.remaining():.3f}"}  # prefill's admission reads it
+        left = self.remaining()
+        headers = {**self.headers, DEADLINE_HEADER: f"{left:.3f}"}  # prefill's admission reads it
         try:
             self._prefill_call = self.client.start(self.client.build_request(
                 "POST", self.pair.prefill_url + self.prefill_req.path, json=self.prefill_req.body, headers=headers,
-                timeout=httpx.Timeout(self.remaining() + 1.0, connect=CONNECT_TIMEOUT_S)))
+                timeout=(CONNECT_TIMEOUT_S, left + 1.0)))
         except httpx.HTTPError as exc:
             outcome.set_exception(self._unreachable("prefill", exc))
             return outcome

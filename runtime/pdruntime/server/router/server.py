@@ -36,6 +36,7 @@ from pdruntime.server.edge import body_too_large, body_too_slow, error_headers, 
 from pdruntime.server.openai.schemas import ApiError
 from pdruntime.server.router.reply import EdgeCall, Streamed
 from pdruntime.util import h1
+from pdruntime.util.sse import SSE_DONE
 
 log = logging.getLogger("pdruntime.router")
 
@@ -44,6 +45,7 @@ SWEEP_S = 1.0  # seconds between sweeps for idle keep-alive connections
 MAX_PIPELINED = 16  # complete requests queued behind the one being answered before reading pauses
 HOT_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 
+_LAST_CHUNK = b"0\r\n\r\n"  # the chunked encoding's terminator
 _STATUS = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in http.HTTPStatus}
 
 
@@ -291,18 +293,20 @@ class RouterConnection(asyncio.Protocol):
         self._answered(ex)
 
     async def _stream(self, ex: _Exchange, out: Streamed) -> bool:
-        """SSE chunks as they come (the head goes out with the first); ``out.finish`` runs once whatever happens.
-        False when the answer could not be completed (the connection is closed)."""
+        """SSE chunks as they come (the head goes out with the first, the chunked terminator with the chunk that ends
+        in ``data: [DONE]``: one write, one segment and one wake-up for the client); ``out.finish`` runs once
+        whatever happens. False when the answer could not be completed (the connection is closed)."""
         chunked = ex.version == "1.1"
         if not chunked:
             ex.keep_alive = False  # HTTP/1.0: the body ends when the connection closes
         head: bytes | None = self._head(ex, 200, b"text/event-stream; charset=utf-8", None, None)
-        completed = False
+        completed = ended = False
         try:
             async for chunk in out.chunks:
-                if not chunk:
-                    continue
-                data = b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk
+                if not chunk or ended:
+                    continue  # nothing follows [DONE]; the iterator still runs to its end
+                ended = chunk.endswith(SSE_DONE)
+                data = (b"%x\r\n%b\r\n%b" % (len(chunk), chunk, _LAST_CHUNK if ended else b"")) if chunked else chunk
                 if head is not None:
                     data, head = head + data, None
                 self.transport.write(data)  # type: ignore[union-attr]
@@ -320,8 +324,8 @@ class RouterConnection(asyncio.Protocol):
             return False
         finally:
             await asyncio.shield(out.finish(completed))
-        if not self.closing:
-            self.transport.write((head or b"") + (b"0\r\n\r\n" if chunked else b""))  # type: ignore[union-attr]
+        if not self.closing and not ended:
+            self.transport.write((head or b"") + (_LAST_CHUNK if chunked else b""))  # type: ignore[union-attr]
         return True
 
     async def _asgi(self, ex: _Exchange) -> None:
