@@ -18,7 +18,11 @@ requests/s. CPU: the router process's user+system seconds (``/proc/PID/stat``) p
 prefill and decode workers together (what each router's requests cost the workers it shares the CPUs with).
 Rounds interleave the routers (A B A B); the table gives medians over rounds and the ratio pdstack / sglang.
 
-    .venv/bin/python bench/router.py [--seconds 6] [--rounds 3] [--workers noop pdrt]
+    .venv/bin/python bench/router.py [--seconds 6] [--rounds 3] [--workers noop pdrt] [--instructions]
+
+``--instructions`` also counts each router's user-space instructions per request on the no-op workers under
+valgrind's callgrind: on a shared host, where the time figures above swing by a quarter from one run to the
+next, this count repeats to within a fraction of a percent.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -191,7 +196,9 @@ def start_workers(stack: Stack, kind: str, model: str | None) -> tuple[str, str,
     return p_url, d_url, bp
 
 
-def start_router(stack: Stack, which: str, p_url: str, d_url: str, bp: int) -> str:
+def start_router(stack: Stack, which: str, p_url: str, d_url: str, bp: int, wrap: list[str] = (),
+                 name: str | None = None, timeout: float = 180) -> str:
+    """Start ``which`` router in front of the workers (``wrap``: an argv prefix, e.g. valgrind's); its URL."""
     port = free_port()
     if which == "pdstack":
         argv = [sys.executable, "-m", "pdruntime.server", "serve", "--role", "router", "--host", "127.0.0.1",
@@ -203,7 +210,7 @@ def start_router(stack: Stack, which: str, p_url: str, d_url: str, bp: int) -> s
                 "--prometheus-port", str(free_port()), "--policy", "round_robin", "--worker-startup-timeout-secs",
                 "60", "--worker-startup-check-interval", "1", "--log-level", "warn"]
     url = f"http://127.0.0.1:{port}"
-    wait_ok(url, stack.spawn(f"router-{which}", argv), f"{which} router")
+    wait_ok(url, stack.spawn(name or f"router-{which}", [*wrap, *argv]), f"{which} router", timeout)
     return url
 
 
@@ -264,6 +271,51 @@ def measure(url: str, pid: int | None, seconds: float, script: str, workers: tup
             "failed": lat["non2xx"] + thr["non2xx"], "socket_errors": lat["socket_errors"] or thr["socket_errors"]}
 
 
+def _dumped_instructions(folder: str, prefix: str) -> int | None:
+    """Instructions in callgrind's dumps named ``prefix*`` (each file's last line, ``totals:``), None until every
+    dump found is complete."""
+    total, found = 0, False
+    for f in os.listdir(folder):
+        if f.startswith(prefix):
+            with open(os.path.join(folder, f)) as fh:
+                lines = fh.read().splitlines()
+            if not lines or not lines[-1].startswith("totals:"):
+                return None
+            total += int(lines[-1].split()[1])
+            found = True
+    return total if found else None
+
+
+def instructions_per_request(stack: Stack, which: str, p_url: str, d_url: str, bp: int, seconds: float,
+                             script: str) -> dict:
+    """User-space instructions per request of ``which`` router at 16 connections, counted by valgrind's callgrind:
+    the same count on a quiet host and on a busy one (the time figures swing with the host's other load), for
+    the router's own code and the libraries it runs (Python and its C extensions; Rust and its crates); what
+    the kernel does for its system calls is not counted. Instrumentation is on only while wrk runs, after a
+    warm-up; the count is over every thread of the process."""
+    out = os.path.join(stack.log_dir, f"callgrind.{which}")
+    name = f"callgrind-{which}"
+    url = start_router(stack, which, p_url, d_url, bp, name=name, timeout=600,
+                       wrap=["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p"])
+    pid = stack.procs[name].pid
+    try:
+        wrk(url, 16, 3, script)  # warm: connections pooled, code paths taken once
+        subprocess.run(["callgrind_control", "-i", "on", str(pid)], capture_output=True, check=True, timeout=60)
+        run = wrk(url, 16, seconds, script)
+        subprocess.run(["callgrind_control", "-i", "off", str(pid)], capture_output=True, check=True, timeout=60)
+        subprocess.run(["callgrind_control", "-d", str(pid)], capture_output=True, check=True, timeout=60)
+        total, deadline = None, time.monotonic() + 60
+        while total is None and time.monotonic() < deadline:  # the dump is written after the command returns
+            time.sleep(0.5)
+            total = _dumped_instructions(stack.log_dir, f"{os.path.basename(out)}.{pid}.")  # -d's dumps: .PID.N
+        if total is None:
+            raise RuntimeError(f"callgrind wrote no complete dump of the {which} router under {stack.log_dir}")
+    finally:
+        stack.stop(name)
+    return {"requests": run["requests"], "instructions": total, "per_request": total / max(1, run["requests"]),
+            "failed": run["non2xx"]}
+
+
 def med(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
@@ -277,7 +329,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     ap.add_argument("--workers", nargs="+", choices=("noop", "pdrt"), default=["noop", "pdrt"])
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--instructions", action="store_true",
+                    help="also count each router's user-space instructions per request on the no-op workers under "
+                         "valgrind's callgrind (a figure the host's other load does not move; needs valgrind)")
     args = ap.parse_args()
+    if args.instructions and not (shutil.which("valgrind") and shutil.which("callgrind_control")):
+        print("bench/router.py: error: --instructions needs valgrind and callgrind_control; accepted: Debian's "
+              "valgrind (apt-get install valgrind)", file=sys.stderr)
+        return 2
     if not subprocess.run(["sh", "-c", "command -v wrk"], capture_output=True).stdout:
         print("bench/router.py: error: wrk is not installed; accepted: Debian's wrk (apt-get install wrk)",
               file=sys.stderr)
@@ -289,6 +348,7 @@ def main() -> int:
         fh.write(WRK_LUA.format(body=json.dumps(BODY)))
     stack = Stack(log_dir)
     results: dict[tuple[str, str], list[dict]] = {}
+    counted: dict[str, dict] = {}
     try:
         model = None
         if "pdrt" in args.workers:
@@ -312,6 +372,12 @@ def main() -> int:
                           flush=True)
             for which in ("pdstack", "sglang"):
                 stack.stop(f"router-{which}")
+            if kind == "noop" and args.instructions:
+                for which in ("pdstack", "sglang"):
+                    counted[which] = instructions_per_request(stack, which, p_url, d_url, bp, 2 * args.seconds,
+                                                              script)
+                    print(f"{which}: {counted[which]['per_request']:,.0f} user-space instructions per request "
+                          f"({counted[which]['requests']} requests)", flush=True)
             for name in [n for n in stack.procs if n.startswith(kind)]:
                 stack.stop(name)
     finally:
@@ -340,9 +406,20 @@ def main() -> int:
         print(f"| {kind} | pdstack / sglang | {med(a, 'p50_ms') / med(b, 'p50_ms'):.2f}x | "
               f"{med(a, 'p50_ms') - med(b, 'p50_ms'):+.2f} ms | | {med(a, 'rps16') / med(b, 'rps16'):.2f}x | | "
               f"{ratios} | |")
+    if counted:
+        a, b = counted["pdstack"]["per_request"], counted["sglang"]["per_request"]
+        print(f"\nuser-space instructions per request (valgrind callgrind, no-op workers, wrk -c16 for "
+              f"{2 * args.seconds:g} s under instrumentation; the kernel's work for system calls is not counted)")
+        print("| router | instructions / request | requests counted | failed |")
+        print("|---|---:|---:|---:|")
+        for which in ("pdstack", "sglang"):
+            c = counted[which]
+            print(f"| {which} | {c['per_request']:,.0f} | {c['requests']} | {c['failed']} |")
+        print(f"| pdstack / sglang | {a / b:.2f}x | | |")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({f"{k[0]}/{k[1]}": v for k, v in results.items()}, fh, indent=1)
+            json.dump({**{f"{k[0]}/{k[1]}": v for k, v in results.items()},
+                       **{f"instructions/{k}": v for k, v in counted.items()}}, fh, indent=1)
     return 0
 
 

@@ -306,3 +306,19 @@ async def test_a_connect_and_read_timeout_pair_bounds_the_wait_for_an_answer():
         assert (call.connect_s, call.read_s, call.timer) == (5.0, None, None)
         call.cancel()
         await client.aclose()
+
+
+async def test_an_answer_whose_head_never_ends_is_cut_at_the_head_limit():
+    """A worker that keeps sending header lines (in one read or many) fails the call once its head passes
+    HEAD_LIMIT, and the connection is not reused; a large body after a small head is read whole."""
+    line = b"x-pad: " + b"a" * 1000 + b"\r\n"
+    endless = [b"HTTP/1.1 200 OK\r\n"] + [line * 8, 0.005] * 12  # ~96 KiB of head in 12 reads, never ended
+    big = b"x" * (3 * h1.HEAD_LIMIT)
+    async with RawServer(lambda m, p, h, b: endless if p == "/endless" else ok(big)) as srv:
+        client = h1.Client()
+        with pytest.raises(httpx.RemoteProtocolError, match=f"head exceeds {h1.HEAD_LIMIT} bytes"):
+            await client.post(srv.url + "/endless", json={}, timeout=(5.0, 10.0))
+        r = await client.post(srv.url + "/big", json={})
+        assert r.status_code == 200 and r.content == big
+        await client.aclose()
+    assert srv.connections == 2

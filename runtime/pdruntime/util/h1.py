@@ -394,12 +394,14 @@ class _Conn(asyncio.Protocol):
         self.resp: Response | None = None
         self.got_bytes = False
         self._headers: list[tuple[bytes, bytes]] = []
-        self._head_bytes = 0
+        self._in_head = False  # a call was sent and its answer's head is not complete yet
+        self._head_bytes = 0  # bytes of that head so far (counted per read, not per header: HEAD_LIMIT)
         self._interim = False  # a 1xx answer before the real one
 
     def begin(self, call: Call) -> None:
         """Send ``call``'s request; its answer resolves ``call.fut``."""
         self.call, call.conn, self.got_bytes = call, self, False
+        self._in_head, self._head_bytes = True, 0
         self.transport.write(call.wire)  # type: ignore[union-attr]
 
     # ---- asyncio.Protocol ----
@@ -413,6 +415,10 @@ class _Conn(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
+            if self._in_head:  # all of this read was head, and the head is still not complete
+                self._head_bytes += len(data)
+                if self._head_bytes > HEAD_LIMIT:
+                    raise httptools.HttpParserError("head too long")
         except httptools.HttpParserError:
             url = self.call.req.url if self.call is not None else "?"
             self._broken(httpx.RemoteProtocolError(f"{url}: the answer's head exceeds {HEAD_LIMIT} bytes"
@@ -448,13 +454,9 @@ class _Conn(asyncio.Protocol):
     # ---- httptools callbacks ----
     def on_message_begin(self) -> None:
         self._headers = []
-        self._head_bytes = 0
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._head_bytes += len(name) + len(value) + 4
-        if self._head_bytes > HEAD_LIMIT:
-            raise httptools.HttpParserError("head too long")
-        self._headers.append((name, value))
+        self._headers.append((name, value))  # bounded: data_received stops a head past HEAD_LIMIT
 
     def on_headers_complete(self) -> None:
         call = self.call
@@ -462,8 +464,9 @@ class _Conn(asyncio.Protocol):
             raise httptools.HttpParserError("an answer nobody asked for")
         status = self.parser.get_status_code()
         if 100 <= status < 200:
-            self._interim = True
+            self._interim, self._head_bytes = True, 0
             return
+        self._in_head = False
         self.keep = self.parser.should_keep_alive()
         self.resp = resp = Response(self, call.req, status, Headers(self._headers), call.read_s)
         if not call.whole:

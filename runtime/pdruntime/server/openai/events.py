@@ -36,9 +36,11 @@ def usage_dict(prompt: int, completion: int, cached: int | None) -> dict:
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TokenEvent:
-    """One decode event of one choice. Counts are that choice's; ``text`` is its whole text so far."""
+    """One decode event of one choice. Counts are that choice's; ``text`` is its whole text so far. Read-only once
+    built (:meth:`then` builds a new one); not a frozen dataclass only because those cost a setattr call per field,
+    and decode and the router build one per event."""
 
     delta: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -109,7 +111,7 @@ class TokenEvent:
         [0, n)."""
         mi = ev.get("meta_info") or {}
         index = ev.get("index")
-        if n is not None:
+        if index is not None and n is not None:  # absent: choice 0, which every n has
             choice_index(index, n)
         pt, ct, cached = mi.get("prompt_tokens"), mi.get("completion_tokens"), mi.get("cached_tokens")
         return cls(delta=ev.get("delta", ""), token_ids=list(ev.get("token_ids") or ()), text=ev.get("text", ""),

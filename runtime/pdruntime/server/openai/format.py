@@ -63,16 +63,16 @@ class Choices:
     n: int = 1
     prompt_tokens: int = 0
     cached_tokens: int | None = None  # prompt tokens prefill did not recompute (None: not reported)
-    tokens: list[int] = field(default_factory=list)  # completion tokens per choice, so far
-    started: list[bool] = field(default_factory=list)
-    finished: list[bool] = field(default_factory=list)
+    tokens: list[int] = field(init=False)  # completion tokens per choice, so far (set by __post_init__)
+    started: list[bool] = field(init=False)
+    finished: list[bool] = field(init=False)
 
     def __post_init__(self) -> None:
         self.tokens, self.started, self.finished = [0] * self.n, [False] * self.n, [False] * self.n
 
     def see(self, ev: TokenEvent) -> tuple[int, bool]:
         """Record an event: (its choice, whether it is that choice's first event). ValueError for a bad index."""
-        i = choice_index(ev.index, self.n)
+        i = 0 if ev.index is None else choice_index(ev.index, self.n)
         if ev.prompt_tokens is not None:
             self.prompt_tokens = ev.prompt_tokens
         if ev.cached_tokens is not None:
@@ -92,10 +92,11 @@ class Choices:
         return usage_dict(self.prompt_tokens, sum(self.tokens), self.cached_tokens)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class OpenAIShape:
     """Response shape of one request: chat or text completion, its id, model and creation time; with
-    ``tool_parser`` the output is parsed into tool calls; with ``echo`` the prompt precedes the text."""
+    ``tool_parser`` the output is parsed into tool calls; with ``echo`` the prompt precedes the text. Read-only
+    once built (not frozen: one is built per request, and a frozen dataclass costs a setattr call per field)."""
 
     chat: bool
     oid: str

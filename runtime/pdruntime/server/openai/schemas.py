@@ -252,6 +252,9 @@ class ChatMessage(_Strict):
         return d
 
 
+_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")  # same name both sides
+
+
 class _SamplingFields(_Strict):
     model: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     max_tokens: MaxTokens | None = None
@@ -286,13 +289,28 @@ class _SamplingFields(_Strict):
     def sampling_params(self) -> dict:
         """SGLang-shaped sampling_params for the worker legs (validated again there by :class:`WorkerSampling`).
         Fields the client left out stay None: the worker fills in the model's defaults."""
-        out = {"max_new_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-               "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-               "seed": self.seed, "stop": list(self.stop_tuple()), "ignore_eos": self.ignore_eos,
-               "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
-               "logit_bias": {k: v for k, v in (self.logit_bias or {}).items()} or None,
-               "stop_token_ids": self.stop_token_ids, "logprobs": self.logprobs_n(), "n": self.n if self.n > 1 else None}
-        return {k: v for k, v in out.items() if v is not None}
+        out: dict = {}  # built key by key (one per request: no comprehension to drop the Nones afterwards)
+        if self.max_tokens is not None:
+            out["max_new_tokens"] = self.max_tokens
+        for key in _OPTIONAL_SAMPLING:
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        stop = self.stop
+        out["stop"] = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+        out["ignore_eos"] = self.ignore_eos
+        out["frequency_penalty"] = self.frequency_penalty
+        out["presence_penalty"] = self.presence_penalty
+        if self.logit_bias:
+            out["logit_bias"] = dict(self.logit_bias)
+        if self.stop_token_ids is not None:
+            out["stop_token_ids"] = self.stop_token_ids
+        logprobs = self.logprobs_n()
+        if logprobs is not None:
+            out["logprobs"] = logprobs
+        if self.n > 1:
+            out["n"] = self.n
+        return out
 
 
 class ChatCompletionRequest(_SamplingFields):

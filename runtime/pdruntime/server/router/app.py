@@ -110,6 +110,9 @@ class Router:
         self.prober: HealthProber | None = None  # worker /health polling: stale (frozen) workers' pairs are skipped
         self.instance_id = instance_id(env)
         self._children: dict[tuple, object] = {}  # metric label children, looked up once (labels() costs ~2 us a call)
+        m = self.metrics  # the children every request touches, with no per-client label
+        self.ttft_seconds, self.e2e_seconds, self.itl_seconds = (m.ttft.labels("router"), m.e2e.labels("router"),
+                                                                 m.itl.labels("router"))
         self._set_topology(self.topology)
         self.topology_source = TopologySource(self._set_topology, self.topology, self.cfg.admin_token)
 
@@ -459,7 +462,7 @@ class Router:
                 self.count_rejection(req.client, 500)
             raise
         live.advance("streaming")
-        self.child(self.metrics.ttft, "router").observe(time.monotonic() - req.arrived)
+        self.ttft_seconds.observe(time.monotonic() - req.arrived)
         reply = Reply(self, req, live, sent, client_label)
         if req.body.stream:
             return Streamed(reply.stream(), reply.finish)

@@ -90,9 +90,10 @@ VLLM_PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, 
                           "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LegRequest:
-    """One leg's HTTP request: its path on the worker and its JSON body."""
+    """One leg's HTTP request: its path on the worker and its JSON body (read-only once built; two per request, so
+    not a frozen dataclass, which costs a setattr call per field)."""
 
     path: str
     body: dict

@@ -110,7 +110,7 @@ class Reply:
         self.outcome = "aborted"  # until it completes ("ok") or fails mid-stream ("failed")
         self.last_token_at = time.monotonic()
         self.prompt_logprobs: list | None = None  # echo + logprobs: the prompt's entries (prefill's)
-        self._itl = router.child(metrics.itl, "router")
+        self._itl = router.itl_seconds
         self._tokens = router.child(metrics.tokens, "router", client_label)
         self._first: TokenEvent | None = sent.first  # decode's first event, not yet read
         self._patch = req.body.logprobs_n() is not None  # choice 0's first token takes prefill's logprobs
@@ -165,7 +165,7 @@ class Reply:
                 self.metrics.disconnects.inc()
             await legs.abort()
         self.router.child(self.metrics.requests, "router", self.client_label, self.outcome).inc()
-        self.router.child(self.metrics.e2e, "router").observe(time.monotonic() - self.req.arrived)
+        self.router.e2e_seconds.observe(time.monotonic() - self.req.arrived)
 
     async def stream(self) -> AsyncIterator[bytes]:
         """SSE chunks per choice, then ``[DONE]``; a failure after the first token ends it with an error event."""
