@@ -170,7 +170,8 @@ async def engine_stack(tmp_path: Path, name: str, engine: str, *, inject: tuple[
 async def test_injected_env_in_the_engine_process_is_config_drift_from_the_agent(tmp_path, monkeypatch, engine):
     monkeypatch.setenv("PDSTACK_OPERATOR_PROCESS_DRIFT_S", "1")
     var, value = INJECTED[engine]
-    async with engine_stack(tmp_path, f"inj-{engine}", engine, inject=(var, value)) as (c, _):
+    async with engine_stack(tmp_path, f"inj-{engine}", engine, inject=(var, value),
+                            kernel={"decodeTargetCTAs": 256}) as (c, _):  # a knob neither engine has
         name = f"inj-{engine}"
         by_role = {p["metadata"]["labels"]["pdstack.io/role"]: p["metadata"]["name"] for p in c.pods(name)}
 
@@ -187,6 +188,9 @@ async def test_injected_env_in_the_engine_process_is_config_drift_from_the_agent
         assert var in events[0]["message"] and by_role["decode"] in events[0]["message"]
         mapping = await eventually(lambda: c.events(name, "WatchdogMapping"), timeout=10, what="WatchdogMapping")
         assert mapping[0]["type"] == "Warning" and f"engine {engine}" in mapping[0]["message"]
+        kernel = await eventually(lambda: c.events(name, "KernelMapping"), timeout=10, what="KernelMapping")
+        assert kernel[0]["type"] == "Warning" and f"not enforced by {engine}: spec.kernel.decodeTargetCTAs=256; " \
+            in kernel[0]["message"]
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

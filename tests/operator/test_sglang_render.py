@@ -154,3 +154,30 @@ def test_sglang_probes_fit_its_generating_health_check():
     c = pod["spec"]["containers"][0]
     assert c["readinessProbe"]["timeoutSeconds"] >= 10 and c["livenessProbe"]["timeoutSeconds"] >= 10
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 2400
+
+
+def test_kernel_knobs_set_are_sglangs_own_flags_and_the_rest_is_named():
+    """spec.kernel is pdrt's (PDRT_* env, which SGLang does not read): a knob set away from its default is rendered
+    to SGLang's own flag where it has one, parsed by SGLang's argparse, and one it has none for is named in the
+    KernelMapping Event; knobs left at their defaults render the line they always did (no rollout on upgrade)."""
+    from pdoperator.core.engines import kernel_mapping
+    from pdoperator.core.spec import parse_spec
+
+    kernel = {"attentionBackend": "torch", "maxKVSplits": 16, "decodeTargetCTAs": 512}
+    doc = {**EXAMPLE, "spec": {**EXAMPLE["spec"], "kernel": kernel}}
+    pods = [o for o in _children(doc) if o["kind"] == "Pod"]
+    for pod in pods:
+        a = _sglang_parse(pod["spec"]["containers"][0]["command"])
+        assert (a.attention_backend, a.triton_attention_num_kv_splits) == ("torch_native", 16)
+    m = kernel_mapping(parse_spec(doc["spec"], name="sg"))
+    assert m.enforced == (("spec.kernel.attentionBackend=torch", "--attention-backend torch_native"),
+                          ("spec.kernel.maxKVSplits=16", "--triton-attention-num-kv-splits 16"))
+    assert m.unenforced == ("spec.kernel.decodeTargetCTAs=512",)
+    assert m.message.endswith("; not enforced by sglang: spec.kernel.decodeTargetCTAs=512; the others are pdrt's "
+                              "PDRT_* knobs, which sglang does not read")
+    cpu = kernel_mapping(parse_spec({**doc["spec"], "kernel": {"attentionBackend": "cpu"}}, name="sg"))
+    assert (cpu.flags, cpu.unenforced) == ((), ("spec.kernel.attentionBackend=cpu",))  # pdstack's own C kernel
+    assert kernel_mapping(parse_spec(EXAMPLE["spec"], name="sg")) is None
+    for pod in (o for o in _children() if o["kind"] == "Pod"):
+        a = _sglang_parse(pod["spec"]["containers"][0]["command"])
+        assert (a.attention_backend, a.triton_attention_num_kv_splits) == (None, 8)  # SGLang's own defaults

@@ -209,3 +209,25 @@ def test_the_example_passes_the_crds_cel_rules():
     obj = {"spec": copy.deepcopy(EXAMPLE["spec"])}
     apiext.apply_defaults(obj, SCHEMA, {})
     assert apiext.validate(obj, SCHEMA, {}) == []
+
+
+def test_kernel_knobs_set_are_vllms_own_attention_backend_and_the_rest_is_named():
+    """spec.kernel.attentionBackend triton -> vLLM's own ``--attention-backend TRITON_ATTN`` (parsed by vLLM's
+    parser into its backend enum); maxKVSplits and decodeTargetCTAs, which vLLM has no flag for, are named in the
+    KernelMapping Event; the example (no knob set) renders no such flag."""
+    from pdoperator.core.engines import kernel_mapping
+
+    parser = _vllm_serve_parser()
+    (registry,) = import_vllm("vllm.v1.attention.backends.registry")
+    doc = _with(kernel={"attentionBackend": "triton", "maxKVSplits": 8})
+    for pod in _pods(doc):
+        a = _parse(parser, pod["spec"]["containers"][0]["command"])
+        assert a.attention_backend == "TRITON_ATTN" and registry.AttentionBackendEnum[a.attention_backend]
+    assert registry.AttentionBackendEnum["CPU_ATTN"]  # what attentionBackend cpu renders to
+    m = kernel_mapping(parse_spec(doc["spec"], name="vl"))
+    assert m.enforced == (("spec.kernel.attentionBackend=triton", "--attention-backend TRITON_ATTN"),)
+    assert m.unenforced == ("spec.kernel.maxKVSplits=8",)
+    torch = kernel_mapping(parse_spec(_with(kernel={"attentionBackend": "torch"})["spec"], name="vl"))
+    assert (torch.flags, torch.unenforced) == ((), ("spec.kernel.attentionBackend=torch",))
+    assert kernel_mapping(parse_spec(EXAMPLE["spec"], name="vl")) is None
+    assert all(_parse(parser, p["spec"]["containers"][0]["command"]).attention_backend is None for p in _pods())

@@ -1,4 +1,4 @@
-"""What each engine does with pdstack's watchdog fields (pure).
+"""What each engine does with pdstack's watchdog fields and kernel knobs (pure).
 
 pdrt enforces every ``spec.watchdog`` field itself (``PDRT_*`` env). SGLang and vLLM have watchdogs of their
 own, with their own names and scopes; where one guards the same phase as a pdstack field, the field is rendered
@@ -16,6 +16,18 @@ SGLang (python/sglang/srt/environ.py, srt/disaggregation/common/conn.py):
 ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` and ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` (300 s each) exist but
 also bound time spent queued for memory, so pdstack's shorter defaults would abort requests that only wait;
 they are left to the user's env and the fields reported as not enforced.
+
+``spec.kernel`` is pdrt's (``PDRT_*`` env, which SGLang and vLLM do not read). A knob set away from its default is
+rendered to the engine's own flag where the engine has one for the same thing, and otherwise reported as not
+enforced (Event ``KernelMapping``); a knob at its default declares nothing and leaves the engine's own default
+(so an operator upgrade renders unchanged lines for every spec that never set one):
+
+- ``attentionBackend``: SGLang's ``--attention-backend`` (``triton``; ``torch`` is its ``torch_native``;
+  python/sglang/srt/arg_groups/choices.py), vLLM's ``--attention-backend`` (``triton`` is ``TRITON_ATTN``, ``cpu``
+  its ``CPU_ATTN``; vllm/v1/attention/backends/registry.py);
+- ``maxKVSplits``: SGLang's ``--triton-attention-num-kv-splits`` (its Triton decode kernel's flash-decoding
+  splits, default 8); vLLM has no such flag;
+- ``decodeTargetCTAs``: neither engine has one.
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from .spec import PDSpec, WatchdogSpec
+from .spec import KernelKnobs, PDSpec, WatchdogSpec
 
 #: engine -> {WatchdogSpec attribute: the engine's own setting the operator renders it to}
 WATCHDOG_KNOBS: dict[str, dict[str, str]] = {
@@ -44,26 +56,75 @@ def _json(attr: str) -> str:
 
 
 @dataclass(frozen=True)
-class WatchdogMapping:
+class EngineMapping:
+    """What an engine does with one section of the spec (``spec.watchdog``, ``spec.kernel``): the fields rendered
+    to its own settings, and those nothing enforces (its Event says both)."""
+
     engine: str
-    enforced: tuple[tuple[str, str], ...]  # (spec.watchdog.<field>, the engine's setting)
-    unenforced: tuple[str, ...]  # spec.watchdog.<field> nothing enforces
+    enforced: tuple[tuple[str, str], ...]  # (spec.<section>.<field>, the engine's setting)
+    unenforced: tuple[str, ...]  # spec.<section>.<field> nothing enforces
+    note: str  # what the engine does instead
+    flags: tuple[str, ...] = ()  # rendered on both roles' engine command lines
 
     @property
     def message(self) -> str:
         done = ", ".join(f"{f} -> {knob}" for f, knob in self.enforced) or "none"
         return (f"engine {self.engine}: enforced by the engine: {done}; not enforced by {self.engine}: "
-                f"{', '.join(self.unenforced) or 'none'}; {ENGINE_NOTE[self.engine]}")
+                f"{', '.join(self.unenforced) or 'none'}; {self.note}")
 
 
-def watchdog_mapping(spec: PDSpec) -> WatchdogMapping | None:
+def watchdog_mapping(spec: PDSpec) -> EngineMapping | None:
     """Which ``spec.watchdog`` fields the engine enforces and which it does not; None for pdrt (all of them)."""
     table = WATCHDOG_KNOBS.get(spec.engine)
     if table is None:
         return None
     enforced = tuple((f"spec.watchdog.{_json(a)}", knob) for a, knob in table.items())
     unenforced = tuple(f"spec.watchdog.{_json(f.name)}" for f in fields(WatchdogSpec) if f.name not in table)
-    return WatchdogMapping(spec.engine, enforced, unenforced)
+    return EngineMapping(spec.engine, enforced, unenforced, ENGINE_NOTE[spec.engine])
+
+
+#: engine -> {spec.kernel.attentionBackend: the value of the engine's own --attention-backend}
+ATTENTION_BACKEND_FLAGS: dict[str, dict[str, str]] = {
+    "sglang": {"triton": "triton", "torch": "torch_native"},
+    "vllm": {"triton": "TRITON_ATTN", "cpu": "CPU_ATTN"},
+}
+#: engine -> its flag for spec.kernel.maxKVSplits
+KV_SPLITS_FLAGS: dict[str, str] = {"sglang": "--triton-attention-num-kv-splits"}
+
+
+def kernel_mapping(spec: PDSpec) -> EngineMapping | None:
+    """The engine's flags for the ``spec.kernel`` knobs set away from their defaults, and those it has none for;
+    None for pdrt (it reads every knob itself) and when no knob is set."""
+    if spec.engine not in ATTENTION_BACKEND_FLAGS:
+        return None
+    k, default = spec.kernel, KernelKnobs()
+    flags: list[str] = []
+    enforced: list[tuple[str, str]] = []
+    unenforced: list[str] = []
+
+    def field_(attr: str) -> str:
+        return f"spec.kernel.{KernelKnobs.__dataclass_fields__[attr].metadata['knob'].json}={getattr(k, attr)}"
+
+    if k.attention_backend != default.attention_backend:
+        value = ATTENTION_BACKEND_FLAGS[spec.engine].get(k.attention_backend)
+        if value is None:
+            unenforced.append(field_("attention_backend"))
+        else:
+            flags += ["--attention-backend", value]
+            enforced.append((field_("attention_backend"), f"--attention-backend {value}"))
+    if k.max_kv_splits != default.max_kv_splits:
+        flag = KV_SPLITS_FLAGS.get(spec.engine)
+        if flag is None:
+            unenforced.append(field_("max_kv_splits"))
+        else:
+            flags += [flag, str(k.max_kv_splits)]
+            enforced.append((field_("max_kv_splits"), f"{flag} {k.max_kv_splits}"))
+    if k.decode_target_ctas != default.decode_target_ctas:
+        unenforced.append(field_("decode_target_ctas"))
+    if not enforced and not unenforced:
+        return None
+    return EngineMapping(spec.engine, tuple(enforced), tuple(unenforced),
+                         f"the others are pdrt's PDRT_* knobs, which {spec.engine} does not read", tuple(flags))
 
 
 def vllm_kv_lease_s(spec: PDSpec) -> int:

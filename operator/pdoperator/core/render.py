@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from .engines import vllm_kv_lease_s
+from .engines import kernel_mapping, vllm_kv_lease_s
 from .spec import (AGENT_PORT, BOOTSTRAP_PORT, GPU_RESOURCE, GROUP, HTTP_PORT, KIND, VERSION, VLLM_KV_CONNECTOR,
                    WORKER_UID, ModelSpec, PDSpec, PodTemplate, RoleSpec, RoutingSpec, default_of)
 
@@ -175,7 +175,14 @@ def sglang_command(spec: PDSpec, role: str, r: RoleSpec) -> list[str]:
         cmd += ["--dtype", ENGINE_DTYPES[spec.model.dtype]]
     if not spec.prefix_cache.enabled:
         cmd += ["--disable-radix-cache"]
-    return cmd + ["--enable-metrics"]  # its /metrics, which the agent translates (off by default in SGLang)
+    return cmd + _kernel_flags(spec) + ["--enable-metrics"]  # its /metrics, which the agent translates (off by
+    # default in SGLang)
+
+
+def _kernel_flags(spec: PDSpec) -> list[str]:
+    """The engine's own flags for the spec.kernel knobs set away from their defaults (engines.py)."""
+    mapping = kernel_mapping(spec)
+    return list(mapping.flags) if mapping is not None else []
 
 
 # spec.model.dtype -> the name SGLang's and vLLM's --dtype take (both: auto, half, float16, bfloat16, float, float32)
@@ -209,7 +216,7 @@ def vllm_command(spec: PDSpec, r: RoleSpec) -> list[str]:
         cmd += ["--gpu-memory-utilization", _num(v.gpu_memory_utilization)]
     if v.enforce_eager:
         cmd += ["--enforce-eager"]
-    return cmd
+    return cmd + _kernel_flags(spec)
 
 
 def agent_command(spec: PDSpec, role: str) -> list[str]:

@@ -31,7 +31,7 @@ import yaml
 
 from ..core import drift, stall
 from ..core.config import OperatorConfig
-from ..core.engines import watchdog_mapping
+from ..core.engines import kernel_mapping, watchdog_mapping
 from ..core.drift import DriftEntry
 from ..core.pairs import (CoRestart, CreatePods, DeletePods, DrainPair, ForceDelete, Plan, PlanInput, RolloutPair,
                           RouterView, plan_pairs, pod_view, unschedulable_message)
@@ -299,7 +299,7 @@ async def act(ctx: Context, obs: Observed, planned: Planned) -> Acted:
     unsched = await _unschedulable(ctx, plan_)
     entries = await _apply_children(ctx, planned) + obs.pod_drift
     entries += await _runtime_drift(ctx, obs, entries)
-    await _watchdog_mapping(ctx)
+    await _engine_mappings(ctx)
     stall_due = _stall_sweep_on(ctx, obs)
     stalls = await _stall_sweep(ctx, obs) if stall_due else None
     router_obj = await steps.run(ctx.kube.get(path("apps/v1", "Deployment", ctx.namespace, router_name(ctx.name))),
@@ -423,15 +423,18 @@ async def _runtime_drift(ctx: Context, obs: Observed, children: list[DriftEntry]
     return image + process
 
 
-async def _watchdog_mapping(ctx: Context) -> None:
-    """Engines sglang and vllm: one Event ``WatchdogMapping`` per revision naming the ``spec.watchdog`` fields the
-    engine enforces (and through which of its variables) and those it does not (Warning when any)."""
-    mapping = watchdog_mapping(ctx.spec)
-    if mapping is None or ctx.state.posted_watchdog == ctx.revision:
-        return
-    ctx.state.posted_watchdog = ctx.revision
-    ctx.say(logging.WARNING if mapping.unenforced else logging.INFO, f"revision {ctx.revision}: {mapping.message}")
-    await ctx.events("Warning" if mapping.unenforced else "Normal", "WatchdogMapping", mapping.message)
+async def _engine_mappings(ctx: Context) -> None:
+    """Engines sglang and vllm, once per revision each: Event ``WatchdogMapping`` naming the ``spec.watchdog``
+    fields the engine enforces (and through which of its settings) and those it does not; with a ``spec.kernel``
+    knob set, Event ``KernelMapping`` naming the knobs rendered to the engine's own flags and those it has none
+    for. Warning when anything declared is not enforced."""
+    mappings = (("WatchdogMapping", watchdog_mapping(ctx.spec)), ("KernelMapping", kernel_mapping(ctx.spec)))
+    for reason, mapping in mappings:
+        if mapping is None or ctx.state.posted_mappings.get(reason) == ctx.revision:
+            continue
+        ctx.state.posted_mappings[reason] = ctx.revision
+        ctx.say(logging.WARNING if mapping.unenforced else logging.INFO, f"revision {ctx.revision}: {mapping.message}")
+        await ctx.events("Warning" if mapping.unenforced else "Normal", reason, mapping.message)
 
 
 async def _process_drift(ctx: Context, views: list[Any]) -> list[DriftEntry]:

@@ -28,7 +28,7 @@ class DeploymentState:
     # drift source "process": (monotonic time of the last /config sweep, its drift entries)
     process_sweep: tuple[float, list[Any]] | None = None
     posted_drift: tuple[str, ...] = ()  # process/image drift lines already posted as a ConfigDrift Event
-    posted_watchdog: str | None = None  # the revision whose WatchdogMapping Event was posted
+    posted_mappings: dict[str, str] = field(default_factory=dict)  # Event reason -> the revision it was posted for
     # stall detection: (monotonic time of the last sweep, its evidence per pair)
     stall_sweep: tuple[float, dict[int, Any]] | None = None
     probes: dict[str, asyncio.Task] = field(default_factory=dict)  # revision -> its canary probe (background)
@@ -62,7 +62,7 @@ class DeploymentState:
         self.close()
         self.process_sweep = self.stall_sweep = None
         self.posted_drift = ()
-        self.posted_watchdog = None
+        self.posted_mappings.clear()
         self.no_canary_logged.clear()
 
 
