@@ -7,6 +7,7 @@ fp32"), the attention against the float64 oracle of kernels/reference.py with Na
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import subprocess
@@ -170,6 +171,29 @@ def test_paged_attention_matches_float64_oracle(lens, group, head_dim, page, pag
     for threads in (1, 2):
         out = cpu_decode_attention(q, k, v, bt, seq_lens, threads=threads)
         assert rel_err(out, reference_decode_attention(q, k, v, bt, seq_lens)) <= 2e-5
+
+
+def test_a_sequence_shorter_than_its_spans_takes_nothing_from_uninitialised_memory(paged_case, rel_err):
+    """A sequence of one token among long ones is cut into as many spans as they are, and all but the first are
+    empty: their accumulators are never written. The merge must skip them, not weight them by 0 (0 x NaN is NaN).
+    glibc hands a freed chunk of the same size to the kernel's next malloc, so a chunk filled with NaN and freed
+    just before the call is what the span buffers start as: before the fix this failed every time, and it was the
+    rare failure of test_paged_attention_matches_float64_oracle[lens3-3-64-16] when an earlier test's NaN-padded
+    caches had been freed there."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    q, k, v, bt, seq_lens = paged_case([2500, 1, 300], num_kv_heads=3, group=3, head_dim=64, page=16, seed=3)
+    ref = reference_decode_attention(q, k, v, bt, seq_lens)
+    out = torch.empty_like(q)  # allocated before the poisoned chunk: the kernel's own malloc is the next one
+    items, per = 3 * 2, 9 * (64 + 2)  # 3 sequences x 2 spans at 2 threads; per item: 9 heads x (acc + max + sum)
+    size = 4 * (items * per + 2 * 9 * 64)  # + each thread's scaled-q scratch: the kernel's one buffer, in bytes
+    for _ in range(5):
+        chunk = libc.malloc(size)
+        ctypes.memset(chunk, 0xFF, size)  # every float a NaN
+        libc.free(chunk)
+        cpu_decode_attention(q, k, v, bt, seq_lens, out=out, threads=2)
+        assert rel_err(out, ref) <= 2e-5
 
 
 def test_attention_reads_q_inside_qkv_rows(paged_case, rel_err):

@@ -171,3 +171,20 @@ def test_forced_triton_without_a_way_to_run_it_fails_start_up(monkeypatch):
     monkeypatch.setattr(da, "triton_importable", lambda: False)
     with pytest.raises(ConfigError, match="not installed"):
         da.select_backend(RuntimeEnv(attention_backend="triton"), "cpu")
+
+
+def test_config_of_a_process_that_never_used_the_cpu_kernels_builds_none(monkeypatch):
+    """/config on a CPU worker that runs without pdstack's kernels (the torch backend, fp32 weights) reports that,
+    without compiling them in the scrape (about a second of the event loop); once used, it reports their build."""
+    from pdruntime.kernels.cpu import native
+
+    cfg = da.KernelConfig.from_env(RuntimeEnv(attention_backend="torch"), "cpu")
+    with monkeypatch.context() as m:
+        native._load.cache_clear()
+        m.setattr(native, "library_path", lambda: pytest.fail("reading /config built the CPU kernels"))
+        assert not native.tried()
+        assert cfg.as_dict()["cpu_kernels"] == "not built: nothing in this process has used them"
+    native._load.cache_clear()
+    why = native.unavailable_reason()  # a use: built (or found unbuildable) once, as the engine would
+    assert native.tried()
+    assert cfg.as_dict()["cpu_kernels"] == (f"unavailable: {why}" if why else native.simd_level())

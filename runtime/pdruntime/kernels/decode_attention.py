@@ -155,6 +155,12 @@ class KernelConfig:
         out = dataclasses.asdict(self)
         out["effective_target_ctas"] = self.effective_target_ctas
         if self.device == "cpu":  # what the CPU kernels run as here, or why they cannot
+            from pdruntime.kernels.cpu.native import tried
+
+            if not tried():  # nothing here uses them (the torch backend, fp32 weights): /config builds nothing (a
+                # compile of about a second, blocking the event loop the scrape came in on)
+                out["cpu_kernels"] = "not built: nothing in this process has used them"
+                return out
             why = cpu_kernels_unavailable()
             if why:
                 out["cpu_kernels"] = f"unavailable: {why}"

@@ -130,6 +130,12 @@ def native() -> ctypes.CDLL:
     return lib
 
 
+def tried() -> bool:
+    """Whether this process has built or loaded the kernels yet (or found it could not): reading that builds
+    nothing."""
+    return _load.cache_info().currsize > 0
+
+
 def unavailable_reason() -> str | None:
     """None when the kernels load here, else why not (for /config and log lines)."""
     lib = _load()

@@ -599,7 +599,7 @@ int pdrt_paged_attention(const float *q, int64_t ldq, int64_t B, int64_t Hq, int
         int64_t len = seq_lens[b], step = (len + spans - 1) / spans;
         int64_t t0 = sp * step, t1 = t0 + step < len ? t0 + step : len;
         float *p = part + it * per;
-        if (t0 >= t1) {  /* an empty span: a no-op in the merge */
+        if (t0 >= t1) {  /* an empty span (a sequence shorter than its spans): skipped by the merge */
             for (int64_t h = 0; h < Hq; h++) { p[Hq * D + h] = -INFINITY; p[Hq * D + Hq + h] = 0.0f; }
             continue;
         }
@@ -622,7 +622,10 @@ int pdrt_paged_attention(const float *q, int64_t ldq, int64_t B, int64_t Hq, int
             memset(o, 0, sizeof(float) * (size_t)D);
             for (int64_t sp = 0; sp < spans; sp++) {
                 const float *p = p0 + sp * per;
-                float w = p[Hq * D + h] == -INFINITY ? 0.0f : expf(p[Hq * D + h] - gmax);
+                /* an empty span's accumulator was never written (malloc's leftovers, NaN as often as not): a weight
+                 * of 0 would still carry a NaN into the sum, so the span is skipped, not weighted */
+                if (p[Hq * D + h] == -INFINITY) continue;
+                float w = expf(p[Hq * D + h] - gmax);
                 total += w * p[Hq * D + Hq + h];
                 axpy_f32(o, w, p + h * D, D);
             }
