@@ -171,7 +171,7 @@ async def test_a_passed_canary_promotes_to_every_pair(with_router, monkeypatch):
         new = await eventually(lambda: (u := c.pdd(name)["status"]["updateRevision"]) != old and u, what="new")
         # pair 0 does not move before the probe has passed
         probing = await eventually(lambda: (x := c.pdd(name)["status"].get("canary") or {}).get("phase") in (
-            "Probing", "Passed") and x, timeout=30, what="probing")
+            "Probing", "Passed") and x, timeout=60, what="probing")  # generous: a hang, not a slow host
         assert probing["pair"] == 1 and pairs_at(c, name)[0] == old
         await eventually(lambda: c.pdd(name)["status"]["currentRevision"] == new
                          and c.condition(name, "Ready")["status"] == "True", timeout=40, what="promoted")

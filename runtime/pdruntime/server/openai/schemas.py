@@ -288,7 +288,7 @@ class _SamplingFields(_Strict):
 
     def sampling_params(self) -> dict:
         """SGLang-shaped sampling_params for the worker legs (validated again there by :class:`WorkerSampling`).
-        Fields the client left out stay None: the worker fills in the model's defaults."""
+        Fields the client left out are absent: the worker fills in the model's defaults."""
         out: dict = {}  # built key by key (one per request: no comprehension to drop the Nones afterwards)
         if self.max_tokens is not None:
             out["max_new_tokens"] = self.max_tokens
@@ -296,8 +296,7 @@ class _SamplingFields(_Strict):
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
-        stop = self.stop
-        out["stop"] = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+        out["stop"] = list(self.stop_tuple())
         out["ignore_eos"] = self.ignore_eos
         out["frequency_penalty"] = self.frequency_penalty
         out["presence_penalty"] = self.presence_penalty
