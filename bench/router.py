@@ -196,7 +196,7 @@ def start_workers(stack: Stack, kind: str, model: str | None) -> tuple[str, str,
     return p_url, d_url, bp
 
 
-def start_router(stack: Stack, which: str, p_url: str, d_url: str, bp: int, wrap: list[str] = (),
+def start_router(stack: Stack, which: str, p_url: str, d_url: str, bp: int, wrap: tuple[str, ...] = (),
                  name: str | None = None, timeout: float = 180) -> str:
     """Start ``which`` router in front of the workers (``wrap``: an argv prefix, e.g. valgrind's); its URL."""
     port = free_port()
@@ -296,7 +296,7 @@ def instructions_per_request(stack: Stack, which: str, p_url: str, d_url: str, b
     out = os.path.join(stack.log_dir, f"callgrind.{which}")
     name = f"callgrind-{which}"
     url = start_router(stack, which, p_url, d_url, bp, name=name, timeout=600,
-                       wrap=["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p"])
+                       wrap=("valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p"))
     pid = stack.procs[name].pid
     try:
         wrk(url, 16, 3, script)  # warm: connections pooled, code paths taken once

@@ -13,6 +13,8 @@ import pytest
 import yaml
 
 from pdoperator.cli.kubectl_pd import render_manifest
+from pdoperator.core.engines import kernel_mapping
+from pdoperator.core.spec import parse_spec
 
 EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "sglang-groups.yaml").read_text())
 
@@ -160,9 +162,6 @@ def test_kernel_knobs_set_are_sglangs_own_flags_and_the_rest_is_named():
     """spec.kernel is pdrt's (PDRT_* env, which SGLang does not read): a knob set away from its default is rendered
     to SGLang's own flag where it has one, parsed by SGLang's argparse, and one it has none for is named in the
     KernelMapping Event; knobs left at their defaults render the line they always did (no rollout on upgrade)."""
-    from pdoperator.core.engines import kernel_mapping
-    from pdoperator.core.spec import parse_spec
-
     kernel = {"attentionBackend": "torch", "maxKVSplits": 16, "decodeTargetCTAs": 512}
     doc = {**EXAMPLE, "spec": {**EXAMPLE["spec"], "kernel": kernel}}
     pods = [o for o in _children(doc) if o["kind"] == "Pod"]
@@ -170,8 +169,8 @@ def test_kernel_knobs_set_are_sglangs_own_flags_and_the_rest_is_named():
         a = _sglang_parse(pod["spec"]["containers"][0]["command"])
         assert (a.attention_backend, a.triton_attention_num_kv_splits) == ("torch_native", 16)
     m = kernel_mapping(parse_spec(doc["spec"], name="sg"))
-    assert m.enforced == (("spec.kernel.attentionBackend=torch", "--attention-backend torch_native"),
-                          ("spec.kernel.maxKVSplits=16", "--triton-attention-num-kv-splits 16"))
+    assert m.enforced == (("spec.kernel.maxKVSplits=16", "--triton-attention-num-kv-splits 16"),
+                          ("spec.kernel.attentionBackend=torch", "--attention-backend torch_native"))
     assert m.unenforced == ("spec.kernel.decodeTargetCTAs=512",)
     assert m.message.endswith("; not enforced by sglang: spec.kernel.decodeTargetCTAs=512; the others are pdrt's "
                               "PDRT_* knobs, which sglang does not read")

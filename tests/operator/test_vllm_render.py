@@ -15,7 +15,7 @@ import yaml
 
 import emu_apiext as apiext
 from pdoperator.cli.kubectl_pd import render_manifest
-from pdoperator.core.engines import watchdog_mapping
+from pdoperator.core.engines import kernel_mapping, watchdog_mapping
 from pdoperator.core.spec import SpecError, parse_spec
 from vllm_parser import import_vllm
 
@@ -215,8 +215,6 @@ def test_kernel_knobs_set_are_vllms_own_attention_backend_and_the_rest_is_named(
     """spec.kernel.attentionBackend triton -> vLLM's own ``--attention-backend TRITON_ATTN`` (parsed by vLLM's
     parser into its backend enum); maxKVSplits and decodeTargetCTAs, which vLLM has no flag for, are named in the
     KernelMapping Event; the example (no knob set) renders no such flag."""
-    from pdoperator.core.engines import kernel_mapping
-
     parser = _vllm_serve_parser()
     (registry,) = import_vllm("vllm.v1.attention.backends.registry")
     doc = _with(kernel={"attentionBackend": "triton", "maxKVSplits": 8})

@@ -51,8 +51,9 @@ ENGINE_NOTE = {
 }
 
 
-def _json(attr: str) -> str:
-    return WatchdogSpec.__dataclass_fields__[attr].metadata["knob"].json
+def _json(cls: type, attr: str) -> str:
+    """The spec's JSON name of a modelled field of ``cls``."""
+    return cls.__dataclass_fields__[attr].metadata["knob"].json
 
 
 @dataclass(frozen=True)
@@ -78,49 +79,42 @@ def watchdog_mapping(spec: PDSpec) -> EngineMapping | None:
     table = WATCHDOG_KNOBS.get(spec.engine)
     if table is None:
         return None
-    enforced = tuple((f"spec.watchdog.{_json(a)}", knob) for a, knob in table.items())
-    unenforced = tuple(f"spec.watchdog.{_json(f.name)}" for f in fields(WatchdogSpec) if f.name not in table)
+    enforced = tuple((f"spec.watchdog.{_json(WatchdogSpec, a)}", knob) for a, knob in table.items())
+    unenforced = tuple(f"spec.watchdog.{_json(WatchdogSpec, f.name)}" for f in fields(WatchdogSpec)
+                       if f.name not in table)
     return EngineMapping(spec.engine, enforced, unenforced, ENGINE_NOTE[spec.engine])
 
 
-#: engine -> {spec.kernel.attentionBackend: the value of the engine's own --attention-backend}
-ATTENTION_BACKEND_FLAGS: dict[str, dict[str, str]] = {
-    "sglang": {"triton": "triton", "torch": "torch_native"},
-    "vllm": {"triton": "TRITON_ATTN", "cpu": "CPU_ATTN"},
+#: engine -> {KernelKnobs attribute: (the engine's own flag, {our value: its value}, or None: the value as given)};
+#: a knob an engine has no entry for is reported as not enforced there
+KERNEL_FLAGS: dict[str, dict[str, tuple[str, dict[str, str] | None]]] = {
+    "sglang": {"attention_backend": ("--attention-backend", {"triton": "triton", "torch": "torch_native"}),
+               "max_kv_splits": ("--triton-attention-num-kv-splits", None)},
+    "vllm": {"attention_backend": ("--attention-backend", {"triton": "TRITON_ATTN", "cpu": "CPU_ATTN"})},
 }
-#: engine -> its flag for spec.kernel.maxKVSplits
-KV_SPLITS_FLAGS: dict[str, str] = {"sglang": "--triton-attention-num-kv-splits"}
 
 
 def kernel_mapping(spec: PDSpec) -> EngineMapping | None:
     """The engine's flags for the ``spec.kernel`` knobs set away from their defaults, and those it has none for;
     None for pdrt (it reads every knob itself) and when no knob is set."""
-    if spec.engine not in ATTENTION_BACKEND_FLAGS:
+    table = KERNEL_FLAGS.get(spec.engine)
+    if table is None:
         return None
-    k, default = spec.kernel, KernelKnobs()
     flags: list[str] = []
     enforced: list[tuple[str, str]] = []
     unenforced: list[str] = []
-
-    def field_(attr: str) -> str:
-        return f"spec.kernel.{KernelKnobs.__dataclass_fields__[attr].metadata['knob'].json}={getattr(k, attr)}"
-
-    if k.attention_backend != default.attention_backend:
-        value = ATTENTION_BACKEND_FLAGS[spec.engine].get(k.attention_backend)
-        if value is None:
-            unenforced.append(field_("attention_backend"))
+    for f in fields(KernelKnobs):
+        value = getattr(spec.kernel, f.name)
+        if value == f.default:
+            continue
+        name = f"spec.kernel.{_json(KernelKnobs, f.name)}={value}"
+        flag, values = table.get(f.name, (None, None))
+        arg = None if flag is None else str(value) if values is None else values.get(value)
+        if arg is None:
+            unenforced.append(name)
         else:
-            flags += ["--attention-backend", value]
-            enforced.append((field_("attention_backend"), f"--attention-backend {value}"))
-    if k.max_kv_splits != default.max_kv_splits:
-        flag = KV_SPLITS_FLAGS.get(spec.engine)
-        if flag is None:
-            unenforced.append(field_("max_kv_splits"))
-        else:
-            flags += [flag, str(k.max_kv_splits)]
-            enforced.append((field_("max_kv_splits"), f"{flag} {k.max_kv_splits}"))
-    if k.decode_target_ctas != default.decode_target_ctas:
-        unenforced.append(field_("decode_target_ctas"))
+            flags += [flag, arg]
+            enforced.append((name, f"{flag} {arg}"))
     if not enforced and not unenforced:
         return None
     return EngineMapping(spec.engine, tuple(enforced), tuple(unenforced),

@@ -394,14 +394,13 @@ class _Conn(asyncio.Protocol):
         self.resp: Response | None = None
         self.got_bytes = False
         self._headers: list[tuple[bytes, bytes]] = []
-        self._in_head = False  # a call was sent and its answer's head is not complete yet
-        self._head_bytes = 0  # bytes of that head so far (counted per read, not per header: HEAD_LIMIT)
+        self._head_bytes = 0  # bytes of the pending answer's head so far (counted per read, not per header)
         self._interim = False  # a 1xx answer before the real one
 
     def begin(self, call: Call) -> None:
         """Send ``call``'s request; its answer resolves ``call.fut``."""
         self.call, call.conn, self.got_bytes = call, self, False
-        self._in_head, self._head_bytes = True, 0
+        self._head_bytes = 0
         self.transport.write(call.wire)  # type: ignore[union-attr]
 
     # ---- asyncio.Protocol ----
@@ -415,7 +414,7 @@ class _Conn(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
-            if self._in_head:  # all of this read was head, and the head is still not complete
+            if self.resp is None and self.call is not None:  # all of this read was head, and it is not complete
                 self._head_bytes += len(data)
                 if self._head_bytes > HEAD_LIMIT:
                     raise httptools.HttpParserError("head too long")
@@ -466,7 +465,6 @@ class _Conn(asyncio.Protocol):
         if 100 <= status < 200:
             self._interim, self._head_bytes = True, 0
             return
-        self._in_head = False
         self.keep = self.parser.should_keep_alive()
         self.resp = resp = Response(self, call.req, status, Headers(self._headers), call.read_s)
         if not call.whole:

@@ -359,7 +359,7 @@ class RouterConnection(asyncio.Protocol):
             body = message.get("body", b"") if ex.method != "HEAD" else b""
             more = message.get("more_body", False)
             if state["chunked"]:
-                data = (b"%x\r\n%b\r\n" % (len(body), body) if body else b"") + (b"" if more else b"0\r\n\r\n")
+                data = (b"%x\r\n%b\r\n" % (len(body), body) if body else b"") + (b"" if more else _LAST_CHUNK)
             else:
                 data = body
             if state["head"] is not None:
