@@ -108,32 +108,51 @@ class Headers:
 
 
 @functools.lru_cache(maxsize=4096)
-def _split(url: str) -> tuple[str, int, str]:
-    """(host, port, target) of an http:// URL (the router calls the same few URLs again and again)."""
+def _split(method: str, url: str) -> tuple[tuple[str, int], str]:
+    """((host, port), the head's first lines up to its Host line) of a call to an http:// URL (the router calls the
+    same few URLs again and again)."""
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname:
         raise httpx.UnsupportedProtocol(f"h1: only http:// URLs are supported, got {url!r}")
-    return parts.hostname, parts.port or 80, (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    host, port = parts.hostname, parts.port or 80
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return (host, port), f"{method} {target} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+
+
+_SIZED = ("POST", "PUT", "PATCH")  # methods whose head states a length even for an empty body
 
 
 class Request:
-    __slots__ = ("method", "url", "host", "port", "target", "body", "headers", "timeout")
+    """``ctype``: a Content-Type sent unless ``headers`` has "Content-Type" (what ``build_request(json=...)`` sets)."""
 
-    def __init__(self, method: str, url: str, body: bytes, headers: Mapping[str, str] | None, timeout: Any) -> None:
-        self.host, self.port, self.target = _split(url)
-        self.method, self.url, self.body, self.timeout = method, url, body, timeout
+    __slots__ = ("method", "url", "key", "first", "body", "headers", "timeout", "ctype")
+
+    def __init__(self, method: str, url: str, body: bytes, headers: Mapping[str, str] | None, timeout: Any,
+                 ctype: str | None = None) -> None:
+        self.key, self.first = _split(method, url)
+        self.method, self.url, self.body, self.timeout, self.ctype = method, url, body, timeout, ctype
         self.headers = headers or {}
 
+    @property
+    def host(self) -> str:
+        return self.key[0]
+
+    @property
+    def port(self) -> int:
+        return self.key[1]
+
     def encode(self) -> bytes:
-        head = f"{self.method} {self.target} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-        if self.body or self.method in ("POST", "PUT", "PATCH"):
-            head += f"Content-Length: {len(self.body)}\r\n"
-        if self.headers:
+        head, body, headers = self.first, self.body, self.headers
+        if body or self.method in _SIZED:
+            head += "Content-Length: %d\r\n" % len(body)
+        if self.ctype is not None and "Content-Type" not in headers:
+            head += "Content-Type: " + self.ctype + "\r\n"
+        if headers:
             try:  # "name: value" lines joined in C (no bytecode per header)
-                head += "\r\n".join(map(": ".join, self.headers.items())) + "\r\n"
+                head += "\r\n".join(map(": ".join, headers.items())) + "\r\n"
             except TypeError:  # a value that is not a str
-                head += "".join(f"{k}: {v}\r\n" for k, v in self.headers.items())
-        return (head + "\r\n").encode("latin-1") + self.body
+                head += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        return (head + "\r\n").encode("latin-1") + body
 
 
 class Response:
@@ -143,18 +162,20 @@ class Response:
     The connection fills the body in as it arrives (:meth:`_feed`, :meth:`_end`, :meth:`_fail`); a reader waits
     only when nothing is buffered."""
 
+    # what most answers keep from start to end, as class defaults (not a store per answer)
+    _ended = False
+    _error: BaseException | None = None
+    _waiter: asyncio.Future | None = None
+    _content: bytes | None = None
+    _released = False  # release(): the rest of the body is dropped as it arrives
+
     def __init__(self, conn: "_Conn", req: Request, status: int, headers: Headers, read_s: float | None) -> None:
         self._conn: _Conn | None = conn  # None once the answer is complete (the connection is back in the pool)
-        self._loop = conn.client.loop
+        self._loop = conn.loop
         self.request = req
         self.status_code, self.headers = status, headers
         self._read_s = read_s
         self._pieces: deque[bytes] = deque()
-        self._ended = False
-        self._error: BaseException | None = None
-        self._waiter: asyncio.Future | None = None
-        self._content: bytes | None = None
-        self._released = False  # release(): the rest of the body is dropped as it arrives
 
     # ---- filled in by the connection ----
     def _wake(self) -> None:
@@ -329,11 +350,11 @@ class Call:
 
     __slots__ = ("client", "req", "wire", "read_s", "connect_s", "fut", "whole", "conn", "timer")
 
-    def __init__(self, client: "Client", req: Request, whole: bool) -> None:
+    def __init__(self, client: "Client", req: Request, whole: bool, loop: asyncio.AbstractEventLoop) -> None:
         self.client, self.req, self.whole = client, req, whole
         self.connect_s, self.read_s = _timeouts(req.timeout, client._default)
         self.wire = req.encode()
-        self.fut: asyncio.Future = client.loop.create_future()
+        self.fut: asyncio.Future = loop.create_future()
         self.conn: _Conn | None = None
         self.timer: asyncio.TimerHandle | None = None
 
@@ -350,8 +371,9 @@ class Call:
     def resolve(self, resp: Response) -> None:
         if self.timer is not None:
             self.timer.cancel()
-        if not self.fut.done():
-            self.fut.set_result(resp)
+        fut = self.fut
+        if not fut.done():
+            fut.set_result(resp)
 
     def fail(self, exc: BaseException) -> None:
         if self.timer is not None:
@@ -384,6 +406,8 @@ class _Conn(asyncio.Protocol):
 
     def __init__(self, client: "Client", key: tuple[str, int]) -> None:
         self.client, self.key = client, key
+        self.loop = client.loop
+        self.pool = client._pool(key)  # where it waits while idle
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.idle_since = 0.0
@@ -458,14 +482,14 @@ class _Conn(asyncio.Protocol):
         self._headers.append((name, value))  # bounded: data_received stops a head past HEAD_LIMIT
 
     def on_headers_complete(self) -> None:
-        call = self.call
+        call, parser = self.call, self.parser
         if call is None:
             raise httptools.HttpParserError("an answer nobody asked for")
-        status = self.parser.get_status_code()
-        if 100 <= status < 200:
+        status = parser.get_status_code()
+        if status < 200:
             self._interim, self._head_bytes = True, 0
             return
-        self.keep = self.parser.should_keep_alive()
+        self.keep = parser.should_keep_alive()
         self.resp = resp = Response(self, call.req, status, Headers(self._headers), call.read_s)
         if not call.whole:
             call.resolve(resp)
@@ -516,7 +540,10 @@ class Client:
         self.keepalive_s, self.max_idle = keepalive_s, max_idle_per_host
         self._idle: dict[tuple[str, int], deque[_Conn]] = {}
         self._closed = False
-        self._loop: asyncio.AbstractEventLoop | None = None
+        try:  # made on the loop it serves (the router's start): asked now, else on its first call
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -528,6 +555,13 @@ class Client:
         return loop
 
     # ---- pool ----
+    def _pool(self, key: tuple[str, int]) -> deque[_Conn]:
+        """The idle connections to ``key``, newest last."""
+        idle = self._idle.get(key)
+        if idle is None:
+            idle = self._idle[key] = deque()
+        return idle
+
     def _take_idle(self, key: tuple[str, int]) -> _Conn | None:
         idle = self._idle.get(key)
         if not idle:
@@ -545,33 +579,30 @@ class Client:
         if self._closed or conn.closed:
             conn.close()
             return
-        idle = self._idle.get(conn.key)
-        if idle is None:
-            idle = self._idle[conn.key] = deque()
+        idle = conn.pool
         if len(idle) >= self.max_idle:
             idle.popleft().close()
         conn.idle_since = time.monotonic()
         idle.append(conn)
 
     async def _connect(self, req: Request, connect_s: float | None) -> _Conn:
-        key = (req.host, req.port)
+        key = req.key
+        host, port = key
         try:
             async with asyncio.timeout(connect_s):
-                _, conn = await asyncio.get_running_loop().create_connection(lambda: _Conn(self, key), req.host, req.port)
+                _, conn = await self.loop.create_connection(lambda: _Conn(self, key), host, port)
         except TimeoutError:
-            raise httpx.ConnectTimeout(f"connecting to {req.host}:{req.port} took over {connect_s}s") from None
+            raise httpx.ConnectTimeout(f"connecting to {host}:{port} took over {connect_s}s") from None
         except OSError as exc:
-            raise httpx.ConnectError(f"{req.host}:{req.port}: {exc.strerror or exc}") from None
+            raise httpx.ConnectError(f"{host}:{port}: {exc.strerror or exc}") from None
         return conn
 
     # ---- API ----
     def build_request(self, method: str, url: str, *, json: Any = None, content: bytes | None = None,
                       headers: Mapping[str, str] | None = None, timeout: Any = None) -> Request:
-        hdrs = dict(headers or {})
         if json is not None:
-            content = dumps(json)
-            hdrs.setdefault("Content-Type", "application/json")
-        return Request(method, url, content or b"", hdrs, timeout)
+            return Request(method, url, dumps(json), headers, timeout, "application/json")
+        return Request(method, url, content or b"", headers, timeout)
 
     def start(self, req: Request, *, stream: bool = False) -> Call:
         """Send ``req`` now (on an idle connection; else connecting first): a :class:`Call` whose ``fut`` is its
@@ -579,11 +610,11 @@ class Client:
         opened. The read timeout bounds the wait for that."""
         if self._closed:
             raise RuntimeError("h1.Client is closed")
-        call = Call(self, req, whole=not stream)
-        loop = call.fut.get_loop()
+        loop = self.loop
+        call = Call(self, req, not stream, loop)
         if call.read_s is not None:
             call.timer = loop.call_later(call.read_s, call.timed_out)
-        conn = self._take_idle((req.host, req.port))
+        conn = self._take_idle(req.key)
         if conn is not None:
             conn.begin(call)
         else:

@@ -460,6 +460,7 @@ _DECODER = json.JSONDecoder(parse_constant=_no_constants)  # one, not one per ca
 
 
 _LONG_NUMBER = re.compile(rb"[0-9]{19}")  # an integer orjson may read as a float (past 64 bits)
+_DIGITS = b"0123456789"  # a body with fewer than 19 digits in all holds no such integer (no regex scan needed)
 
 
 def _fast_parse(raw: bytes) -> dict | None:
@@ -474,7 +475,7 @@ def _fast_parse(raw: bytes) -> dict | None:
     except orjson.JSONDecodeError:
         return None
     if (type(body) is dict and raw.count(b"{") + raw.count(b"[") <= MAX_JSON_DEPTH
-            and _LONG_NUMBER.search(raw) is None):
+            and (len(raw) - len(raw.translate(None, _DIGITS)) < 19 or _LONG_NUMBER.search(raw) is None)):
         return body
     return None
 

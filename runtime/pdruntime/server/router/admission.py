@@ -55,6 +55,8 @@ class Admission:
     def blocked(self, now: float, outstanding: dict[int, int]) -> set[int]:
         """Pairs that take no new request now: at the pending bound, or marked full at their current load."""
         out = {i for i, n in self.pending.items() if n >= self.max_pending}
+        if not self.marks:
+            return out
         for i, m in list(self.marks.items()):
             if now >= m.until or i not in outstanding:
                 del self.marks[i]

@@ -34,7 +34,7 @@ from pdruntime.server.router.legs import LegError, Legs, Outbound
 from pdruntime.server.router.policy import Outcome, PairPicker, PairState, RoutingConfig
 from pdruntime.server.router.prefix_tree import routing_text
 from pdruntime.server.router.protocol import observe_url, protocol_for
-from pdruntime.server.router.reply import Dispatched, EdgeCall, EdgeRequest, LiveRequest, Reply, Streamed
+from pdruntime.server.router.reply import EdgeCall, EdgeRequest, LiveRequest, Reply, Streamed
 from pdruntime.server.router.topology import Topology, TopologyWatcher
 from pdruntime.server.router.topology_source import TopologySource
 from pdruntime.util import h1
@@ -109,10 +109,13 @@ class Router:
         self.topology_error: str | None = None
         self.prober: HealthProber | None = None  # worker /health polling: stale (frozen) workers' pairs are skipped
         self.instance_id = instance_id(env)
-        self._children: dict[tuple, object] = {}  # metric label children, looked up once (labels() costs ~2 us a call)
-        m = self.metrics  # the children every request touches, with no per-client label
-        self.ttft_seconds, self.e2e_seconds, self.itl_seconds = (m.ttft.labels("router"), m.e2e.labels("router"),
-                                                                 m.itl.labels("router"))
+        #: metric children every request updates, looked up once (labels() costs ~2 us a call) and updated on the loop's
+        #: thread without prometheus_client's lock per update (Metrics.on_loop); per client label in child()
+        self._children: dict[tuple, object] = {}
+        m = self.metrics
+        self.ttft_seconds, self.e2e_seconds, self.itl_seconds = (m.on_loop(m.ttft.labels("router")),
+                                                                 m.on_loop(m.e2e.labels("router")),
+                                                                 m.on_loop(m.itl.labels("router")))
         self._set_topology(self.topology)
         self.topology_source = TopologySource(self._set_topology, self.topology, self.cfg.admin_token)
 
@@ -158,8 +161,8 @@ class Router:
         self.prober.start()
         await self.refresh_models()
 
-    def stale_pairs(self) -> set[int]:
-        return self.prober.stale() if self.prober is not None else set()
+    def stale_pairs(self) -> frozenset[int]:
+        return self.prober.stale() if self.prober is not None else frozenset()
 
     async def stop(self) -> None:
         if self.prober is not None:
@@ -170,11 +173,12 @@ class Router:
             await self.client.aclose()
 
     def child(self, metric, *labels: str):
-        """``metric.labels(*labels)``, cached: the hot path reads the same few children on every request."""
+        """``metric.labels(*labels)`` (a counter's), cached and updated on the loop's thread (Metrics.on_loop): the hot
+        path counts into the same few children on every request."""
         key = (id(metric), labels)
         got = self._children.get(key)
         if got is None:
-            got = self._children[key] = metric.labels(*labels)
+            got = self._children[key] = self.metrics.on_loop(metric.labels(*labels))
         return got
 
     # ---- request handling ------------------------------------------------------------------------
@@ -220,7 +224,12 @@ class Router:
         prompt = routing_text(out.body) if self.picker.tree is not None and pinned is None else None
         while len(tried) < (MAX_ATTEMPTS if pinned is None else 1):  # a pinned request is never retried elsewhere
             now = time.monotonic()
-            state = await self._admit(live, tried | self.stale_pairs(), now, prompt)
+            exclude = tried | self.stale_pairs()
+            blocked = self._blocked(now)
+            state = self.picker.choose(now, live.conversation, exclude=exclude | blocked if blocked else exclude,
+                                       group=live.pinned, prompt=prompt)
+            if state is None and blocked:  # the pairs with room are at their bound: wait in the router's queue
+                state = await self._admit(live, exclude, now, prompt)
             if state is None:
                 break
             if tried:
@@ -273,14 +282,19 @@ class Router:
                            code="pinned_group_unavailable")
         raise self._no_pair_error()
 
+    def _blocked(self, now: float) -> set[int]:
+        """Pairs at their admission bound now (admission.py)."""
+        admission = self.admission
+        load = {i: st.outstanding for i, st in self.picker.states.items()} if admission.marks else {}
+        return admission.blocked(now, load)
+
     async def _admit(self, live: LiveRequest, exclude: set[int], now: float,
                      prompt: str | None = None) -> PairState | None:
         """The pair for the next attempt, once one has room (admission.py): a request that finds every eligible pair
         at its bound waits in the router's queue until ``admission.wait_s`` after its arrival, then gets a 429."""
         woken: int | None = None  # the hops of the wake that ended its last wait (None: not woken)
         while True:
-            load = {i: st.outstanding for i, st in self.picker.states.items()}
-            blocked = self.admission.blocked(now, load)
+            blocked = self._blocked(now)
             state = self.picker.choose(now, live.conversation, exclude=exclude | blocked, group=live.pinned,
                                        prompt=prompt)
             if state is not None or not blocked:
@@ -320,15 +334,8 @@ class Router:
 
     async def _dispatch_unless_gone(self, call: EdgeCall, live: LiveRequest,
                                     out: Outbound) -> tuple[Legs, PairState, TokenEvent]:
-        """_dispatch, abandoned (legs aborted by their own cleanup) if the client disconnects first: watched here when
-        the HTTP layer gives ``call.gone`` (the ASGI app), else the router's server cancels this handler."""
-        live.pinned = self.pinned_group(call.headers, call.peer)
-        if call.gone is None:
-            try:
-                return await self._dispatch(live, out)
-            except asyncio.CancelledError:
-                self.metrics.disconnects.inc()
-                raise
+        """_dispatch, abandoned (legs aborted by their own cleanup) if the client disconnects first, watched through
+        ``call.gone`` (the ASGI app; the router's own server cancels the handler instead)."""
         dispatch = asyncio.create_task(self._dispatch(live, out))
         watcher = asyncio.create_task(call.gone())
         try:
@@ -451,19 +458,25 @@ class Router:
                            client_request_id=client_request_id(call.headers))
         self.live[rid] = live
         try:
-            sent = Dispatched(*await self._dispatch_unless_gone(call, live, out))
+            live.pinned = self.pinned_group(call.headers, call.peer)
+            if call.gone is None:  # the router's server: a client that leaves cancels this handler
+                legs, state, first = await self._dispatch(live, out)
+            else:
+                legs, state, first = await self._dispatch_unless_gone(call, live, out)
         except BaseException as exc:  # rejected, cancelled or a bug: the live entry never outlives its request
             self.live.pop(rid, None)
             if isinstance(exc, ApiError):
                 self.count_rejection(req.client, exc.status)
             elif isinstance(exc, asyncio.CancelledError):
+                if call.gone is None:
+                    self.metrics.disconnects.inc()
                 self.child(self.metrics.requests, "router", client_label, "aborted").inc()
             else:
                 self.count_rejection(req.client, 500)
             raise
         live.advance("streaming")
         self.ttft_seconds.observe(time.monotonic() - req.arrived)
-        reply = Reply(self, req, live, sent, client_label)
+        reply = Reply(self, req, live, legs, state, first, client_label)
         if req.body.stream:
             return Streamed(reply.stream(), reply.finish)
         return await reply.collect()

@@ -49,6 +49,17 @@ def is_stale(h: WorkerHealth, now: float, stale_after_s: float) -> bool:
     return now - h.last_ok > stale_after_s
 
 
+def stale_until(health: dict[str, WorkerHealth], now: float, stale_after_s: float) -> float:
+    """The first moment after ``now`` when a worker of ``health`` turns stale by time alone (inf: none will): until
+    then, or a probe's answer, :func:`stale_pairs` stays the same."""
+    at = float("inf")
+    for h in health.values():
+        start = h.last_ok if h.last_ok is not None else (h.since if h.timed_out else None)
+        if start is not None and now - start <= stale_after_s:
+            at = min(at, start + stale_after_s)
+    return at
+
+
 def stale_pairs(pairs: Iterable[Any], health: dict[str, WorkerHealth], now: float, stale_after_s: float) -> set[int]:
     """Indexes of pairs with a stale prefill or decode worker. Workers never probed are not stale."""
     out = set()
@@ -72,9 +83,19 @@ class HealthProber:
     health: dict[str, WorkerHealth] = field(default_factory=dict)
     rounds: int = 0
     _ticker: PeriodicTask | None = None
+    #: (the pairs it was for, the stale set, until when it holds): every request asks, and the answer changes only
+    #: with a probe's result (_probe and run_once drop it), the topology, or the clock passing stale_until
+    _memo: tuple[Any, frozenset[int], float] | None = None
 
-    def stale(self, now: float | None = None) -> set[int]:
-        return stale_pairs(self.pairs(), self.health, time.monotonic() if now is None else now, self.stale_after_s)
+    def stale(self, now: float | None = None) -> frozenset[int]:
+        pairs = self.pairs()
+        now = time.monotonic() if now is None else now
+        memo = self._memo
+        if memo is not None and memo[0] is pairs and now < memo[2]:
+            return memo[1]
+        out = frozenset(stale_pairs(pairs, self.health, now, self.stale_after_s))
+        self._memo = (pairs, out, stale_until(self.health, now, self.stale_after_s))
+        return out
 
     def snapshot(self) -> list[dict]:
         now = time.monotonic()
@@ -98,6 +119,7 @@ class HealthProber:
                 h.last_ok, h.last_error = time.monotonic(), None
             else:
                 h.last_error = f"HTTP {r.status_code}: {body.get('reason') or body.get('status') or ''}".strip()
+        self._memo = None
         stale = is_stale(h, time.monotonic(), self.stale_after_s)
         if stale != h.stale:
             h.stale = stale
@@ -113,6 +135,7 @@ class HealthProber:
         urls = {u for p in self.pairs() for u in (p.prefill_url, p.decode_url)}
         for gone in set(self.health) - urls:
             del self.health[gone]
+            self._memo = None
         await asyncio.gather(*(self._probe(u) for u in urls))
         self.rounds += 1
 

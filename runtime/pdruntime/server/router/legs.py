@@ -198,22 +198,15 @@ class Legs:
                                  leg="router", retryable=False, code="deadline_exceeded"))
 
     # ---- decode leg ----------------------------------------------------------------------------
-    async def _until(self, fut: asyncio.Future) -> Any:
-        """``fut``'s result; if prefill fails first or the deadline passes, that LegError (:meth:`_interrupt` cancels
-        ``fut``: for a worker call, that closes its connection). One timer and one prefill callback per request,
-        not per wait."""
+    def _until(self, fut: asyncio.Future) -> asyncio.Future:
+        """``fut``, to be awaited in :meth:`_open_decode`: if prefill fails first or the deadline passes,
+        :meth:`_interrupt` cancels it (for a worker call, that closes its connection) and :meth:`first_event` raises
+        that LegError instead of the cancellation. Returned, not awaited here: a coroutine per wait would add a
+        frame to every resume of the request's task. One timer and one prefill callback per request, not per wait."""
         if self._stop is not None:
             raise self._stop
         self._waiting = fut
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if self._stop is not None and (task is None or not task.cancelling()):  # ours, not the client leaving
-                raise self._stop from None
-            raise
-        finally:
-            self._waiting = None
+        return fut
 
     async def _open_decode(self) -> TokenEvent:
         """Send the decode leg; its first token event. Raises LegError (``leg`` "decode" for decode's own failures)."""
@@ -312,7 +305,13 @@ class Legs:
         self.prefill_task = self._start_prefill()
         try:
             try:
-                return await self._open_decode()
+                try:
+                    return await self._open_decode()
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if self._stop is None or (task is not None and task.cancelling()):
+                        raise  # the client left (or the router stops): not an interrupt of ours
+                    raise self._stop from None  # _interrupt cancelled the wait: prefill failed, or the deadline
             except LegError as exc:
                 if exc.leg == "decode":
                     await self._prefer_prefill_verdict(exc)

@@ -236,15 +236,14 @@ class PairPicker:
         cands = self.eligible(now, exclude, group)
         if not cands:
             return None
-        load = self.worker_loads()
         if group is not None:
-            return self._least_loaded(cands, load)
+            return self._least_loaded(cands, self.worker_loads())
         if self.routing.policy == "round-robin":
             cands.sort(key=lambda s: s.pair.index)
             self.turn += 1
             return cands[(self.turn - 1) % len(cands)]
         if self.tree is not None:
-            return self._choose_by_prefix(cands, load, prompt)
+            return self._choose_by_prefix(cands, self.worker_loads(), prompt)
         if key is not None:
             idx = self.sticky.get(key)
             if idx is not None:
@@ -252,7 +251,7 @@ class PairPicker:
                     if s.pair.index == idx:
                         self.sticky.move_to_end(key)
                         return s
-        best = self._least_loaded(cands, load)
+        best = cands[0] if len(cands) == 1 else self._least_loaded(cands, self.worker_loads())
         if key is not None:
             self.sticky[key] = best.pair.index
             self.sticky.move_to_end(key)

@@ -87,32 +87,24 @@ class EdgeRequest:
                            echo=body.prompt_text() if not chat and body.echo else None)
 
 
-@dataclass(slots=True)
-class Dispatched:
-    """A request whose pair answered: its legs, the pair's state and decode's first event."""
-
-    legs: Legs
-    state: PairState
-    first: TokenEvent
-
-
 class Reply:
     """Streams (:meth:`stream`) or collects (:meth:`collect`) one request's events; :meth:`finish` runs once."""
 
-    def __init__(self, router: "Router", req: EdgeRequest, live: LiveRequest, sent: Dispatched,
-                 client_label: str) -> None:
-        self.req, self.live, self.sent = req, live, sent
+    def __init__(self, router: "Router", req: EdgeRequest, live: LiveRequest, legs: Legs, state: PairState,
+                 first: TokenEvent, client_label: str) -> None:
+        """A request whose pair answered: its ``legs``, the pair's ``state`` and decode's ``first`` event."""
+        self.req, self.live, self.legs, self.state, self.first = req, live, legs, state, first
         self.router = router  # its forget() releases the pair slot and the live entry; child() the metric children
         self.metrics = metrics = router.metrics
         self.client_label = client_label
-        self.shape = req.shape(live.rid, parse_tools=not sent.legs.protocol.parses_tools)
+        self.shape = req.shape(live.rid, parse_tools=not legs.protocol.parses_tools)
         self.choices = Choices(req.n)
         self.outcome = "aborted"  # until it completes ("ok") or fails mid-stream ("failed")
         self.last_token_at = time.monotonic()
         self.prompt_logprobs: list | None = None  # echo + logprobs: the prompt's entries (prefill's)
         self._itl = router.itl_seconds
         self._tokens = router.child(metrics.tokens, "router", client_label)
-        self._first: TokenEvent | None = sent.first  # decode's first event, not yet read
+        self._first: TokenEvent | None = first  # decode's first event, not yet read
         self._patch = req.body.logprobs_n() is not None  # choice 0's first token takes prefill's logprobs
 
     async def next_event(self) -> TokenEvent | None:
@@ -124,7 +116,7 @@ class Reply:
         if self._first is not None:
             ev, self._first = self._first, None
         else:
-            ev = await self.sent.legs.next_event()
+            ev = await self.legs.next_event()
         if ev is None:  # e.g. a decode worker that ignores sampling_params.n streams choice 0 alone
             unfinished = [i for i, f in enumerate(self.choices.finished) if not f]
             raise LegError(502, f"decode ended its stream with choices {unfinished} of n={self.req.n} unfinished (a "
@@ -132,7 +124,7 @@ class Reply:
                            retryable=False)
         if self._patch and ev.choice == 0:
             self._patch = False
-            ev = await self.sent.legs.first_with_prefill_logprobs(ev)
+            ev = await self.legs.first_with_prefill_logprobs(ev)
             self.prompt_logprobs = ev.prompt_logprobs
         self.choices.see(ev)  # Legs checked the index
         self._count(ev)
@@ -154,8 +146,8 @@ class Reply:
     async def finish(self, completed: bool) -> None:
         """Release the pair and the live entry; a finished stream closes decode and reaps prefill, anything else
         aborts both legs."""
-        legs = self.sent.legs
-        self.router._forget(self.live, self.sent.state)
+        legs = self.legs
+        self.router._forget(self.live, self.state)
         if completed and self.outcome == "aborted":  # finished normally (not failed mid-stream)
             self.outcome = "ok"
             legs.close()
@@ -197,7 +189,7 @@ class Reply:
         """The whole response body (every choice), after decode's last event."""
         n = self.req.n
         completed = False
-        texts, lps, lasts = [""] * n, [[] for _ in range(n)], [self.sent.first] * n  # per choice
+        texts, lps, lasts = [""] * n, [[] for _ in range(n)], [self.first] * n  # per choice
         calls: list[list[dict]] = [[] for _ in range(n)]  # tool calls an OpenAI-speaking decode parsed, per choice
         try:
             while (ev := await self.next_event()) is not None:
