@@ -27,7 +27,7 @@ import functools
 import json as _json
 import time
 from collections import deque
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping
 from urllib.parse import urlsplit
 
 import httptools
@@ -122,39 +122,6 @@ def _split(method: str, url: str) -> tuple[tuple[str, int], str]:
 _SIZED = ("POST", "PUT", "PATCH")  # methods whose head states a length even for an empty body
 
 
-class Request:
-    """``ctype``: a Content-Type sent unless ``headers`` has "Content-Type" (what ``build_request(json=...)`` sets)."""
-
-    __slots__ = ("method", "url", "key", "first", "body", "headers", "timeout", "ctype")
-
-    def __init__(self, method: str, url: str, body: bytes, headers: Mapping[str, str] | None, timeout: Any,
-                 ctype: str | None = None) -> None:
-        self.key, self.first = _split(method, url)
-        self.method, self.url, self.body, self.timeout, self.ctype = method, url, body, timeout, ctype
-        self.headers = headers or {}
-
-    @property
-    def host(self) -> str:
-        return self.key[0]
-
-    @property
-    def port(self) -> int:
-        return self.key[1]
-
-    def encode(self) -> bytes:
-        head, body, headers = self.first, self.body, self.headers
-        if body or self.method in _SIZED:
-            head += "Content-Length: %d\r\n" % len(body)
-        if self.ctype is not None and "Content-Type" not in headers:
-            head += "Content-Type: " + self.ctype + "\r\n"
-        if headers:
-            try:  # "name: value" lines joined in C (no bytecode per header)
-                head += "\r\n".join(map(": ".join, headers.items())) + "\r\n"
-            except TypeError:  # a value that is not a str
-                head += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        return (head + "\r\n").encode("latin-1") + body
-
-
 class Response:
     """An answer: ``status_code``, ``headers``; the body by ``aread``/``content``/``json``/``text`` or, for a
     ``send(stream=True)``, by :meth:`read_some` (or ``aiter_bytes``/``aiter_lines``), then ``aclose``.
@@ -172,7 +139,7 @@ class Response:
     def __init__(self, conn: "_Conn", req: Request, status: int, headers: Headers, read_s: float | None) -> None:
         self._conn: _Conn | None = conn  # None once the answer is complete (the connection is back in the pool)
         self._loop = conn.loop
-        self.request = req
+        self.url = req.url  # not the request: its future holds this answer (no reference cycle per call)
         self.status_code, self.headers = status, headers
         self._read_s = read_s
         self._pieces: deque[bytes] = deque()
@@ -251,7 +218,7 @@ class Response:
     def _timed_out(self, waiter: asyncio.Future) -> None:
         if not waiter.done():
             conn = self._conn
-            self._fail(httpx.ReadTimeout(f"no data from {self.request.url} within {self._read_s}s"))
+            self._fail(httpx.ReadTimeout(f"no data from {self.url} within {self._read_s}s"))
             if conn is not None:
                 conn.close()
 
@@ -343,26 +310,58 @@ def _close_delimited(resp: Response) -> bool:
     return "chunked" not in te and resp.headers.get("content-length") is None and resp.status_code not in (204, 304)
 
 
-class Call:
-    """One request's exchange (:meth:`Client.start`): ``fut`` resolves to its Response once the head (``whole``
+class Request:
+    """One call: what is sent (``method``, ``url``, ``body``, ``headers``; :meth:`encode`) and, once
+    :meth:`Client.start` has sent it, its exchange: ``fut`` resolves to its Response once the head (``whole``
     False) or the whole answer (``whole`` True) has arrived, or to httpx's error; :meth:`cancel` gives it up and
-    closes its connection (the peer sees the hang-up)."""
+    closes its connection (the peer sees the hang-up). One object for both: the router makes two per request.
+    ``ctype``: a Content-Type sent unless ``headers`` has "Content-Type" (what ``build_request(json=...)`` sets).
+    ``on_done``: called with ``fut`` as soon as it is settled, in the same step (a done callback of ``fut`` would run
+    a loop iteration later, through a handle of its own)."""
 
-    __slots__ = ("client", "req", "wire", "read_s", "connect_s", "fut", "whole", "conn", "timer")
+    __slots__ = ("method", "url", "key", "first", "body", "headers", "timeout", "ctype",
+                 "client", "wire", "read_s", "connect_s", "fut", "whole", "conn", "timer", "on_done")
 
-    def __init__(self, client: "Client", req: Request, whole: bool, loop: asyncio.AbstractEventLoop) -> None:
-        self.client, self.req, self.whole = client, req, whole
-        self.connect_s, self.read_s = _timeouts(req.timeout, client._default)
-        self.wire = req.encode()
-        self.fut: asyncio.Future = loop.create_future()
+    def __init__(self, method: str, url: str, body: bytes, headers: Mapping[str, str] | None, timeout: Any,
+                 ctype: str | None = None) -> None:
+        self.key, self.first = _split(method, url)
+        self.method, self.url, self.body, self.timeout, self.ctype = method, url, body, timeout, ctype
+        self.headers = headers or {}
+        self.fut: asyncio.Future | None = None  # set by Client.start
         self.conn: _Conn | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.on_done: Callable[[asyncio.Future], None] | None = None
 
+    @property
+    def host(self) -> str:
+        return self.key[0]
+
+    @property
+    def port(self) -> int:
+        return self.key[1]
+
+    def encode(self) -> bytes:
+        head, body, headers = self.first, self.body, self.headers
+        if body or self.method in _SIZED:
+            head += "Content-Length: %d\r\n" % len(body)
+        if self.ctype is not None and "Content-Type" not in headers:
+            head += "Content-Type: " + self.ctype + "\r\n"
+        if headers:
+            try:  # "name: value" lines joined in C (no bytecode per header)
+                head += "\r\n".join(map(": ".join, headers.items())) + "\r\n"
+            except TypeError:  # a value that is not a str
+                head += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        return (head + "\r\n").encode("latin-1") + body
+
+    # ---- the exchange (Client.start) ----
     def cancel(self) -> None:
         """Give the call up: its future is cancelled and, unless its answer had fully arrived, its connection closed."""
         if self.timer is not None:
             self.timer.cancel()
-        self.fut.cancel()
+            self.timer = None  # its callback is this call's: no reference cycle left behind
+        fut = self.fut
+        if fut is not None and fut.cancel():
+            self._done(fut)
         conn = self.conn
         if conn is not None and conn.call is self:
             conn.call = None
@@ -371,19 +370,31 @@ class Call:
     def resolve(self, resp: Response) -> None:
         if self.timer is not None:
             self.timer.cancel()
+            self.timer = None  # its callback is this call's: no reference cycle left behind
         fut = self.fut
         if not fut.done():
             fut.set_result(resp)
+            self._done(fut)
 
     def fail(self, exc: BaseException) -> None:
         if self.timer is not None:
             self.timer.cancel()
-        if not self.fut.done():
-            self.fut.set_exception(exc)
+            self.timer = None  # its callback is this call's: no reference cycle left behind
+        fut = self.fut
+        if not fut.done():
+            fut.set_exception(exc)
+            self._done(fut)
+
+    def _done(self, fut: asyncio.Future) -> None:
+        """``on_done``, once: dropped as it is called, so that a callback bound to its owner (the router's legs,
+        which hold this call) leaves no reference cycle for the garbage collector."""
+        on_done, self.on_done = self.on_done, None
+        if on_done is not None:
+            on_done(fut)
 
     def timed_out(self) -> None:
         if not self.fut.done():
-            self.fail(httpx.ReadTimeout(f"no data from {self.req.url} within {self.read_s}s"))
+            self.fail(httpx.ReadTimeout(f"no data from {self.url} within {self.read_s}s"))
             if self.conn is not None and self.conn.call is self:
                 self.conn.call = None
                 self.conn.close()
@@ -391,7 +402,7 @@ class Call:
     async def connect_and_send(self) -> None:
         """The call on a new connection (none idle, or the idle one turned out closed)."""
         try:
-            conn = await self.client._connect(self.req, self.connect_s)
+            conn = await self.client._connect(self, self.connect_s)
         except httpx.HTTPError as exc:
             self.fail(exc)
             return
@@ -399,6 +410,9 @@ class Call:
             conn.close()
             return
         conn.begin(self)
+
+
+Call = Request  # the name the router's legs use for a request once sent
 
 
 class _Conn(asyncio.Protocol):
@@ -443,7 +457,7 @@ class _Conn(asyncio.Protocol):
                 if self._head_bytes > HEAD_LIMIT:
                     raise httptools.HttpParserError("head too long")
         except httptools.HttpParserError:
-            url = self.call.req.url if self.call is not None else "?"
+            url = self.call.url if self.call is not None else "?"
             self._broken(httpx.RemoteProtocolError(f"{url}: the answer's head exceeds {HEAD_LIMIT} bytes"
                                                    if self._head_bytes > HEAD_LIMIT else
                                                    f"{url}: not an HTTP/1.x answer: {data[:80]!r}"))
@@ -458,12 +472,12 @@ class _Conn(asyncio.Protocol):
                 call.conn = None
                 asyncio.get_running_loop().create_task(call.connect_and_send())
             elif resp is None:
-                call.fail(httpx.RemoteProtocolError(f"{call.req.url}: the peer closed the connection without an answer"))
+                call.fail(httpx.RemoteProtocolError(f"{call.url}: the peer closed the connection without an answer"))
             elif _close_delimited(resp):
                 resp._end(whole=True)
                 call.resolve(resp)
             else:
-                exc2 = httpx.RemoteProtocolError(f"{call.req.url}: the peer closed the connection mid-body")
+                exc2 = httpx.RemoteProtocolError(f"{call.url}: the peer closed the connection mid-body")
                 resp._fail(exc2)
                 call.fail(exc2)
             return
@@ -471,7 +485,7 @@ class _Conn(asyncio.Protocol):
             if _close_delimited(resp):
                 resp._end()
             else:
-                url = resp.request.url
+                url = resp.url
                 resp._fail(httpx.RemoteProtocolError(f"{url}: the peer closed the connection mid-body"))
 
     # ---- httptools callbacks ----
@@ -490,7 +504,7 @@ class _Conn(asyncio.Protocol):
             self._interim, self._head_bytes = True, 0
             return
         self.keep = parser.should_keep_alive()
-        self.resp = resp = Response(self, call.req, status, Headers(self._headers), call.read_s)
+        self.resp = resp = Response(self, call, status, Headers(self._headers), call.read_s)
         if not call.whole:
             call.resolve(resp)
 
@@ -605,21 +619,26 @@ class Client:
         return Request(method, url, content or b"", headers, timeout)
 
     def start(self, req: Request, *, stream: bool = False) -> Call:
-        """Send ``req`` now (on an idle connection; else connecting first): a :class:`Call` whose ``fut`` is its
-        Response, at its head with ``stream``, else once the whole answer has arrived. No task unless a connection is
-        opened. The read timeout bounds the wait for that."""
+        """Send ``req`` now (on an idle connection; else connecting first) and return it, as the :class:`Call` whose
+        ``fut`` is its Response, at its head with ``stream``, else once the whole answer has arrived. No task unless a
+        connection is opened. The read timeout bounds the wait for that. A request is sent once."""
         if self._closed:
             raise RuntimeError("h1.Client is closed")
+        if req.fut is not None:
+            raise RuntimeError(f"h1: {req.method} {req.url} was sent already; build a new request")
         loop = self.loop
-        call = Call(self, req, not stream, loop)
-        if call.read_s is not None:
-            call.timer = loop.call_later(call.read_s, call.timed_out)
+        req.client, req.whole = self, not stream
+        req.connect_s, req.read_s = _timeouts(req.timeout, self._default)
+        req.wire = req.encode()
+        req.fut = loop.create_future()
+        if req.read_s is not None:
+            req.timer = loop.call_later(req.read_s, req.timed_out)
         conn = self._take_idle(req.key)
         if conn is not None:
-            conn.begin(call)
+            conn.begin(req)
         else:
-            loop.create_task(call.connect_and_send())
-        return call
+            loop.create_task(req.connect_and_send())
+        return req
 
     async def send(self, req: Request, *, stream: bool = False) -> Response:
         call = self.start(req, stream=stream)

@@ -107,56 +107,58 @@ class Outbound:
 
 
 class Legs:
+    # set as the legs run; class defaults until then (one store fewer each, per request)
+    prefill_task: asyncio.Future | None = None  # the prefill leg's outcome (_start_prefill)
+    _prefill_call: "h1.Call | None" = None  # its h1 call
+    _decode_call: "h1.Call | None" = None
+    _waiting: asyncio.Future | None = None  # what first_event awaits now (_until)
+    _stop: LegError | None = None  # why that wait was cut short (_interrupt)
+    decode_resp: "h1.Response | None" = None
+    _decode_done = False  # decode's stream ended ([DONE] or its body's end)
+    prefill_result: dict | None = None  # prefill's answer (meta_info: the first token's logprobs)
+
     def __init__(self, client: "h1.Client", pair: Pair, out: Outbound,
                  protocol: WorkerProtocol | None = None) -> None:
         self.client = client
         self.pair = pair
         self.out = out
-        self.protocol = protocol or WorkerProtocol()
-        self.room = self.protocol.room(out)
+        self.protocol = protocol = protocol or WorkerProtocol()
+        self.room = protocol.room(out)
         self.deadline = out.deadline  # time.monotonic() seconds
-        self.prefill_req = self.protocol.prefill(out, pair, self.room)
-        self._read = self.protocol.reader(out)  # decode's SSE payload -> its token events
+        self.prefill_req = protocol.prefill(out, pair, self.room)
+        self._read = protocol.reader(out)  # decode's SSE payload -> its token events
         self._pending: collections.deque[TokenEvent] = collections.deque()
         self.headers = out.headers
         self.busy_until = out.busy_until
-        self.prefill_task: asyncio.Future | None = None  # the prefill leg's outcome (_start_prefill)
-        self._prefill_call: h1.Call | None = None  # its h1 call
-        self._decode_call: h1.Call | None = None
-        self._waiting: asyncio.Future | None = None  # what first_event awaits now (_until)
-        self._stop: LegError | None = None  # why that wait was cut short (_interrupt)
-        self.decode_resp: "h1.Response | None" = None
         self._sse = SSEBuffer()  # decode's body -> its SSE payloads
         self._payloads: collections.deque[bytes] = collections.deque()  # received, not yet read
-        self._decode_done = False  # decode's stream ended ([DONE] or its body's end)
-        self.prefill_result: dict | None = None  # prefill's answer (meta_info: the first token's logprobs)
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
 
     # ---- prefill leg ---------------------------------------------------------------------------
-    def _start_prefill(self) -> asyncio.Future:
-        """Send the prefill leg now. Its outcome, as a future: None (``prefill_result`` holds its answer) or its
-        LegError. Driven by the answer's arrival, without a task; cancelling it (:meth:`_cancel_prefill`) closes
-        the call's connection (the worker sees the router hang up)."""
-        outcome = self.client.loop.create_future()
+    def _start_prefill(self) -> None:
+        """Send the prefill leg now. Its outcome is ``prefill_task``, a future: None (``prefill_result`` holds its
+        answer) or its LegError. Driven by the answer's arrival (the call's ``on_done``), without a task;
+        cancelling it (:meth:`_cancel_prefill`) closes the call's connection (the worker sees the router hang up)."""
+        self.prefill_task = outcome = self.client.loop.create_future()
         left = self.remaining()
         headers = {**self.headers, DEADLINE_HEADER: f"{left:.3f}"}  # prefill's admission reads it
         try:
-            self._prefill_call = self.client.start(self.client.build_request(
-                "POST", self.pair.prefill_url + self.prefill_req.path, json=self.prefill_req.body, headers=headers,
-                timeout=(CONNECT_TIMEOUT_S, left + 1.0)))
+            call = self.client.build_request("POST", self.pair.prefill_url + self.prefill_req.path,
+                                             json=self.prefill_req.body, headers=headers,
+                                             timeout=(CONNECT_TIMEOUT_S, left + 1.0))
+            call.on_done = self._prefill_answered
+            self._prefill_call = self.client.start(call)
         except httpx.HTTPError as exc:
             outcome.set_exception(self._unreachable("prefill", exc))
-            return outcome
-        self._prefill_call.fut.add_done_callback(lambda call: self._prefill_answered(call, outcome))
-        return outcome
 
     def _unreachable(self, leg: str, exc: BaseException) -> LegError:
         url = self.pair.prefill_url if leg == "prefill" else self.pair.decode_url
         return LegError(502, f"{leg} worker {url} unreachable: {type(exc).__name__} {exc}", leg=leg, retryable=True)
 
-    def _prefill_answered(self, call: asyncio.Future, outcome: asyncio.Future) -> None:
+    def _prefill_answered(self, call: asyncio.Future) -> None:
+        outcome = self.prefill_task
         if outcome.done():  # cancelled by the router meanwhile
             if not call.cancelled():
                 call.exception()  # retrieved
@@ -302,7 +304,7 @@ class Legs:
         """Start both legs; return decode's first token event. Raises LegError (legs aborted). Both legs run on
         their answers' arrival (h1.Client.start), awaited here: no task per leg."""
         timer = self.client.loop.call_later(self.remaining(), self._deadline_passed)
-        self.prefill_task = self._start_prefill()
+        self._start_prefill()
         try:
             try:
                 try:

@@ -115,14 +115,14 @@ class WorkerProtocol:
         return _room()
 
     def prefill(self, out: "Outbound", pair: "Pair", room: Any) -> LegRequest:
-        return LegRequest("/generate", {**self._pd_body(out, pair, room), "stream": False})
+        return LegRequest("/generate", self._pd_body(out, pair, room, False))
 
     def decode(self, out: "Outbound", pair: "Pair", room: Any, prefill_result: dict | None) -> LegRequest:
-        return LegRequest("/generate", {**self._pd_body(out, pair, room), "stream": True})
+        return LegRequest("/generate", self._pd_body(out, pair, room, True))
 
-    def _pd_body(self, out: "Outbound", pair: "Pair", room: Any) -> dict:
+    def _pd_body(self, out: "Outbound", pair: "Pair", room: Any, stream: bool) -> dict:
         return {**out.body, "rid": out.rid, "bootstrap_host": pair.bootstrap_host, "bootstrap_port": pair.bootstrap_port,
-                "bootstrap_room": room}
+                "bootstrap_room": room, "stream": stream}
 
     def reader(self, out: "Outbound") -> Callable[[dict], list[TokenEvent]]:
         """Decode's SSE payloads -> token events (ValueError for a malformed one)."""

@@ -44,9 +44,12 @@ KEEPALIVE_S = 75.0  # seconds an idle keep-alive connection stays open (above th
 SWEEP_S = 1.0  # seconds between sweeps for idle keep-alive connections
 MAX_PIPELINED = 16  # complete requests queued behind the one being answered before reading pauses
 HOT_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+HOT_PATHS = {p.encode(): p for p in HOT_ROUTES}  # their request targets, as httptools hands them over
+_METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH")}
 
 _LAST_CHUNK = b"0\r\n\r\n"  # the chunked encoding's terminator
 _STATUS = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in http.HTTPStatus}
+_OK_JSON = _STATUS[200] + b"content-type: application/json\r\ncontent-length: "  # _head's for 200, up to the length
 
 
 def _status_line(status: int) -> bytes:
@@ -167,25 +170,30 @@ class RouterConnection(asyncio.Protocol):
         self.cur.raw_headers.append((name.lower(), value.rstrip(b" \t")))  # type: ignore[union-attr]
 
     def on_headers_complete(self) -> None:
-        ex = self.cur
+        ex, parser = self.cur, self.parser
         assert ex is not None
         self.head_done = True
-        ex.method = self.parser.get_method().decode("ascii")
-        ex.version = self.parser.get_http_version()
-        ex.keep_alive = self.parser.should_keep_alive()
-        ex.upgrade = self.parser.should_upgrade()
-        url = httptools.parse_url(ex.url)
-        ex.raw_path = url.path
-        path = url.path.decode("ascii")
-        ex.path = unquote(path) if "%" in path else path
-        ex.query = url.query or b""
+        method = parser.get_method()
+        ex.method = _METHODS.get(method) or method.decode("ascii")
+        ex.version = parser.get_http_version()
+        ex.keep_alive = parser.should_keep_alive()
+        ex.upgrade = parser.should_upgrade()
+        raw = ex.url
+        if raw in HOT_PATHS:  # the two hot routes, as clients send them: nothing to split or unquote
+            ex.raw_path, ex.path, ex.query = raw, HOT_PATHS[raw], b""
+        else:
+            url = httptools.parse_url(raw)
+            ex.raw_path = url.path
+            path = url.path.decode("ascii")
+            ex.path = unquote(path) if "%" in path else path
+            ex.query = url.query or b""
         headers = ex.headers
         for k, v in ex.raw_headers:
             headers.setdefault(k.decode("latin-1"), v.decode("latin-1"))
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
             self._refuse(body_too_large(self.max_body), headers)
-        elif headers.get("expect", "").lower() == "100-continue":
+        elif "expect" in headers and headers["expect"].lower() == "100-continue":
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # type: ignore[union-attr]
 
     def on_body(self, body: bytes) -> None:
@@ -250,6 +258,9 @@ class RouterConnection(asyncio.Protocol):
         if self.closing:
             return
         payload = h1.dumps(body)
+        if status == 200 and headers is None and ex.keep_alive:  # the usual answer: its head from one template
+            self.transport.write(b"%b%d\r\n\r\n%b" % (_OK_JSON, len(payload), payload))  # type: ignore[union-attr]
+            return
         self.transport.write(self._head(ex, status, b"application/json", headers, len(payload)) + payload)  # type: ignore[union-attr]
 
     def _refuse(self, error: ApiError, headers: dict | None = None) -> None:
