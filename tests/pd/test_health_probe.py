@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from pdruntime.server.router.health_probe import HealthProber, WorkerHealth, is_stale, stale_pairs
+from pdruntime.server.router.health_probe import HealthProber, WorkerHealth, is_stale, stale_pairs, stale_until
 
 
 @pytest.mark.parametrize("last_ok,timed_out,now,want", [
@@ -32,6 +32,27 @@ def test_a_pair_is_stale_when_either_of_its_workers_is():
     health["d1"].last_ok = 2.0
     assert stale_pairs(pairs, health, 11.0, 5.0) == {1}
     assert stale_pairs(pairs, {}, 11.0, 5.0) == set()  # never probed: not stale
+
+
+def test_the_probers_stale_set_is_remembered_only_until_the_clock_or_a_probe_or_the_topology_changes_it():
+    """Every request asks for the stale pairs; the prober answers from its last computation while nothing that
+    decides it has changed, and computes it afresh the moment the clock passes a worker's staleness threshold."""
+    pairs = (SimpleNamespace(index=0, prefill_url="p0", decode_url="d0"),
+             SimpleNamespace(index=1, prefill_url="p1", decode_url="d1"))
+    topology = [pairs]
+    prober = HealthProber(None, lambda: topology[0], stale_after_s=5.0)
+    prober.health = {u: WorkerHealth(u, since=0.0, last_ok=10.0) for u in ("p0", "d0", "p1")}
+    prober.health["d1"] = WorkerHealth("d1", since=0.0, last_ok=12.0)
+    assert prober.stale(now=11.0) == frozenset()
+    assert prober.stale(now=15.0) == frozenset()  # 10 + 5: not yet past
+    assert prober.stale(now=15.01) == {0, 1}  # p0, d0 and p1 went stale as the clock passed 15
+    assert prober.stale(now=17.01) == {0, 1}  # d1 too now; pair 1 was stale already
+    prober.health["p0"].last_ok = prober.health["d0"].last_ok = 17.0  # what a probe's answer writes...
+    prober._memo = None  # ...and _probe drops the memo with it
+    assert prober.stale(now=17.02) == {1}
+    topology[0] = pairs[:1]  # the topology changed: pair 1 left
+    assert prober.stale(now=17.03) == frozenset()
+    assert stale_until(prober.health, 17.03, 5.0) == 22.0  # the next threshold: p0's and d0's
 
 
 def test_prober_marks_a_worker_that_accepts_but_never_answers_stale_and_back_when_it_answers():

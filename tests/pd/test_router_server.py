@@ -291,3 +291,61 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits(workers, tmp_path):
         decode.hold = None
         loop.call_soon_threadsafe(decode.release.set)
         p.stop()
+
+
+def test_a_request_through_the_router_leaves_no_reference_cycle(workers):
+    """Everything the router allocates for a request is freed by reference counting as the request ends, streamed
+    or not. Objects left in reference cycles wait for the cyclic collector instead, whose passes cost a loaded
+    router a few percent of its CPU (an h1 answer that held its call, whose future held the answer, once left 19
+    such objects per request). The router runs in this process here, so that the collector's finds can be named."""
+    import collections
+    import gc
+
+    from pdruntime.env import RuntimeEnv
+    from pdruntime.server.connections import ConnectionLimits
+    from pdruntime.server.router import server as router_server
+    from pdruntime.server.router.app import Router
+    from pdruntime.server.router.topology import topology_from_flags
+    from pdruntime.util import h1
+
+    prefill, decode, _ = workers
+    requests = 200
+
+    async def main() -> list:
+        router = Router(RuntimeEnv.from_environ({}), topology=topology_from_flags(
+            [f"http://127.0.0.1:{prefill.port}"], [f"http://127.0.0.1:{decode.port}"], [1]))
+        proto = router_server.protocol_class(router, router.build_app(), ConnectionLimits(), set(), lambda why: None,
+                                             lambda n: None)
+        await router.start()
+        server = await asyncio.get_running_loop().create_server(proto, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+        client = h1.Client()
+
+        async def one(i: int) -> None:
+            r = await client.post(url, json={**BODY, "stream": i % 2 == 1})
+            assert r.status_code == 200, r.content
+
+        async def rounds(n: int) -> None:
+            for k in range(n // 4):
+                await asyncio.gather(*(one(4 * k + j) for j in range(4)))
+
+        try:
+            await rounds(40)  # warm: pools, caches, metric children
+            gc.collect()
+            gc.disable()
+            try:
+                await rounds(requests)
+                gc.set_debug(gc.DEBUG_SAVEALL)
+                gc.collect()
+                return [o for o in gc.garbage if type(o).__module__.startswith("pdruntime")]
+            finally:
+                gc.set_debug(0)
+                gc.garbage.clear()
+                gc.enable()
+        finally:
+            await client.aclose()
+            server.close()
+            await router.stop()
+
+    left = asyncio.run(main())
+    assert len(left) < requests // 20, collections.Counter(type(o).__qualname__ for o in left).most_common(8)

@@ -255,3 +255,25 @@ def test_a_streamed_answer_ends_in_the_write_that_carries_done(version, ends_wit
     assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and b"transfer-encoding: chunked" in writes[0]
     assert writes[1] == b"%x\r\n%b\r\n" % (len(last), last) + (b"0\r\n\r\n" if ends_with_done else b"")
     assert writes[2:] == ([] if ends_with_done else [b"0\r\n\r\n"])
+
+
+def test_metric_children_updated_on_the_loop_render_what_prometheus_clients_own_would():
+    """Metrics.on_loop: the router's per-request counters and histograms are plain numbers until a render folds them
+    in; the exposition is the one prometheus_client's own inc() and observe() give, bucket bounds included (a value
+    exactly on a bound counts in that bucket), and a second render adds nothing twice."""
+    from pdruntime.server.metrics import Metrics
+
+    values = [0.0, 0.001, 0.0010001, 0.0025, 0.3, 2.5, 2.6, 7.0, 1e9]
+    mine, theirs = Metrics("router"), Metrics("router")
+    hist, count = mine.on_loop(mine.itl.labels("router")), mine.on_loop(mine.tokens.labels("router", "c"))
+    for v in values:
+        hist.observe(v)
+        theirs.itl.labels("router").observe(v)
+    count.inc(3)
+    count.inc()
+    theirs.tokens.labels("router", "c").inc(4)
+    assert mine.render() == theirs.render()
+    hist.observe(0.2)
+    theirs.itl.labels("router").observe(0.2)
+    assert mine.render() == theirs.render()
+    assert b'pdrt_inter_token_latency_seconds_bucket{le="0.001",role="router"} 2.0' in mine.render()
