@@ -423,27 +423,27 @@ class Router:
 
     async def completion(self, call: EdgeCall) -> dict | Streamed:
         """``/v1/chat/completions`` and ``/v1/completions``: validated here, once, into an :class:`EdgeRequest`;
-        answered with the response body (a dict) or a :class:`Streamed` answer. Raises ApiError."""
+        answered with the response body (a dict) or a :class:`Streamed` answer. Raises ApiError.
+
+        Then one PD request: dispatch to a pair, then stream or collect decode's events, shaped as OpenAI's (one
+        coroutine for both halves: each level of coroutines is a frame more on every resume of the request).
+        ``n`` > 1 is still one PD request (one prefill, one KV transfer): its sampling_params carry ``n`` and the
+        decode worker forks the choices off the transferred prompt pages (see worker/decode.py); its events carry
+        their choice's ``index``, and failing or aborting the request ends every choice."""
         t0 = time.monotonic()
         client = "unauthenticated"
         try:
             client = self.authenticate(call.headers)
             raw = parse_body(call.body)
             oreq = validate(ChatCompletionRequest if call.chat else CompletionRequest, raw)
-            model = await self._check_model(oreq.model)
+            model = oreq.model if oreq.model in self.models else await self._check_model(oreq.model)
             deadline = self._deadline(call.headers)
         except ApiError as exc:
             self.count_rejection(client, exc.status)
             raise
-        parser = (self.models.get(model) or {}).get("tool_call_parser") or "hermes"
-        return await self._one(call, EdgeRequest(oreq, call.chat, client, model, deadline, t0, parser, raw=raw))
+        parser = self.models[model].get("tool_call_parser") or "hermes"
+        req = EdgeRequest(oreq, call.chat, client, model, deadline, t0, parser, raw=raw)
 
-    async def _one(self, call: EdgeCall, req: EdgeRequest) -> dict | Streamed:
-        """One PD request: dispatch to a pair, then stream or collect decode's events, shaped as OpenAI's.
-
-        ``n`` > 1 is still one PD request (one prefill, one KV transfer): its sampling_params carry ``n`` and the
-        decode worker forks the choices off the transferred prompt pages (see worker/decode.py); its events carry
-        their choice's ``index``, and failing or aborting the request ends every choice."""
         client_label = self.metrics.clients.label(req.client)
         rid = self.request_ids.new()
         connection = f"{call.peer[0]}:{call.peer[1]}" if call.peer else ""

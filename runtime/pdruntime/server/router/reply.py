@@ -90,6 +90,9 @@ class EdgeRequest:
 class Reply:
     """Streams (:meth:`stream`) or collects (:meth:`collect`) one request's events; :meth:`finish` runs once."""
 
+    outcome = "aborted"  # until it completes ("ok") or fails mid-stream ("failed")
+    prompt_logprobs: list | None = None  # echo + logprobs: the prompt's entries (prefill's)
+
     def __init__(self, router: "Router", req: EdgeRequest, live: LiveRequest, legs: Legs, state: PairState,
                  first: TokenEvent, client_label: str) -> None:
         """A request whose pair answered: its ``legs``, the pair's ``state`` and decode's ``first`` event."""
@@ -99,9 +102,7 @@ class Reply:
         self.client_label = client_label
         self.shape = req.shape(live.rid, parse_tools=not legs.protocol.parses_tools)
         self.choices = Choices(req.n)
-        self.outcome = "aborted"  # until it completes ("ok") or fails mid-stream ("failed")
         self.last_token_at = time.monotonic()
-        self.prompt_logprobs: list | None = None  # echo + logprobs: the prompt's entries (prefill's)
         self._itl = router.itl_seconds
         self._tokens = router.child(metrics.tokens, "router", client_label)
         self._first: TokenEvent | None = first  # decode's first event, not yet read
@@ -189,13 +190,15 @@ class Reply:
         """The whole response body (every choice), after decode's last event."""
         n = self.req.n
         completed = False
-        texts, lps, lasts = [""] * n, [[] for _ in range(n)], [self.first] * n  # per choice
-        calls: list[list[dict]] = [[] for _ in range(n)]  # tool calls an OpenAI-speaking decode parsed, per choice
+        texts, lasts = [""] * n, [self.first] * n  # per choice
+        lps: list[list] = [[] for _ in range(n)] if n > 1 else [[]]  # (a comprehension is a call per request)
+        calls: list[list[dict]] = [[] for _ in range(n)] if n > 1 else [[]]  # tool calls an OpenAI-speaking decode parsed
         try:
             while (ev := await self.next_event()) is not None:
-                i = ev.choice
+                i = ev.index or 0
                 texts[i] += ev.delta
-                lps[i] += ev.logprobs or []
+                if ev.logprobs:
+                    lps[i] += ev.logprobs
                 if ev.tool_calls:
                     merge_tool_call_deltas(calls[i], ev.tool_calls)
                 lasts[i] = ev
@@ -209,9 +212,10 @@ class Reply:
         want_lps = self.req.body.logprobs_n() is not None
         if want_lps and self.prompt_logprobs is not None:  # echo: the prompt's entries first (each text starts with it)
             lps = [self.prompt_logprobs + lp for lp in lps]
-        return self.shape.response(
-            [self.shape.choice(i, texts[i], lasts[i], logprobs=lps[i] if want_lps else None,
-                               tool_calls=finished_tool_calls(calls[i]) or None) for i in range(n)],
+        shape = self.shape
+        return shape.response(
+            [shape.choice(i, texts[i], lasts[i], logprobs=lps[i] if want_lps else None,
+                          tool_calls=finished_tool_calls(calls[i]) if calls[i] else None) for i in range(n)],
             self.choices.usage())
 
 
