@@ -288,27 +288,31 @@ class _SamplingFields(_Strict):
 
     def sampling_params(self) -> dict:
         """SGLang-shaped sampling_params for the worker legs (validated again there by :class:`WorkerSampling`).
-        Fields the client left out are absent: the worker fills in the model's defaults."""
+        Fields the client left out are absent: the worker fills in the model's defaults.
+
+        Read from the model's ``__dict__``: each attribute read of a pydantic model goes through the
+        ``__getattr__`` hook BaseModel defines (several times a plain read), and this reads twenty per request."""
+        f = self.__dict__
         out: dict = {}  # built key by key (one per request: no comprehension to drop the Nones afterwards)
-        if self.max_tokens is not None:
-            out["max_new_tokens"] = self.max_tokens
+        if f["max_tokens"] is not None:
+            out["max_new_tokens"] = f["max_tokens"]
         for key in _OPTIONAL_SAMPLING:
-            value = getattr(self, key)
+            value = f[key]
             if value is not None:
                 out[key] = value
         out["stop"] = list(self.stop_tuple())
-        out["ignore_eos"] = self.ignore_eos
-        out["frequency_penalty"] = self.frequency_penalty
-        out["presence_penalty"] = self.presence_penalty
-        if self.logit_bias:
-            out["logit_bias"] = dict(self.logit_bias)
-        if self.stop_token_ids is not None:
-            out["stop_token_ids"] = self.stop_token_ids
+        out["ignore_eos"] = f["ignore_eos"]
+        out["frequency_penalty"] = f["frequency_penalty"]
+        out["presence_penalty"] = f["presence_penalty"]
+        if f["logit_bias"]:
+            out["logit_bias"] = dict(f["logit_bias"])
+        if f["stop_token_ids"] is not None:
+            out["stop_token_ids"] = f["stop_token_ids"]
         logprobs = self.logprobs_n()
         if logprobs is not None:
             out["logprobs"] = logprobs
-        if self.n > 1:
-            out["n"] = self.n
+        if f["n"] > 1:
+            out["n"] = f["n"]
         return out
 
 
@@ -355,9 +359,10 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _prompt(self):
-        if self.max_tokens is None:
+        f = self.__dict__  # not self.x: reads through BaseModel's __getattr__ hook cost several times more
+        if f["max_tokens"] is None:
             self.max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
-        if self.echo and self.logprobs is not None and self.stream:
+        if f["echo"] and f["logprobs"] is not None and f["stream"]:
             raise ValueError("echo with logprobs is not supported when streaming; accepted: stream: false, or echo "
                              "or logprobs alone")
         return self
@@ -526,12 +531,23 @@ def _accepted(loc: str | None) -> str:
     return ""
 
 
+_VALIDATORS: dict[type, Any] = {}  # model -> its pydantic-core validator (a class attribute of a pydantic model is a
+#                                   lookup through its metaclass's __getattr__ hook: slow, and the router asks per request)
+
+
+def _validator(model: type[BaseModel]) -> Any:
+    got = _VALIDATORS.get(model)
+    if got is None:
+        got = _VALIDATORS[model] = model.__pydantic_validator__
+    return got
+
+
 def validate(model: type[BaseModel], body: dict) -> Any:
     """Validate ``body`` into ``model``; unsupported and unknown parameters and bad values become ApiError(400)
     naming the parameter, what was given, and what is accepted."""
     if not body.keys() & _SCREENED:  # the usual body: nothing to refuse or drop before pydantic
         try:
-            return model.model_validate(body)
+            return _validator(model).validate_python(body)  # model.model_validate(body), without its frame
         except ValidationError as exc:
             raise _to_api_error(exc, model) from None
     body = dict(body)

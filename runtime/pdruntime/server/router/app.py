@@ -31,7 +31,7 @@ from pdruntime.server.router.auth import (admin_token, bearer, client_of, client
                                           is_loopback, match_api_key, same_secret)
 from pdruntime.server.router.health_probe import HealthProber
 from pdruntime.server.router.legs import LegError, Legs, Outbound
-from pdruntime.server.router.policy import Outcome, PairPicker, PairState, RoutingConfig
+from pdruntime.server.router.policy import FAILURE, NEUTRAL, SUCCESS, PairPicker, PairState, RoutingConfig
 from pdruntime.server.router.prefix_tree import routing_text
 from pdruntime.server.router.protocol import observe_url, protocol_for
 from pdruntime.server.router.reply import EdgeCall, EdgeRequest, LiveRequest, Reply, Streamed
@@ -241,11 +241,11 @@ class Router:
             state.outstanding += 1
             self.admission.dispatched(state.pair.index)
             trial = state.breaker.on_dispatch(now)
-            outcome = Outcome.NEUTRAL  # client gone, 4xx, deadline, unexpected error: says nothing about the pair
+            outcome = NEUTRAL  # client gone, 4xx, deadline, unexpected error: says nothing about the pair
             try:
                 legs = Legs(self.client, state.pair, out, self.protocol)
                 first = await legs.first_event()
-                outcome = Outcome.SUCCESS
+                outcome = SUCCESS
                 return legs, state, first
             except LegError as exc:
                 if exc.busy:  # at capacity, not failing: neutral for the breaker; another pair may have room
@@ -257,13 +257,13 @@ class Router:
                 if not exc.retryable:
                     raise ApiError(exc.status, exc.message, code=exc.code, param=exc.param,
                                    type="invalid_request_error" if exc.status < 500 else "server_error") from None
-                outcome = Outcome.FAILURE
+                outcome = FAILURE
                 self.metrics.pair_failures.labels(state.pair.key, exc.leg).inc()
                 log.warning("rid=%s pair=%d %s leg failed: %s", live.rid, state.pair.index, exc.leg, exc.message)
             finally:
                 self.admission.first_token(state.pair.index)
                 state.breaker.record(outcome, time.monotonic(), trial=trial)
-                if outcome is not Outcome.SUCCESS:
+                if outcome is not SUCCESS:
                     self.release(state, served=False)
         if busy and last is None:
             wait = min(e.retry_after or 1 for e in busy)
@@ -442,19 +442,21 @@ class Router:
             self.count_rejection(client, exc.status)
             raise
         parser = self.models[model].get("tool_call_parser") or "hermes"
-        req = EdgeRequest(oreq, call.chat, client, model, deadline, t0, parser, raw=raw)
+        fields = oreq.__dict__
+        req = EdgeRequest(oreq, call.chat, client, model, deadline, t0, parser, raw, n=fields["n"],
+                          stream=fields["stream"], logprobs=oreq.logprobs_n())
 
         client_label = self.metrics.clients.label(req.client)
         rid = self.request_ids.new()
         connection = f"{call.peer[0]}:{call.peer[1]}" if call.peer else ""
         headers = {"x-client-id": req.client, REQUEST_ID_HEADER: rid, CLIENT_CONNECTION_HEADER: connection}
-        if not req.body.stream:  # one response: decode may send its tokens in fewer, larger events
+        if not req.stream:  # one response: decode may send its tokens in fewer, larger events
             headers[STREAM_INTERVAL_HEADER] = COLLECT_INTERVAL
         body = {"sampling_params": req.body.sampling_params(), **req.body.worker_input()}
         # a request waits for capacity at most admission.wait_s after its arrival: in the router's queue, then in decode
         out = Outbound(rid, body, headers, req.deadline, req.n, busy_until=req.arrived + self.admission.wait_s,
                        openai=req.raw, chat=req.chat)
-        live = LiveRequest(rid, req.client, req.body.user or call.headers.get("x-session-id"), req.arrived,
+        live = LiveRequest(rid, req.client, fields["user"] or call.headers.get("x-session-id"), req.arrived,
                            client_request_id=client_request_id(call.headers))
         self.live[rid] = live
         try:
@@ -477,7 +479,7 @@ class Router:
         live.advance("streaming")
         self.ttft_seconds.observe(time.monotonic() - req.arrived)
         reply = Reply(self, req, live, legs, state, first, client_label)
-        if req.body.stream:
+        if req.stream:
             return Streamed(reply.stream(), reply.finish)
         return await reply.collect()
 

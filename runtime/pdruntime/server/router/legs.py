@@ -281,9 +281,12 @@ class Legs:
             if isinstance(ev, dict) and "error" in ev:
                 raise _stream_error(ev)
             try:
-                self._pending.extend(self._read(ev))
+                got = self._read(ev)
             except (ValueError, TypeError, AttributeError) as exc:
                 raise LegError(502, f"decode sent a malformed event: {exc}", leg="decode", retryable=False) from None
+            if type(got) is TokenEvent:  # one event per payload (pdrt's protocol): nothing to queue
+                return got
+            self._pending.extend(got)
         return self._pending.popleft()
 
     async def _next_event(self) -> TokenEvent | None:

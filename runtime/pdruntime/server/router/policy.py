@@ -72,6 +72,11 @@ class Outcome(enum.Enum):
     NEUTRAL = "neutral"  # says nothing about the pair: the client left first, a 4xx (bad input), our own deadline
 
 
+# the members as module names: an enum class's attribute is read through its metaclass's __getattr__ hook, several
+# times slower than a global, and every dispatch reads two or three
+SUCCESS, FAILURE, NEUTRAL = Outcome.SUCCESS, Outcome.FAILURE, Outcome.NEUTRAL
+
+
 @dataclass
 class CircuitBreaker:
     """Per-pair breaker. Pure: every method takes the caller's clock (seconds) and returns data.
@@ -107,6 +112,8 @@ class CircuitBreaker:
         return self.trial_started is not None and now - self.trial_started < self.trial_timeout_s
 
     def allows(self, now: float) -> bool:
+        if self.opened_at is None:  # closed: the usual answer, without state()'s call
+            return True
         st = self.state(now)
         return st == "closed" or (st == "half_open" and not self._trial_pending(now))
 
@@ -120,7 +127,7 @@ class CircuitBreaker:
 
     def on_dispatch(self, now: float) -> bool:
         """A request goes to this pair; True if it is the half-open trial (pass it back to ``record``)."""
-        if self.state(now) == "half_open":
+        if self.opened_at is not None and self.state(now) == "half_open":
             self.trial_started = now
             return True
         return False
@@ -129,10 +136,10 @@ class CircuitBreaker:
         """Resolve one dispatched request. Every dispatch must end in exactly one ``record``."""
         if trial:
             self.trial_started = None  # resolved: success closes, failure re-opens, neutral re-arms
-        if outcome is Outcome.SUCCESS:
+        if outcome is SUCCESS:
             self.failures = 0
             self.opened_at = None
-        elif outcome is Outcome.FAILURE:
+        elif outcome is FAILURE:
             self.failures += 1
             if self.opened_at is not None or self.failures >= self.threshold:
                 self.opened_at = now

@@ -30,6 +30,7 @@ asked for. That is the one field where the router's decode request differs from 
 
 from __future__ import annotations
 
+import functools
 import random
 import struct
 from dataclasses import dataclass
@@ -124,9 +125,9 @@ class WorkerProtocol:
         return {**out.body, "rid": out.rid, "bootstrap_host": pair.bootstrap_host, "bootstrap_port": pair.bootstrap_port,
                 "bootstrap_room": room, "stream": stream}
 
-    def reader(self, out: "Outbound") -> Callable[[dict], list[TokenEvent]]:
-        """Decode's SSE payloads -> token events (ValueError for a malformed one)."""
-        return lambda ev: [TokenEvent.from_json(ev, out.n)]
+    def reader(self, out: "Outbound") -> Callable[[dict], TokenEvent | list[TokenEvent]]:
+        """Decode's SSE payload -> its token event, or a list of them (ValueError for a malformed one)."""
+        return functools.partial(TokenEvent.from_json, n=out.n)
 
     def worker_rid(self, out: "Outbound", room: Any, prefill_result: dict | None) -> str:
         """The id both workers know the request by (their /abort_request takes it)."""
@@ -151,7 +152,7 @@ class _OpenAIProtocol(WorkerProtocol):
 
     parses_tools = True
 
-    def reader(self, out: "Outbound") -> Callable[[dict], list[TokenEvent]]:
+    def reader(self, out: "Outbound") -> Callable[[dict], TokenEvent | list[TokenEvent]]:
         return OpenAIStreamReader(out.n, out.chat).events
 
     def first_token_logprobs(self, prefill_result: dict | None) -> tuple[Any, Any]:

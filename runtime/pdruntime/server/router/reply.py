@@ -73,10 +73,10 @@ class EdgeRequest:
     arrived: float  # time.monotonic() seconds
     tool_parser: str  # the model's tool-call parser (its workers report it)
     raw: dict = field(default_factory=dict)  # the client's JSON body, as sent (the OpenAI worker protocols pass it on)
-
-    @property
-    def n(self) -> int:
-        return self.body.n
+    # what every layer asks of body, read once (a pydantic model's attributes are read through a __getattr__ hook)
+    n: int = 1  # body.n
+    stream: bool = False  # body.stream
+    logprobs: int | None = None  # body.logprobs_n()
 
     def shape(self, rid: str, parse_tools: bool = True) -> OpenAIShape:
         """The client's response shape; ``parse_tools`` False when decode answers tool calls already parsed."""
@@ -106,7 +106,7 @@ class Reply:
         self._itl = router.itl_seconds
         self._tokens = router.child(metrics.tokens, "router", client_label)
         self._first: TokenEvent | None = first  # decode's first event, not yet read
-        self._patch = req.body.logprobs_n() is not None  # choice 0's first token takes prefill's logprobs
+        self._patch = req.logprobs is not None  # choice 0's first token takes prefill's logprobs
 
     async def next_event(self) -> TokenEvent | None:
         """Decode's next event (None: every choice finished), counted, with choice 0's first-token logprobs from
@@ -209,7 +209,7 @@ class Reply:
             raise ApiError(status, f"generation failed: {exc.message}", type=_error_type(status), code=exc.code) from None
         finally:
             await self.finish(completed)
-        want_lps = self.req.body.logprobs_n() is not None
+        want_lps = self.req.logprobs is not None
         if want_lps and self.prompt_logprobs is not None:  # echo: the prompt's entries first (each text starts with it)
             lps = [self.prompt_logprobs + lp for lp in lps]
         shape = self.shape
