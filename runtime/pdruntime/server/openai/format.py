@@ -56,7 +56,7 @@ def completion_logprobs(entries: list, offset0: int = 0) -> dict:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
 
-@dataclass
+@dataclass(slots=True)
 class Choices:
     """Progress of the ``n`` choices of one response, fed every event in order (:meth:`see`)."""
 

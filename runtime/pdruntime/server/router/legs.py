@@ -127,7 +127,7 @@ class Legs:
         self.deadline = out.deadline  # time.monotonic() seconds
         self.prefill_req = protocol.prefill(out, pair, self.room)
         self._read = protocol.reader(out)  # decode's SSE payload -> its token events
-        self._pending: collections.deque[TokenEvent] = collections.deque()
+        self._pending: collections.deque[TokenEvent] = _NO_EVENTS  # a reader's events beyond the one it returned
         self.headers = out.headers
         self.busy_until = out.busy_until
         self._sse = SSEBuffer()  # decode's body -> its SSE payloads
@@ -286,6 +286,8 @@ class Legs:
                 raise LegError(502, f"decode sent a malformed event: {exc}", leg="decode", retryable=False) from None
             if type(got) is TokenEvent:  # one event per payload (pdrt's protocol): nothing to queue
                 return got
+            if self._pending is _NO_EVENTS:
+                self._pending = collections.deque()
             self._pending.extend(got)
         return self._pending.popleft()
 
@@ -408,6 +410,8 @@ class Legs:
         else:
             task.add_done_callback(_reap)
 
+
+_NO_EVENTS: collections.deque = collections.deque(maxlen=0)  # Legs._pending until a reader returns a list (empty)
 
 #: Legs._stop once first_event is over: later interrupts (prefill ending, the deadline timer) change nothing
 _WAIT_OVER = LegError(500, "the first event's wait is over", leg="router", retryable=False)

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from pdruntime.server.router.app import Router
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class LiveRequest:
     rid: str
     client: str
