@@ -319,12 +319,12 @@ class Request:
     ``on_done``: called with ``fut`` as soon as it is settled, in the same step (a done callback of ``fut`` would run
     a loop iteration later, through a handle of its own)."""
 
-    __slots__ = ("method", "url", "key", "first", "body", "headers", "timeout", "ctype",
+    __slots__ = ("method", "url", "key", "start_lines", "body", "headers", "timeout", "ctype",
                  "client", "wire", "read_s", "connect_s", "fut", "whole", "conn", "timer", "on_done")
 
     def __init__(self, method: str, url: str, body: bytes, headers: Mapping[str, str] | None, timeout: Any,
                  ctype: str | None = None) -> None:
-        self.key, self.first = _split(method, url)
+        self.key, self.start_lines = _split(method, url)  # (host, port); the request and Host lines
         self.method, self.url, self.body, self.timeout, self.ctype = method, url, body, timeout, ctype
         self.headers = headers or {}
         self.fut: asyncio.Future | None = None  # set by Client.start
@@ -341,7 +341,7 @@ class Request:
         return self.key[1]
 
     def encode(self) -> bytes:
-        head, body, headers = self.first, self.body, self.headers
+        head, body, headers = self.start_lines, self.body, self.headers
         if body or self.method in _SIZED:
             head += "Content-Length: %d\r\n" % len(body)
         if self.ctype is not None and "Content-Type" not in headers:
@@ -374,7 +374,7 @@ class Request:
         fut = self.fut
         if not fut.done():
             fut.set_result(resp)
-            if self.on_done is not None:
+            if self.on_done is not None:  # most calls have none (a stream's head is awaited): no call then
                 self._done(fut)
 
     def fail(self, exc: BaseException) -> None:

@@ -568,7 +568,7 @@ def validate(model: type[BaseModel], body: dict) -> Any:
                                code="unsupported_parameter")
             del body[name]
     try:
-        return model.model_validate(body)
+        return _validator(model).validate_python(body)
     except ValidationError as exc:
         raise _to_api_error(exc, model) from None
 
