@@ -112,15 +112,9 @@ class GuardedStream(StreamingResponse):
     (the body iterator is cancelled then) — the place to abort whatever the stream was feeding from."""
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[bool], Awaitable[None]], **kw: Any) -> None:
-        self._completed = False
+        self._completed = False  # the body iterator ran to its end (stream_response records it)
         self._on_close = on_close
-
-        async def body() -> AsyncIterator[bytes]:
-            async for chunk in content:
-                yield chunk
-            self._completed = True
-
-        super().__init__(body(), media_type="text/event-stream", **kw)
+        super().__init__(content, media_type="text/event-stream", **kw)
 
     async def stream_response(self, send: Callable) -> None:
         """Starlette's, except that the chunk ending the SSE stream (``data: [DONE]``) is sent as the body's end:
@@ -130,11 +124,12 @@ class GuardedStream(StreamingResponse):
         ended = False
         async for chunk in self.body_iterator:
             if ended:
-                continue  # nothing follows [DONE]; the iterator still runs to its end (completion is recorded there)
+                continue  # nothing follows [DONE]; the iterator still runs to its end (then it counts as completed)
             if not isinstance(chunk, bytes):
                 chunk = bytes(chunk) if isinstance(chunk, memoryview) else chunk.encode(self.charset)
             ended = chunk.endswith(SSE_DONE)
             await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+        self._completed = True
         if not ended:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
