@@ -46,6 +46,8 @@ def test_the_probers_stale_set_is_remembered_only_until_the_clock_or_a_probe_or_
     assert prober.stale(now=11.0) == frozenset()
     assert prober.stale(now=15.0) == frozenset()  # 10 + 5: not yet past
     assert prober.stale(now=15.01) == {0, 1}  # p0, d0 and p1 went stale as the clock passed 15
+    assert prober.stale(now=14.0) == frozenset()  # a time before the memo's: computed again, not taken from it
+    assert prober.stale(now=15.01) == {0, 1}
     assert prober.stale(now=17.01) == {0, 1}  # d1 too now; pair 1 was stale already
     prober.health["p0"].last_ok = prober.health["d0"].last_ok = 17.0  # what a probe's answer writes...
     prober._memo = None  # ...and _probe drops the memo with it

@@ -126,8 +126,8 @@ class Response:
     """An answer: ``status_code``, ``headers``; the body by ``aread``/``content``/``json``/``text`` or, for a
     ``send(stream=True)``, by :meth:`read_some` (or ``aiter_bytes``/``aiter_lines``), then ``aclose``.
 
-    The connection fills the body in as it arrives (:meth:`_feed`, :meth:`_end`, :meth:`_fail`); a reader waits
-    only when nothing is buffered."""
+    The connection fills the body in as it arrives (``_Conn.on_body`` appends each piece, then :meth:`_end` or
+    :meth:`_fail`); a reader waits only when nothing is buffered."""
 
     # what most answers keep from start to end, as class defaults (not a store per answer)
     _ended = False
@@ -149,12 +149,6 @@ class Response:
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
-
-    def _feed(self, data: bytes) -> None:  # _Conn.on_body has it inlined
-        if self._released:
-            return  # nobody reads on: the rest only has to arrive for the connection to be reused
-        self._pieces.append(data)
-        self._wake()
 
     def _end(self, whole: bool = False) -> None:
         """The body has arrived; ``whole``: read it into ``content`` now (a call that waited for all of it)."""
@@ -511,7 +505,7 @@ class _Conn(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         resp = self.resp
-        if resp is not None and not resp._released:  # Response._feed, inlined: one call per piece fewer
+        if resp is not None and not resp._released:  # a released answer's rest only has to arrive (for reuse)
             resp._pieces.append(body)
             if resp._waiter is not None:
                 resp._wake()

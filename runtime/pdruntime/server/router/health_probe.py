@@ -83,18 +83,19 @@ class HealthProber:
     health: dict[str, WorkerHealth] = field(default_factory=dict)
     rounds: int = 0
     _ticker: PeriodicTask | None = None
-    #: (the pairs it was for, the stale set, until when it holds): every request asks, and the answer changes only
-    #: with a probe's result (_probe and run_once drop it), the topology, or the clock passing stale_until
-    _memo: tuple[Any, frozenset[int], float] | None = None
+    #: (the pairs it was for, the stale set, from when and until when it holds): every request asks, and the answer
+    #: changes only with a probe's result (_probe and run_once drop it), the topology, or the clock passing
+    #: stale_until
+    _memo: tuple[Any, frozenset[int], float, float] | None = None
 
     def stale(self, now: float | None = None) -> frozenset[int]:
         pairs = self.pairs()
         now = time.monotonic() if now is None else now
         memo = self._memo
-        if memo is not None and memo[0] is pairs and now < memo[2]:
+        if memo is not None and memo[0] is pairs and memo[2] <= now < memo[3]:
             return memo[1]
         out = frozenset(stale_pairs(pairs, self.health, now, self.stale_after_s))
-        self._memo = (pairs, out, stale_until(self.health, now, self.stale_after_s))
+        self._memo = (pairs, out, now, stale_until(self.health, now, self.stale_after_s))
         return out
 
     def snapshot(self) -> list[dict]:
