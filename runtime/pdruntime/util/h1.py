@@ -136,13 +136,23 @@ class Response:
     _content: bytes | None = None
     _released = False  # release(): the rest of the body is dropped as it arrives
 
-    def __init__(self, conn: "_Conn", req: Request, status: int, headers: Headers, read_s: float | None) -> None:
+    _headers: Headers | None = None
+
+    def __init__(self, conn: "_Conn", req: Request, status: int, raw_headers: list[tuple[bytes, bytes]],
+                 read_s: float | None) -> None:
         self._conn: _Conn | None = conn  # None once the answer is complete (the connection is back in the pool)
         self._loop = conn.loop
         self.url = req.url  # not the request: its future holds this answer (no reference cycle per call)
-        self.status_code, self.headers = status, headers
+        self.status_code, self._raw_headers = status, raw_headers
         self._read_s = read_s
         self._pieces: deque[bytes] = deque()
+
+    @property
+    def headers(self) -> Headers:
+        """Made on the first look: the router reads an answer's headers only when it is an error."""
+        if self._headers is None:
+            self._headers = Headers(self._raw_headers)
+        return self._headers
 
     # ---- filled in by the connection ----
     def _wake(self) -> None:
@@ -499,7 +509,7 @@ class _Conn(asyncio.Protocol):
             self._interim, self._head_bytes = True, 0
             return
         self.keep = parser.should_keep_alive()
-        self.resp = resp = Response(self, call, status, Headers(self._headers), call.read_s)
+        self.resp = resp = Response(self, call, status, self._headers, call.read_s)
         if not call.whole:
             call.resolve(resp)
 
