@@ -446,17 +446,17 @@ class Router:
         req = EdgeRequest(oreq, call.chat, client, model, deadline, t0, parser, raw, n=fields["n"],
                           stream=fields["stream"], logprobs=oreq.logprobs_n())
 
-        client_label = self.metrics.clients.label(req.client)
+        client_label = self.metrics.clients.label(client)
         rid = self.request_ids.new()
         connection = f"{call.peer[0]}:{call.peer[1]}" if call.peer else ""
-        headers = {"x-client-id": req.client, REQUEST_ID_HEADER: rid, CLIENT_CONNECTION_HEADER: connection}
+        headers = {"x-client-id": client, REQUEST_ID_HEADER: rid, CLIENT_CONNECTION_HEADER: connection}
         if not req.stream:  # one response: decode may send its tokens in fewer, larger events
             headers[STREAM_INTERVAL_HEADER] = COLLECT_INTERVAL
-        body = {"sampling_params": req.body.sampling_params(), **req.body.worker_input()}
+        body = {"sampling_params": oreq.sampling_params(), **oreq.worker_input()}
         # a request waits for capacity at most admission.wait_s after its arrival: in the router's queue, then in decode
-        out = Outbound(rid, body, headers, req.deadline, req.n, busy_until=req.arrived + self.admission.wait_s,
-                       openai=req.raw, chat=req.chat)
-        live = LiveRequest(rid, req.client, fields["user"] or call.headers.get("x-session-id"), req.arrived,
+        out = Outbound(rid, body, headers, deadline, req.n, busy_until=t0 + self.admission.wait_s, openai=raw,
+                       chat=call.chat)
+        live = LiveRequest(rid, client, fields["user"] or call.headers.get("x-session-id"), t0,
                            client_request_id=client_request_id(call.headers))
         self.live[rid] = live
         try:
@@ -468,16 +468,16 @@ class Router:
         except BaseException as exc:  # rejected, cancelled or a bug: the live entry never outlives its request
             self.live.pop(rid, None)
             if isinstance(exc, ApiError):
-                self.count_rejection(req.client, exc.status)
+                self.count_rejection(client, exc.status)
             elif isinstance(exc, asyncio.CancelledError):
                 if call.gone is None:
                     self.metrics.disconnects.inc()
                 self.child(self.metrics.requests, "router", client_label, "aborted").inc()
             else:
-                self.count_rejection(req.client, 500)
+                self.count_rejection(client, 500)
             raise
         live.advance("streaming")
-        self.ttft_seconds.observe(time.monotonic() - req.arrived)
+        self.ttft_seconds.observe(time.monotonic() - t0)
         reply = Reply(self, req, live, legs, state, first, client_label)
         if req.stream:
             return Streamed(reply.stream(), reply.finish)
