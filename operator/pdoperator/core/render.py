@@ -175,8 +175,8 @@ def sglang_command(spec: PDSpec, role: str, r: RoleSpec) -> list[str]:
         cmd += ["--dtype", ENGINE_DTYPES[spec.model.dtype]]
     if not spec.prefix_cache.enabled:
         cmd += ["--disable-radix-cache"]
-    return cmd + _kernel_flags(spec) + ["--enable-metrics"]  # its /metrics, which the agent translates (off by
-    # default in SGLang)
+    # --enable-metrics: its /metrics, which the agent translates (off by default in SGLang)
+    return cmd + _kernel_flags(spec) + ["--enable-metrics"]
 
 
 def _kernel_flags(spec: PDSpec) -> list[str]:

@@ -360,9 +360,7 @@ class Request:
     # ---- the exchange (Client.start) ----
     def cancel(self) -> None:
         """Give the call up: its future is cancelled and, unless its answer had fully arrived, its connection closed."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None  # its callback is this call's: no reference cycle left behind
+        self._stop_timer()
         fut = self.fut
         if fut is not None and fut.cancel():
             self._done(fut)
@@ -372,9 +370,7 @@ class Request:
             conn.close()
 
     def resolve(self, resp: Response) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None  # its callback is this call's: no reference cycle left behind
+        self._stop_timer()
         fut = self.fut
         if not fut.done():
             fut.set_result(resp)
@@ -382,13 +378,16 @@ class Request:
                 self._done(fut)
 
     def fail(self, exc: BaseException) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None  # its callback is this call's: no reference cycle left behind
+        self._stop_timer()
         fut = self.fut
         if not fut.done():
             fut.set_exception(exc)
             self._done(fut)
+
+    def _stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None  # its callback is this call's: no reference cycle left behind
 
     def _done(self, fut: asyncio.Future) -> None:
         """``on_done``, once: dropped as it is called, so that a callback bound to its owner (the router's legs,
@@ -417,9 +416,6 @@ class Request:
         conn.begin(self)
 
 
-Call = Request  # the name the router's legs use for a request once sent
-
-
 class _Conn(asyncio.Protocol):
     """One kept-alive connection to a worker, one call at a time; httptools parses the answers as they arrive."""
 
@@ -433,14 +429,14 @@ class _Conn(asyncio.Protocol):
         self.reused = False
         self.closed = False
         self.keep = True
-        self.call: Call | None = None  # the call whose answer this connection is reading
+        self.call: Request | None = None  # the call whose answer this connection is reading
         self.resp: Response | None = None
         self.got_bytes = False
         self._headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0  # bytes of the pending answer's head so far (counted per read, not per header)
         self._interim = False  # a 1xx answer before the real one
 
-    def begin(self, call: Call) -> None:
+    def begin(self, call: Request) -> None:
         """Send ``call``'s request; its answer resolves ``call.fut``."""
         self.call, call.conn, self.got_bytes = call, self, False
         self._head_bytes = 0
@@ -626,9 +622,9 @@ class Client:
             return Request(method, url, dumps(json), headers, timeout, "application/json")
         return Request(method, url, content or b"", headers, timeout)
 
-    def start(self, req: Request, *, stream: bool = False) -> Call:
-        """Send ``req`` now (on an idle connection; else connecting first) and return it, as the :class:`Call` whose
-        ``fut`` is its Response, at its head with ``stream``, else once the whole answer has arrived. No task unless a
+    def start(self, req: Request, *, stream: bool = False) -> Request:
+        """Send ``req`` now (on an idle connection; else connecting first) and return it: its ``fut`` is its
+        Response, at its head with ``stream``, else once the whole answer has arrived. No task unless a
         connection is opened. The read timeout bounds the wait for that. A request is sent once."""
         if self._closed:
             raise RuntimeError("h1.Client is closed")
@@ -636,12 +632,11 @@ class Client:
             raise RuntimeError(f"h1: {req.method} {req.url} was sent already; build a new request")
         loop = self.loop
         req.client, req.whole = self, not stream
-        timeout = req.timeout
-        req.connect_s, req.read_s = read = timeout if type(timeout) is tuple else _timeouts(timeout, self._default)
+        req.connect_s, req.read_s = _timeouts(req.timeout, self._default)
         req.wire = req.encode()
         req.fut = loop.create_future()
-        if read[1] is not None:
-            req.timer = loop.call_later(read[1], req.timed_out)
+        if req.read_s is not None:
+            req.timer = loop.call_later(req.read_s, req.timed_out)
         conn = self._take_idle(req.key)
         if conn is not None:
             conn.begin(req)

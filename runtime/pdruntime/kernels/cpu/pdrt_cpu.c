@@ -600,7 +600,7 @@ int pdrt_paged_attention(const float *q, int64_t ldq, int64_t B, int64_t Hq, int
         int64_t t0 = sp * step, t1 = t0 + step < len ? t0 + step : len;
         float *p = part + it * per;
         if (t0 >= t1) {  /* an empty span (a sequence shorter than its spans): skipped by the merge */
-            for (int64_t h = 0; h < Hq; h++) { p[Hq * D + h] = -INFINITY; p[Hq * D + Hq + h] = 0.0f; }
+            for (int64_t h = 0; h < Hq; h++) p[Hq * D + h] = -INFINITY;  /* the mark; nothing else is read */
             continue;
         }
         int tid = 0;

@@ -66,11 +66,9 @@ class Choices:
     tokens: list[int] = field(init=False)  # completion tokens per choice, so far (set by __post_init__)
     started: list[bool] = field(init=False)
     finished: list[bool] = field(init=False)
-    unfinished: int = field(init=False)  # choices not finished yet (done: none)
 
     def __post_init__(self) -> None:
         self.tokens, self.started, self.finished = [0] * self.n, [False] * self.n, [False] * self.n
-        self.unfinished = self.n
 
     def see(self, ev: TokenEvent) -> tuple[int, bool]:
         """Record an event: (its choice, whether it is that choice's first event). ValueError for a bad index."""
@@ -82,14 +80,13 @@ class Choices:
         if ev.completion_tokens is not None:
             self.tokens[i] = ev.completion_tokens
         first, self.started[i] = not self.started[i], True
-        if ev.finish is not None and not self.finished[i]:  # finish_reason is set exactly when finish is
+        if ev.finish is not None:  # what finish_reason says, without the property's call
             self.finished[i] = True
-            self.unfinished -= 1
         return i, first
 
     @property
     def done(self) -> bool:
-        return not self.unfinished
+        return all(self.finished)
 
     def usage(self) -> dict:
         return usage_dict(self.prompt_tokens, sum(self.tokens), self.cached_tokens)

@@ -47,7 +47,6 @@ class Admission:
             raise ValueError(f"wait_s={wait_s!r} is not accepted; accepted: seconds >= 0")
         self.max_pending, self.wait_s, self.max_queued = max_pending, wait_s, max_queued
         self.pending: dict[int, int] = {}  # pair index -> requests dispatched there without a first token
-        self.full: set[int] = set()  # pairs whose pending count is at the bound (kept as pending changes)
         self.marks: dict[int, FullMark] = {}
         self.queued = 0  # requests waiting in wait() now
         self._waiters: deque[asyncio.Future] = deque()  # in arrival order; a done one is skipped
@@ -55,7 +54,9 @@ class Admission:
     # ---- what is full ------------------------------------------------------------------------
     def blocked(self, now: float, outstanding: dict[int, int]) -> set[int]:
         """Pairs that take no new request now: at the pending bound, or marked full at their current load."""
-        out = set(self.full)
+        if not self.marks and max(self.pending.values(), default=0) < self.max_pending:
+            return set()  # the usual answer, without a comprehension's frame per request
+        out = {i for i, n in self.pending.items() if n >= self.max_pending}
         if not self.marks:
             return out
         for i, m in list(self.marks.items()):
@@ -73,9 +74,7 @@ class Admission:
 
     # ---- events --------------------------------------------------------------------------------
     def dispatched(self, pair: int) -> None:
-        n = self.pending[pair] = self.pending.get(pair, 0) + 1
-        if n >= self.max_pending:
-            self.full.add(pair)
+        self.pending[pair] = self.pending.get(pair, 0) + 1
 
     def first_token(self, pair: int) -> None:
         """The request left the pending phase (a first token, or it ended before one)."""
@@ -84,8 +83,6 @@ class Admission:
             self.pending[pair] = n
         else:
             self.pending.pop(pair, None)
-        if n < self.max_pending:
-            self.full.discard(pair)
         self._wake()
 
     def busy(self, pair: int, outstanding: int, retry_after: int | None, now: float) -> None:

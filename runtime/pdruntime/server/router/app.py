@@ -182,9 +182,9 @@ class Router:
         return got
 
     # ---- request handling ------------------------------------------------------------------------
-    async def _check_model(self, model: str) -> str:
-        if not self.models:
-            await self.refresh_models()
+    def _resolve_model(self, model: str) -> str:
+        """The served model id ``model`` names (its id, path, file name or stem). Raises ApiError (503 while no
+        worker has said what it serves, 404 for a name no worker serves)."""
         if not self.models:
             raise ApiError(503, "no worker answered /get_model_info; the model list is unknown (is any PD pair up?)",
                            type="server_error", code="no_workers")
@@ -225,11 +225,9 @@ class Router:
         while len(tried) < (MAX_ATTEMPTS if pinned is None else 1):  # a pinned request is never retried elsewhere
             now = time.monotonic()
             exclude = tried | self.stale_pairs()
-            blocked = self._blocked(now)
-            state = self.picker.choose(now, live.conversation, exclude=exclude | blocked if blocked else exclude,
-                                       group=live.pinned, prompt=prompt)
+            state, blocked = self._pick(live, exclude, now, prompt)
             if state is None and blocked:  # the pairs with room are at their bound: wait in the router's queue
-                state = await self._admit(live, exclude, now, prompt)
+                state = await self._admit(live, exclude, now, prompt, blocked)
             if state is None:
                 break
             if tried:
@@ -282,23 +280,23 @@ class Router:
                            code="pinned_group_unavailable")
         raise self._no_pair_error()
 
-    def _blocked(self, now: float) -> set[int]:
-        """Pairs at their admission bound now (admission.py)."""
+    def _pick(self, live: LiveRequest, exclude: set[int], now: float,
+              prompt: str | None) -> tuple[PairState | None, set[int]]:
+        """(the pair for the next attempt among those with room now, or None; the pairs at their admission bound)."""
         admission = self.admission
         load = {i: st.outstanding for i, st in self.picker.states.items()} if admission.marks else {}
-        return admission.blocked(now, load)
+        blocked = admission.blocked(now, load)
+        state = self.picker.choose(now, live.conversation, exclude=exclude | blocked if blocked else exclude,
+                                   group=live.pinned, prompt=prompt)
+        return state, blocked
 
-    async def _admit(self, live: LiveRequest, exclude: set[int], now: float,
-                     prompt: str | None = None) -> PairState | None:
-        """The pair for the next attempt, once one has room (admission.py): a request that finds every eligible pair
-        at its bound waits in the router's queue until ``admission.wait_s`` after its arrival, then gets a 429."""
+    async def _admit(self, live: LiveRequest, exclude: set[int], now: float, prompt: str | None,
+                     blocked: set[int]) -> PairState | None:
+        """The pair for the next attempt once one has room, for a request whose :meth:`_pick` found every eligible
+        pair with room at its bound (``blocked``; admission.py): it waits in the router's queue until
+        ``admission.wait_s`` after its arrival, then gets a 429."""
         woken: int | None = None  # the hops of the wake that ended its last wait (None: not woken)
         while True:
-            blocked = self._blocked(now)
-            state = self.picker.choose(now, live.conversation, exclude=exclude | blocked, group=live.pinned,
-                                       prompt=prompt)
-            if state is not None or not blocked:
-                return state
             if woken is not None:  # the slot that woke it is not one it may take: the next waiter's
                 self.admission.pass_on(woken)
             if not any(st.pair.index in blocked for st in self.picker.eligible(now, exclude, live.pinned)):
@@ -319,6 +317,9 @@ class Router:
             woken = await self.admission.wait(left)
             self.metrics.router_queue.set(self.admission.queued)
             now = time.monotonic()
+            state, blocked = self._pick(live, exclude, now, prompt)
+            if state is not None or not blocked:
+                return state
 
     def _no_pair_error(self) -> ApiError:
         now = time.monotonic()
@@ -436,7 +437,9 @@ class Router:
             client = self.authenticate(call.headers)
             raw = parse_body(call.body)
             oreq = validate(ChatCompletionRequest if call.chat else CompletionRequest, raw)
-            model = oreq.model if oreq.model in self.models else await self._check_model(oreq.model)
+            if not self.models:
+                await self.refresh_models()
+            model = self._resolve_model(oreq.model)
             deadline = self._deadline(call.headers)
         except ApiError as exc:
             self.count_rejection(client, exc.status)

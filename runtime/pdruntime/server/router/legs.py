@@ -109,9 +109,9 @@ class Outbound:
 class Legs:
     # set as the legs run; class defaults until then (one store fewer each, per request)
     prefill_task: asyncio.Future | None = None  # the prefill leg's outcome (_start_prefill)
-    _prefill_call: "h1.Call | None" = None  # its h1 call
-    _decode_call: "h1.Call | None" = None
-    _waiting: asyncio.Future | None = None  # what first_event awaits now (_until)
+    _prefill_call: "h1.Request | None" = None  # its h1 call
+    _decode_call: "h1.Request | None" = None
+    _waiting: asyncio.Future | None = None  # what first_event awaits now (_interruptible)
     _stop: LegError | None = None  # why that wait was cut short (_interrupt)
     decode_resp: "h1.Response | None" = None
     _decode_done = False  # decode's stream ended ([DONE] or its body's end)
@@ -189,7 +189,7 @@ class Legs:
 
     def _interrupt(self, error: LegError) -> None:
         """Before decode's first event: stop waiting for it (prefill failed, or the deadline passed) and raise
-        ``error`` in :meth:`_until` instead."""
+        ``error`` in :meth:`_interruptible` instead."""
         if self._stop is None:
             self._stop = error
             if self._waiting is not None:
@@ -200,7 +200,7 @@ class Legs:
                                  leg="router", retryable=False, code="deadline_exceeded"))
 
     # ---- decode leg ----------------------------------------------------------------------------
-    def _until(self, fut: asyncio.Future) -> asyncio.Future:
+    def _interruptible(self, fut: asyncio.Future) -> asyncio.Future:
         """``fut``, to be awaited in :meth:`_open_decode`: if prefill fails first or the deadline passes,
         :meth:`_interrupt` cancels it (for a worker call, that closes its connection) and :meth:`first_event` raises
         that LegError instead of the cancellation. Returned, not awaited here: a coroutine per wait would add a
@@ -214,7 +214,7 @@ class Legs:
         """Send the decode leg; its first token event. Raises LegError (``leg`` "decode" for decode's own failures)."""
         if self.protocol.sequential:  # decode's request carries what prefill answered (vLLM's kv_transfer_params)
             assert self.prefill_task is not None
-            await self._until(self.prefill_task)  # its LegError is the request's (first_event reports it)
+            await self._interruptible(self.prefill_task)  # its LegError is the request's (first_event reports it)
         self.decode_req = self.protocol.decode(self.out, self.pair, self.room, self.prefill_result)
         headers = self.headers
         if self.busy_until is not None:
@@ -224,7 +224,7 @@ class Legs:
             self._decode_call = self.client.start(self.client.build_request(
                 "POST", self.pair.decode_url + self.decode_req.path, json=self.decode_req.body, headers=headers,
                 timeout=DECODE_TIMEOUT), stream=True)
-            self.decode_resp = await self._until(self._decode_call.fut)
+            self.decode_resp = await self._interruptible(self._decode_call.fut)
         except httpx.HTTPError as exc:
             raise self._unreachable("decode", exc) from None
         if self.decode_resp.status_code != 200:
@@ -232,7 +232,7 @@ class Legs:
             try:
                 while (piece := self.decode_resp.take()) is not None:
                     if piece is h1.NOTHING:
-                        await self._until(self.decode_resp.arrival())
+                        await self._interruptible(self.decode_resp.arrival())
                     else:
                         body.append(piece)
                 payload = h1.loads(b"".join(body))  # type: ignore[arg-type]
@@ -242,7 +242,7 @@ class Legs:
             raise _worker_error(st, payload, f"decode answered HTTP {st}", "decode", self.decode_resp.headers.get("retry-after"))
         while (ev := self._buffered_event()) is None and not self._decode_done:
             if (piece := self._take()) is h1.NOTHING:
-                await self._until(self.decode_resp.arrival())
+                await self._interruptible(self.decode_resp.arrival())
             else:
                 self._feed(piece)  # type: ignore[arg-type]
         if ev is None:
@@ -312,13 +312,13 @@ class Legs:
         self._start_prefill()
         try:
             try:
-                try:
-                    return await self._open_decode()
-                except asyncio.CancelledError:
-                    task = asyncio.current_task()
-                    if self._stop is None or (task is not None and task.cancelling()):
-                        raise  # the client left (or the router stops): not an interrupt of ours
-                    raise self._stop from None  # _interrupt cancelled the wait: prefill failed, or the deadline
+                return await self._open_decode()
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._stop is None or (task is not None and task.cancelling()):
+                    raise  # the client left (or the router stops): not an interrupt of ours
+                raise self._stop from None  # _interrupt cancelled the wait: prefill failed (leg "prefill"), or the
+                # deadline (leg "router"); neither is a decode failure for _prefer_prefill_verdict
             except LegError as exc:
                 if exc.leg == "decode":
                     await self._prefer_prefill_verdict(exc)

@@ -191,8 +191,8 @@ class Reply:
         n = self.req.n
         completed = False
         texts, lasts = [""] * n, [self.first] * n  # per choice
-        lps: list[list] = [[] for _ in range(n)] if n > 1 else [[]]  # (a comprehension is a call per request)
-        calls: list[list[dict]] = [[] for _ in range(n)] if n > 1 else [[]]  # tool calls an OpenAI-speaking decode parsed
+        lps: list[list] = [[] for _ in range(n)]
+        calls: list[list[dict]] = [[] for _ in range(n)]  # tool calls an OpenAI-speaking decode parsed, per choice
         try:
             while (ev := await self.next_event()) is not None:
                 i = ev.index or 0
