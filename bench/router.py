@@ -196,14 +196,19 @@ def start_workers(stack: Stack, kind: str, model: str | None) -> tuple[str, str,
     return p_url, d_url, bp
 
 
+def processes_of(which: str) -> int:
+    """``pdstack`` is one router process, ``pdstack-Np`` N of them (``--router-processes N``)."""
+    return int(which[len("pdstack-"):-1]) if which.startswith("pdstack-") else 1
+
+
 def start_router(stack: Stack, which: str, p_url: str, d_url: str, bp: int, wrap: tuple[str, ...] = (),
                  name: str | None = None, timeout: float = 180) -> str:
     """Start ``which`` router in front of the workers (``wrap``: an argv prefix, e.g. valgrind's); its URL."""
     port = free_port()
-    if which == "pdstack":
+    if which.startswith("pdstack"):
         argv = [sys.executable, "-m", "pdruntime.server", "serve", "--role", "router", "--host", "127.0.0.1",
                 "--port", str(port), "--prefill", p_url, "--decode", d_url, "--bootstrap-ports", str(bp),
-                "--log-level", "warning"]
+                "--log-level", "warning", "--router-processes", str(processes_of(which))]
     else:
         argv = [sys.executable, *LAUNCH_SGLANG_ROUTER, "--pd-disaggregation", "--prefill", p_url, str(bp),
                 "--decode", d_url, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
@@ -215,9 +220,16 @@ def start_router(stack: Stack, which: str, p_url: str, d_url: str, bp: int, wrap
 
 
 def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid``'s threads and its live child processes' (a router's processes)."""
     with open(f"/proc/{pid}/stat") as fh:
         fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK  # utime, stime
+    own = (int(fields[11]) + int(fields[12])) / CLK  # utime, stime
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            children = [int(c) for c in fh.read().split()]
+    except OSError:
+        children = []
+    return own + sum(cpu_seconds(c) for c in children)
 
 
 # ---------------------------------------------------------------- load
@@ -328,6 +340,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=6.0, help="seconds per wrk run (default 6)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     ap.add_argument("--workers", nargs="+", choices=("noop", "pdrt"), default=["noop", "pdrt"])
+    ap.add_argument("--router-processes", type=int, nargs="+", default=[1, 2],
+                    help="pdstack router processes to measure, each a router of its own (default 1 2: "
+                         "--router-processes 1, then 2)")
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--instructions", action="store_true",
                     help="also count each router's user-space instructions per request on the no-op workers under "
@@ -347,6 +362,7 @@ def main() -> int:
     with open(script, "w") as fh:
         fh.write(WRK_LUA.format(body=json.dumps(BODY)))
     stack = Stack(log_dir)
+    routers = [f"pdstack-{n}p" if n > 1 else "pdstack" for n in args.router_processes] + ["sglang"]
     results: dict[tuple[str, str], list[dict]] = {}
     counted: dict[str, dict] = {}
     try:
@@ -356,11 +372,11 @@ def main() -> int:
             model = write_tiny_checkpoint(os.path.join(log_dir, "tiny"))
         for kind in args.workers:
             p_url, d_url, bp = start_workers(stack, kind, model)
-            urls = {which: start_router(stack, which, p_url, d_url, bp) for which in ("pdstack", "sglang")}
+            urls = {which: start_router(stack, which, p_url, d_url, bp) for which in routers}
             pids = {which: stack.procs[f"router-{which}"].pid for which in urls}
             worker_pids = tuple(p.pid for name, p in stack.procs.items() if name.startswith(kind))
             for r in range(args.rounds):
-                order = ("pdstack", "sglang") if r % 2 == 0 else ("sglang", "pdstack")
+                order = routers if r % 2 == 0 else routers[::-1]
                 if kind == "noop":  # the decode worker's own answer: what a router adds is measured over it
                     results.setdefault((kind, "direct"), []).append(measure(d_url, None, args.seconds, script))
                 for which in order:
@@ -370,7 +386,7 @@ def main() -> int:
                           f"{row['cpu_per_1k_c1']:.2f} / {row['cpu_per_1k_c16']:.2f} CPU s / 1k at 1 / 16, "
                           f"{row['failed']} failed, load {os.getloadavg()[0]:.1f}",
                           flush=True)
-            for which in ("pdstack", "sglang"):
+            for which in routers:
                 stack.stop(f"router-{which}")
             if kind == "noop" and args.instructions:
                 for which in ("pdstack", "sglang"):
@@ -394,18 +410,20 @@ def main() -> int:
     cpu_keys = ("cpu_per_1k_c1", "cpu_per_1k_c16", "workers_cpu_per_1k_c1", "workers_cpu_per_1k_c16")
     for kind in args.workers:
         direct = med(results[(kind, "direct")], "p50_ms") if (kind, "direct") in results else None
-        for which in ("pdstack", "sglang"):
+        for which in routers:
             rows = results[(kind, which)]
             added = f"{med(rows, 'p50_ms') - direct:.2f}" if direct is not None else "-"
             cpus = " | ".join(f"{med(rows, k):.3f}" for k in cpu_keys)
             print(f"| {kind} | {which} | {med(rows, 'p50_ms'):.2f} | {added} | {med(rows, 'p99_ms'):.2f} | "
                   f"{med(rows, 'rps16'):.0f} | {med(rows, 'p50_16_ms'):.2f} | {cpus} | "
                   f"{sum(r['failed'] for r in rows)} |")
-        a, b = results[(kind, "pdstack")], results[(kind, "sglang")]
-        ratios = " | ".join(f"{med(a, k) / med(b, k):.2f}x" for k in cpu_keys)
-        print(f"| {kind} | pdstack / sglang | {med(a, 'p50_ms') / med(b, 'p50_ms'):.2f}x | "
-              f"{med(a, 'p50_ms') - med(b, 'p50_ms'):+.2f} ms | | {med(a, 'rps16') / med(b, 'rps16'):.2f}x | | "
-              f"{ratios} | |")
+        b = results[(kind, "sglang")]
+        for which in routers[:-1]:
+            a = results[(kind, which)]
+            ratios = " | ".join(f"{med(a, k) / med(b, k):.2f}x" for k in cpu_keys)
+            print(f"| {kind} | {which} / sglang | {med(a, 'p50_ms') / med(b, 'p50_ms'):.2f}x | "
+                  f"{med(a, 'p50_ms') - med(b, 'p50_ms'):+.2f} ms | | {med(a, 'rps16') / med(b, 'rps16'):.2f}x | | "
+                  f"{ratios} | |")
     if counted:
         a, b = counted["pdstack"]["per_request"], counted["sglang"]["per_request"]
         print(f"\nuser-space instructions per request (valgrind callgrind, no-op workers, wrk -c16 for "

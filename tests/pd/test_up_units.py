@@ -151,7 +151,7 @@ def test_pdeathsig_preexec_exits_when_the_parent_is_already_gone():
 
     # the child checks its parent pid after prctl: a wrong expected parent means "parent already died"
     p = subprocess.Popen([sys.executable, "-c", "print('should not run')"], stdout=subprocess.PIPE,
-                         preexec_fn=supervisor._die_with_parent(-1))
+                         preexec_fn=supervisor.die_with_parent(-1))
     out, _ = p.communicate(timeout=30)
     assert p.returncode == 1 and out == b""
 

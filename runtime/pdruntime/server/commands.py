@@ -159,6 +159,12 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--max-connections-per-client", type=_positive_int,
                        default=connections.MAX_CONNECTIONS_PER_CLIENT,
                        help="open connections per client address; beyond it that client's oldest idle one is closed")
+    serve.add_argument("--router-processes", type=_positive_int, default=1,
+                       help="router: processes serving the port (SO_REUSEPORT), each on its own core; they split "
+                            "the admission bounds and share breakers, topology, /metrics, /config and "
+                            "/debug/requests (docs/router.md)")
+    serve.add_argument("--process-index", type=int, default=None, help=argparse.SUPPRESS)  # set by the supervisor
+    serve.add_argument("--peer-dir", default=None, help=argparse.SUPPRESS)  # set by the supervisor
     serve.add_argument("--log-level", default="info")
     _worker_protocol_flag(serve, "router")
     serve.add_argument("--worker-agent-port", type=_port_or_zero, default=AGENT_PORT,
@@ -270,7 +276,12 @@ def build_server(args: argparse.Namespace, env=None):
                            max_pending_per_pair=args.max_pending_per_pair, admission_wait_s=args.admission_wait_s,
                            max_queued_requests=args.max_queued_requests, routing=routing_config(args),
                            worker_protocol=args.worker_protocol, worker_agent_port=args.worker_agent_port)
-        router = Router(env, topology=topo, topology_file=args.topology_file, config=cfg, host=args.host, port=args.port)
+        from pdruntime.server.router.processes import Peers, check_count
+
+        check_count(args.router_processes, args.max_pending_per_pair)
+        peers = Peers(args.process_index, args.router_processes, args.peer_dir) if args.peer_dir else None
+        router = Router(env, topology=topo, topology_file=args.topology_file, config=cfg, host=args.host, port=args.port,
+                        peers=peers)
         return router.build_app(), router
     from pdruntime.engine import Engine, load_for
 
@@ -317,6 +328,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise
         print(f"pdrt serve --role {args.role}: error: {exc}", file=sys.stderr)
         return 2
+    if args.role == "router" and args.router_processes > 1 and args.peer_dir is None:
+        from pdruntime.server.router.processes import supervise
+
+        return supervise(sys.argv[1:], args.router_processes)  # the flags are checked above, once for all
     if args.role == "router":  # its own server: the completion routes without uvicorn's and FastAPI's layers
         from pdruntime.server.router.server import run
 

@@ -207,9 +207,13 @@ class Metrics:
         self._on_loop.append(local)
         return local
 
-    def render(self) -> bytes:
+    def flush(self) -> None:
+        """Fold the loop's counts (:meth:`on_loop`) into their children."""
         for local in self._on_loop:
             local.flush()
+
+    def render(self) -> bytes:
+        self.flush()
         return generate_latest(self.registry)
 
     def set_oldest_age(self, by_stage: dict[str, float]) -> None:

@@ -118,7 +118,7 @@ def restarts_after(restarts: int, healthy_since: float | None, now: float, reset
 
 # ---- children die with their parent ------------------------------------------------------------------
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
     """preexec_fn: ask the kernel to SIGKILL this child when its parent (thread) dies; if the parent is
     already gone (it died between fork and here), exit now."""
 
@@ -301,7 +301,7 @@ class LocalStack:
         if name == "router":  # each process gets only the secrets it uses: the router never touches KV
             env = {k: v for k, v in env.items() if k not in ("PDRT_KV_AUTH_TOKEN", "PDRT_KV_AUTH_TOKEN_FILE")}
         proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_die_with_parent(os.getpid()))
+                                preexec_fn=die_with_parent(os.getpid()))
         logf.close()
         return proc, instance
 

@@ -33,9 +33,10 @@ from pdruntime.server.router.health_probe import HealthProber
 from pdruntime.server.router.legs import LegError, Legs, Outbound
 from pdruntime.server.router.policy import FAILURE, NEUTRAL, SUCCESS, PairPicker, PairState, RoutingConfig
 from pdruntime.server.router.prefix_tree import routing_text
+from pdruntime.server.router.processes import Peers, families, merge_families
 from pdruntime.server.router.protocol import observe_url, protocol_for
 from pdruntime.server.router.reply import EdgeCall, EdgeRequest, LiveRequest, Reply, Streamed
-from pdruntime.server.router.topology import Topology, TopologyWatcher
+from pdruntime.server.router.topology import Topology, TopologyWatcher, parse_topology
 from pdruntime.server.router.topology_source import TopologySource
 from pdruntime.util import h1
 from pdruntime.util.headers import (ADMIN_TOKEN_HEADER, CLIENT_CONNECTION_HEADER, PIN_HEADER, REQUEST_ID_HEADER,
@@ -90,9 +91,13 @@ class RequestIds:
 
 class Router:
     def __init__(self, env: RuntimeEnv, *, topology: Topology | None = None, topology_file: str | None = None,
-                 config: RouterConfig | None = None, host: str = "127.0.0.1", port: int = 8000) -> None:
+                 config: RouterConfig | None = None, host: str = "127.0.0.1", port: int = 8000,
+                 peers: Peers | None = None) -> None:
         self.env = env
         self.cfg = config or RouterConfig()
+        #: the router's sibling processes (--router-processes N > 1; processes.py), None when it is one process
+        self.peers = peers
+        share = peers.count if peers is not None else 1
         self.topology = topology or Topology(1, "", ())
         self.topology_file = topology_file
         self.host, self.port = host, port
@@ -100,7 +105,9 @@ class Router:
         self.protocol = protocol_for(self.cfg.worker_protocol)
         self.picker = PairPicker(self.cfg.breaker_threshold, self.cfg.breaker_cooldown_s, self.cfg.breaker_trial_timeout_s,
                                  self.cfg.routing)
-        self.admission = Admission(self.cfg.max_pending_per_pair, self.cfg.admission_wait_s, self.cfg.max_queued_requests)
+        # N processes split the admission bounds (processes.py): together they hold no more than one did
+        self.admission = Admission(max(1, self.cfg.max_pending_per_pair // share), self.cfg.admission_wait_s,
+                                   self.cfg.max_queued_requests // share)
         self.request_ids = RequestIds()
         self.live: dict[str, LiveRequest] = {}
         self.models: dict[str, dict] = {}  # model id -> /get_model_info of a worker
@@ -164,7 +171,46 @@ class Router:
     def stale_pairs(self) -> frozenset[int]:
         return self.prober.stale() if self.prober is not None else frozenset()
 
+    async def join_peers(self) -> None:
+        """With sibling processes: answer their questions, and run the newest topology any of them runs (this
+        process may be a restarted one that missed pushes)."""
+        if self.peers is None:
+            return
+        await self.peers.open({"rows": self._peer_rows, "config": self._peer_config, "metrics": self._peer_metrics,
+                               "topology": self._peer_topology, "trip": self._peer_trip})
+        newest = None
+        for doc in (await self.peers.ask("topology")).values():
+            if isinstance(doc, dict) and doc.get("generation", -1) > (newest or {}).get("generation", -1):
+                newest = doc
+        if newest is not None and newest["generation"] > self.topology_source.current.generation:
+            self.topology_source.offer(parse_topology(newest), "sibling")
+
+    async def _peer_rows(self, _body: object) -> list[dict]:
+        return self.own_rows()
+
+    async def _peer_config(self, _body: object) -> dict:
+        return {"topology_version": self.topology.generation, "draining": self.topology.draining(),
+                "inflight_by_pair": {str(k): n for k, n in self._inflight_by_pair().items()}}
+
+    async def _peer_metrics(self, _body: object) -> list:
+        self._read_gauges()
+        return families(self.metrics.registry)
+
+    async def _peer_topology(self, doc: object) -> dict:
+        """A sibling relays a push it took (``doc``), or asks which topology runs here (None)."""
+        if doc is not None:
+            self.topology_source.offer(parse_topology(doc), "sibling")
+        return self.topology_source.current.as_dict()
+
+    async def _peer_trip(self, body: dict) -> None:
+        """A sibling's breaker for this pair (same workers) tripped: rest it here too."""
+        st = self.picker.states.get(body["pair"])
+        if st is not None and (st.pair.prefill_url, st.pair.decode_url) == (body["prefill"], body["decode"]):
+            st.breaker.trip(time.monotonic())
+
     async def stop(self) -> None:
+        if self.peers is not None:
+            await self.peers.close()
         if self.prober is not None:
             await self.prober.stop()
         if self.watcher is not None:
@@ -260,7 +306,10 @@ class Router:
                 log.warning("rid=%s pair=%d %s leg failed: %s", live.rid, state.pair.index, exc.leg, exc.message)
             finally:
                 self.admission.first_token(state.pair.index)
-                state.breaker.record(outcome, time.monotonic(), trial=trial)
+                if outcome is FAILURE and self.peers is not None:
+                    self._record_failure(state, trial)
+                else:
+                    state.breaker.record(outcome, time.monotonic(), trial=trial)
                 if outcome is not SUCCESS:
                     self.release(state, served=False)
         if busy and last is None:
@@ -279,6 +328,15 @@ class Router:
             raise ApiError(503, f"group {pinned} (X-PDStack-Pair) is not routable: {reason}", type="server_error",
                            code="pinned_group_unavailable")
         raise self._no_pair_error()
+
+    def _record_failure(self, state: PairState, trial: bool) -> None:
+        """A failure with sibling processes: the breaker that trips here trips in every process."""
+        was = state.breaker.opened_at
+        now = time.monotonic()
+        state.breaker.record(FAILURE, now, trial=trial)
+        if state.breaker.opened_at == now != was:
+            p = state.pair
+            self.peers.tell("trip", {"pair": p.index, "prefill": p.prefill_url, "decode": p.decode_url})
 
     def _pick(self, live: LiveRequest, exclude: set[int], now: float,
               prompt: str | None) -> tuple[PairState | None, set[int]]:
@@ -487,12 +545,24 @@ class Router:
         return await reply.collect()
 
     # ---- observability -----------------------------------------------------------------------------
-    async def debug_requests(self) -> dict:
+    def own_rows(self) -> list[dict]:
+        """This process's live requests as /debug/requests rows (with the process index when there are several)."""
         now = time.monotonic()
-        own = [{"id": r.rid, "client": r.client, "conversation": r.conversation, "stage": r.stage, "pair": r.pair,
-                "age_s": round(now - r.started, 3), "tokens": r.tokens, "idle_s": round(now - r.progressed_at, 3),
-                "attempts": r.attempts, "client_request_id": r.client_request_id, "pinned": r.pinned}
-               for r in self.live.values()]
+        extra = {"process": self.peers.index} if self.peers is not None else {}
+        return [{"id": r.rid, "client": r.client, "conversation": r.conversation, "stage": r.stage, "pair": r.pair,
+                 "age_s": round(now - r.started, 3), "tokens": r.tokens, "idle_s": round(now - r.progressed_at, 3),
+                 "attempts": r.attempts, "client_request_id": r.client_request_id, "pinned": r.pinned, **extra}
+                for r in self.live.values()]
+
+    async def debug_requests(self) -> dict:
+        own = self.own_rows()
+        unanswered: list[int] = []
+        if self.peers is not None:
+            for i, rows in sorted((await self.peers.ask("rows")).items()):
+                if isinstance(rows, Exception):
+                    unanswered.append(i)
+                else:
+                    own.extend(rows)
 
         async def fetch(pair_index: int, role: str, url: str) -> dict:
             try:
@@ -513,6 +583,8 @@ class Router:
             verdict = f"{total} live request entries across router and workers"
         if unreachable:
             verdict += f"; unreachable workers: {', '.join(unreachable)}"
+        if unanswered:
+            verdict += f"; router processes that did not answer: {', '.join(map(str, unanswered))}"
         return {"role": "router", "live": len(own), "requests": own, "workers": workers, "live_total": total,
                 "verdict": verdict}
 
@@ -549,9 +621,36 @@ class Router:
                            "admin": "token" if self.cfg.admin_token is not None else "loopback-only",
                            "routing": {**asdict(self.cfg.routing), "decisions": dict(self.picker.decisions)},
                            "worker_protocol": self.cfg.worker_protocol,
-                           "worker_agent_port": self.cfg.worker_agent_port},
+                           "worker_agent_port": self.cfg.worker_agent_port,
+                           "processes": self.peers.count if self.peers is not None else 1,
+                           "max_pending_per_pair": self.cfg.max_pending_per_pair,
+                           "max_pending_per_pair_per_process": self.admission.max_pending},
                 "models": sorted(self.models),
                 "worker_health": self.prober.snapshot() if self.prober is not None else []}
+
+    async def router_config(self) -> dict:
+        """``/config`` for the whole router: with sibling processes, their in-flight requests added and the lowest
+        topology version any runs (-1 while one does not answer), with the pairs every process has draining."""
+        out = self.config()
+        if self.peers is None:
+            return out
+        views = {self.peers.index: await self._peer_config(None), **await self.peers.ask("config")}
+        inflight: dict[str, int] = {}
+        draining = set(out["draining"])
+        for view in views.values():
+            if isinstance(view, Exception):
+                continue
+            draining &= set(view["draining"])
+            for k, n in view["inflight_by_pair"].items():
+                inflight[k] = inflight.get(k, 0) + n
+        unanswered = sorted(i for i, v in views.items() if isinstance(v, Exception))
+        out["topology_version"] = -1 if unanswered else min(v["topology_version"] for v in views.values())
+        out["draining"] = sorted(draining)
+        out["inflight_by_pair"] = dict(sorted(inflight.items(), key=lambda kv: int(kv[0])))
+        out["processes"] = {"count": self.peers.count, "answered_by": self.peers.index, "unanswered": unanswered,
+                            "topology_versions": {str(i): (None if isinstance(v, Exception) else v["topology_version"])
+                                                  for i, v in sorted(views.items())}}
+        return out
 
     def _reject_scope(self, scope: dict, status: int) -> None:
         """BodyGuard rejections (413, 408) counted like the router's other own answers."""
@@ -578,8 +677,22 @@ class Router:
             body["next_trial_in_s"] = round(at - now, 3)
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    async def metrics_body(self) -> bytes:
+        """``/metrics`` for the whole router: with sibling processes, their samples merged in (processes.py)."""
+        if self.peers is None:
+            return self.render_metrics()
+        parts = [await self._peer_metrics(None)]
+        parts.extend(fams for _, fams in sorted((await self.peers.ask("metrics")).items())
+                     if not isinstance(fams, Exception))
+        return merge_families(parts)
+
     def render_metrics(self) -> bytes:
-        """``/metrics``: the gauges that are read rather than kept (live, oldest age, per-pair state), then all."""
+        """This process's ``/metrics``."""
+        self._read_gauges()
+        return self.metrics.render()
+
+    def _read_gauges(self) -> None:
+        """The gauges that are read rather than kept (live, oldest age, per-pair state), and the loop's counts."""
         self.metrics.live.labels("router").set(len(self.live))
         self.metrics.set_oldest_age(self.oldest_by_stage())
         stale = self.stale_pairs()
@@ -589,7 +702,7 @@ class Router:
         for st in self.picker.states.values():  # per-pair gauges read here, not written on every request
             self.metrics.pair_outstanding.labels(st.pair.key).set(st.outstanding)
             self.metrics.circuit_open.labels(st.pair.key).set(int(st.breaker.state(now) != "closed"))
-        return self.metrics.render()
+        self.metrics.flush()
 
     def build_app(self) -> FastAPI:
         app = lifespan_app("pdrt router", self.start, self.stop)
@@ -648,12 +761,12 @@ class Router:
 
         @app.get("/metrics")
         async def metrics():
-            return metrics_response(self.render_metrics())
+            return metrics_response(await self.metrics_body())
 
         @app.get("/config")
         async def config(request: Request):
             self.require_admin(request)
-            return self.config()
+            return await self.router_config()
 
         @app.post("/admin/topology")
         async def push_topology(request: Request):
@@ -663,6 +776,11 @@ class Router:
                 doc = None
             token = (request.headers.get(ADMIN_TOKEN_HEADER) or "").strip()
             status, body = self.topology_source.push(doc, f"Bearer {token}" if token else request.headers.get("authorization"))
+            if status == 200 and self.peers is not None:  # every process runs what the operator pushed
+                got = await self.peers.ask("topology", doc)
+                behind = sorted(i for i, v in got.items() if isinstance(v, Exception)
+                                or v.get("generation", -1) < body["topology_version"])
+                body["processes"] = {"count": self.peers.count, "behind": behind}
             return JSONResponse(body, status_code=status)
 
         @app.get("/debug/requests")

@@ -145,6 +145,12 @@ class CircuitBreaker:
                 self.opened_at = now
                 self.trial_started = None  # a new cooldown; the next trial starts after it
 
+    def trip(self, now: float) -> None:
+        """Open now, as ``threshold`` failures would (another router process's breaker for the same pair tripped)."""
+        self.failures = max(self.failures, self.threshold)
+        self.opened_at = now
+        self.trial_started = None
+
     # the pre-outcome API, kept for callers that only know success and failure
     def record_success(self, now: float = 0.0) -> None:
         self.record(Outcome.SUCCESS, now, trial=self.trial_started is not None)

@@ -466,7 +466,9 @@ async def serve(router: Any, app: Any, host: str, port: int, limits: ConnectionL
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     try:
-        server = await loop.create_server(proto, host, port, backlog=2048)
+        # sibling router processes (processes.py) listen on the same port: the kernel spreads connections over them
+        server = await loop.create_server(proto, host, port, backlog=2048, reuse_port=router.peers is not None)
+        await router.join_peers()
     except OSError as exc:
         await router.stop()
         log.error("cannot listen on %s:%d: %s", host, port, exc)

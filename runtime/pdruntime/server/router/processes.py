@@ -1,0 +1,268 @@
+"""The router on several processes: ``pdrt serve --role router --router-processes N``.
+
+One Python process keeps one core busy at most. With ``N`` > 1 the command becomes a small supervisor that starts
+``N`` router processes on the same port (``SO_REUSEPORT``: the kernel spreads new connections over them by their
+addresses; a connection stays with the process that accepted it). What one process kept for the whole router is
+shared or split:
+
+* **admission**: each process admits ``max_pending_per_pair // N`` requests per pair before their first token, and
+  queues ``max_queued_requests // N``; together they never hold more than one process did (``N`` may not exceed
+  ``--max-pending-per-pair``). With few client connections the split refuses sooner than one process would;
+  such a router has no use for more than one process anyway;
+* **breakers**: a pair that trips in one process is opened in every process (each then closes it on its own trial);
+* **topology**: a push (``POST /admin/topology``) that one process takes is relayed to the others before it is
+  answered, every process polls the topology file, and a process (re)started later takes the newest topology its
+  siblings run;
+* **what is read**: ``/metrics`` (counters and histograms summed, gauges summed or, for states and ages, their
+  maximum), ``/debug/requests`` (every process's rows, each with its ``process``) and ``/config``
+  (``inflight_by_pair`` summed; ``topology_version`` the lowest any process runs, ``-1`` while one does not answer,
+  so that the operator deletes a drained pair only once every process has it draining) answer for the whole
+  router, whichever process takes the request;
+* ``/health`` and ``/v1/models`` answer for the process that takes them (each probes the workers itself).
+
+The processes talk over Unix sockets in a folder only the supervisor's user can enter: one JSON line asks, one JSON
+line answers (:class:`Peers`). The supervisor restarts a process that exits (capped backoff); one that exits before
+it ever listened (a port in use, say) stops the whole router with its exit status. SIGTERM or SIGINT goes to every
+process, each drains as one router does, and the supervisor exits once all have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Awaitable, Callable
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+
+from pdruntime.util.aio import detach, within
+from pdruntime.util.backoff import capped_backoff
+
+log = logging.getLogger("pdruntime.router.processes")
+
+MAX_PROCESSES = 64
+ASK_TIMEOUT_S = 2.0  # one sibling's answer to a question (it answers from memory)
+LINE_LIMIT = 64 << 20  # bytes in one answer (a /debug/requests of a very busy process)
+RESTART_BASE_S, RESTART_CAP_S = 0.5, 30.0  # a process that exits is restarted after this backoff
+RESET_AFTER_S = 60.0  # a process that ran this long restarts without backoff again
+#: gauges whose processes' values are merged by their maximum: states (0/1) and ages; every other gauge (live
+#: requests, queued requests, open connections, outstanding requests per pair) is a count, summed
+GAUGES_BY_MAX = frozenset({"pdrt_oldest_live_request_age_seconds", "pdrt_router_circuit_open",
+                           "pdrt_router_pair_stale", "pdrt_router_pairs"})
+
+Handler = Callable[[Any], Awaitable[Any]]
+
+
+def check_count(n: int, max_pending: int) -> None:
+    """ValueError naming the flag when ``n`` router processes cannot split the admission bounds."""
+    if not 1 <= n <= MAX_PROCESSES:
+        raise ValueError(f"--router-processes {n} is not accepted; accepted: 1..{MAX_PROCESSES}")
+    if n > max_pending:
+        raise ValueError(f"--router-processes {n} needs --max-pending-per-pair >= {n} (each process admits an equal "
+                         f"share of the bound, at least one request per pair; it is {max_pending})")
+
+
+class Peers:
+    """This router process (``index`` of ``count``) and its siblings, reached over ``folder``'s Unix sockets."""
+
+    def __init__(self, index: int, count: int, folder: str) -> None:
+        if not 0 <= index < count:
+            raise ValueError(f"process index {index} is not accepted; accepted: 0..{count - 1}")
+        self.index, self.count, self.folder = index, count, folder
+        self._server: asyncio.AbstractServer | None = None
+
+    def path(self, index: int) -> str:
+        return os.path.join(self.folder, f"{index}.sock")
+
+    @property
+    def others(self) -> list[int]:
+        return [i for i in range(self.count) if i != self.index]
+
+    # ---- answering -----------------------------------------------------------------------------
+    async def open(self, handlers: dict[str, Handler]) -> None:
+        """Answer siblings' questions (``{"op": name, "body": ...}`` -> ``handlers[name](body)``). The socket appears
+        once this process serves: the supervisor reads that as "started"."""
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                ask = json.loads(await reader.readline())
+                handler = handlers.get(ask.get("op"))
+                if handler is None:
+                    reply = {"error": f"unknown op {ask.get('op')!r}; accepted: {', '.join(sorted(handlers))}"}
+                else:
+                    reply = {"ok": await handler(ask.get("body"))}
+            except Exception as exc:  # a sibling's bad question must not take this process down
+                log.warning("a sibling's question failed: %s: %s", type(exc).__name__, exc)
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            with contextlib.suppress(ConnectionError):
+                writer.write(json.dumps(reply).encode() + b"\n")
+                await writer.drain()
+            writer.close()
+
+        path = self.path(self.index)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a previous run of this process index
+        tmp = path + ".new"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        self._server = await asyncio.start_unix_server(answer, tmp, limit=LINE_LIMIT)
+        os.rename(tmp, path)  # whole or absent: a sibling never connects to a half-made socket
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path(self.index))
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+
+    # ---- asking --------------------------------------------------------------------------------
+    async def ask_one(self, index: int, op: str, body: Any = None, timeout: float = ASK_TIMEOUT_S) -> Any:
+        """Sibling ``index``'s answer to ``op``; raises OSError (unreachable), TimeoutError or RuntimeError."""
+        async def exchange() -> Any:
+            reader, writer = await asyncio.open_unix_connection(self.path(index), limit=LINE_LIMIT)
+            try:
+                writer.write(json.dumps({"op": op, "body": body}).encode() + b"\n")
+                await writer.drain()
+                line = await reader.readline()
+            finally:
+                writer.close()
+            if not line:
+                raise ConnectionResetError(f"router process {index} closed without answering {op!r}")
+            reply = json.loads(line)
+            if "error" in reply:
+                raise RuntimeError(f"router process {index} refused {op!r}: {reply['error']}")
+            return reply["ok"]
+
+        return await within(exchange(), timeout)
+
+    async def ask(self, op: str, body: Any = None) -> dict[int, Any]:
+        """Every sibling's answer to ``op``, by process index; an exception in place of a sibling's that failed."""
+        others = self.others
+        got = await asyncio.gather(*(self.ask_one(i, op, body) for i in others), return_exceptions=True)
+        for i, res in zip(others, got):
+            if isinstance(res, BaseException) and not isinstance(res, Exception):
+                raise res  # a cancellation of the asker
+            if isinstance(res, Exception):  # a sibling not (yet) started has no socket: no news
+                log.log(logging.DEBUG if isinstance(res, FileNotFoundError) else logging.WARNING,
+                        "router process %d did not answer %r: %s", i, op, res)
+        return dict(zip(others, got))
+
+    def tell(self, op: str, body: Any = None) -> None:
+        """Send ``op`` to every sibling without waiting for their answers (a breaker that tripped)."""
+        detach(self.ask(op, body))
+
+
+# ---- /metrics of the whole router ----------------------------------------------------------------
+def families(registry: CollectorRegistry) -> list:
+    """A registry's samples as JSON-able lists: [name, type, help, unit, [[sample name, labels, value], ...]]."""
+    return [[m.name, m.type, m.documentation, m.unit, [[s.name, s.labels, s.value] for s in m.samples]]
+            for m in registry.collect()]
+
+
+def merge_families(parts: list[list]) -> bytes:
+    """Several processes' :func:`families` as one Prometheus text exposition: a sample's values summed (gauges in
+    :data:`GAUGES_BY_MAX`: their maximum), in the first process's order, samples only others have after them."""
+    merged: dict[str, tuple[str, str, str, dict[tuple, list]]] = {}
+    for fams in parts:
+        for name, typ, doc, unit, samples in fams:
+            fam = merged.setdefault(name, (typ, doc, unit, {}))
+            by_max = typ == "gauge" and name in GAUGES_BY_MAX
+            values = fam[3]
+            for sample, labels, value in samples:
+                key = (sample, tuple(labels.items()))
+                had = values.get(key)
+                if had is None:
+                    values[key] = [labels, value]
+                else:
+                    had[1] = max(had[1], value) if by_max else had[1] + value
+
+    class Merged:
+        def collect(self):
+            for name, (typ, doc, unit, values) in merged.items():
+                m = Metric(name, doc, typ, unit)
+                for (sample, _), (labels, value) in values.items():
+                    m.add_sample(sample, labels, value)
+                yield m
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Merged())
+    return generate_latest(registry)
+
+
+# ---- the supervisor ------------------------------------------------------------------------------
+def supervise(argv: list[str], count: int) -> int:
+    """Run ``pdrt ARGV`` as ``count`` router processes and supervise them (the module docstring); -> exit status."""
+    folder = tempfile.mkdtemp(prefix="pdrt-router-")  # 0700: only this user reaches the processes' sockets
+    from pdruntime.server.local.supervisor import die_with_parent
+
+    procs: list[subprocess.Popen | None] = [None] * count
+    started: list[float] = [0.0] * count
+    restarts = [0] * count
+    due: list[float | None] = [None] * count  # a process's restart time while it waits for one
+    served = [False] * count  # its socket appeared: it listened (an exit before that is a start-up failure)
+    signals = 0
+
+    def spawn(i: int) -> None:
+        cmd = [sys.executable, "-m", "pdruntime.server", *argv, "--process-index", str(i), "--peer-dir", folder]
+        procs[i] = subprocess.Popen(cmd, preexec_fn=die_with_parent(os.getpid()))
+        started[i], due[i] = time.monotonic(), None
+
+    def forward(signum: int, _frame: Any) -> None:
+        nonlocal signals
+        signals += 1
+        for p in procs:
+            if p is not None and p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGTERM if signals == 1 else signal.SIGINT)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    status = 0
+    try:
+        for i in range(count):
+            spawn(i)
+        log.info("router: %d processes (pids %s), siblings' sockets in %s", count,
+                 ", ".join(str(p.pid) for p in procs if p is not None), folder)
+        while True:
+            now = time.monotonic()
+            for i, p in enumerate(procs):
+                if p is None or p.poll() is None:
+                    if p is None and not signals and due[i] is not None and now >= due[i]:
+                        spawn(i)
+                    elif p is not None and not served[i]:
+                        served[i] = os.path.exists(os.path.join(folder, f"{i}.sock"))
+                    continue
+                rc, procs[i] = p.returncode, None
+                if signals:
+                    status = status or rc
+                    continue
+                if not served[i]:
+                    log.error("router process %d exited with status %d before it served; stopping the router", i, rc)
+                    status = rc or 1
+                    forward(signal.SIGTERM, None)
+                    continue
+                restarts[i] = 0 if now - started[i] >= RESET_AFTER_S else restarts[i] + 1
+                wait = capped_backoff(max(1, restarts[i]), RESTART_BASE_S, RESTART_CAP_S)
+                log.error("router process %d (pid %d) exited with status %d; restarting it in %.1fs", i, p.pid, rc, wait)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(folder, f"{i}.sock"))
+                due[i] = now + wait
+            if signals and all(p is None for p in procs):
+                return status
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        for s, h in old.items():
+            signal.signal(s, h)
+        shutil.rmtree(folder, ignore_errors=True)
