@@ -187,6 +187,8 @@ def register(subparsers: Any) -> None:
     up.add_argument("--base-port", type=int, default=8100, help="first worker port (3 per pair)")
     up.add_argument("--model", default=None)
     up.add_argument("--ready-timeout-s", type=float, default=600.0)
+    up.add_argument("--router-processes", type=_positive_int, default=1,
+                    help="the router's processes (pdrt serve --role router --router-processes; docs/router.md)")
     _worker_protocol_flag(up, "the router")
     _routing_flags(up)
     _engine_flags(up, "auto")
@@ -360,7 +362,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         stack = LocalStack(pairs=args.pairs, prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
                            base_port=args.base_port, model=args.model, worker_args=_worker_args(args),
                            router_args=_router_args(args) + ["--worker-protocol", args.worker_protocol,
-                                                             "--worker-agent-port", "0"])
+                                                             "--worker-agent-port", "0",
+                                                             "--router-processes", str(args.router_processes)])
     except ValueError as exc:
         print(f"pdrt up: {exc}", file=sys.stderr)
         return 2
