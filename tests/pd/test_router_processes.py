@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdruntime.env import RuntimeEnv
 from pdruntime.server.metrics import Metrics
 from pdruntime.server.router.app import Router, RouterConfig
-from pdruntime.server.router.processes import Peers, check_count, families, merge_families
+from pdruntime.server.router.processes import Peers, check_count, exposition, families, merge
 from pdruntime.server.router.reply import LiveRequest
 from pdruntime.server.router.topology import parse_topology
 from pdruntime.util import h1
@@ -67,7 +67,7 @@ def test_merged_metrics_are_what_one_process_with_both_processes_counts_would_ex
     want.live.labels("router").set(7)
     want.circuit_open.labels("0").set(1)
     want.oldest_age.labels("router", "streaming").set(6.0)
-    merged = merge_families([families(one.registry), families(two.registry)])
+    merged = exposition(merge([families(one.registry), families(two.registry)]))
     assert merged == want.render()
     parsed = {f.name: f for f in text_string_to_metric_families(merged.decode())}
     assert parsed["pdrt_e2e_latency_seconds"].samples[-2].value == 2  # _count, through the real parser
@@ -177,10 +177,16 @@ def test_a_process_that_starts_late_runs_the_newest_topology_its_siblings_run(si
     loop, (a, b) = siblings
     a.topology_source.offer(parse_topology(_topology(9)), "push")
     loop.run_until_complete(b.peers.close())  # process 1 exits; it starts again below
+    b.metrics.requests.labels("router", "a", "ok").inc(5)
+    loop.run_until_complete(b._peer_metrics(None))  # a scrape: b leaves its counts for a successor
     late = _router(str(tmp_path), 1, generation=2)
     loop.run_until_complete(late.join_peers())
     try:
         assert late.topology.generation == 9
+        late.metrics.requests.labels("router", "a", "ok").inc(2)
+        fams = {f[0]: f for f in loop.run_until_complete(late._peer_metrics(None))}
+        assert [v for name, labels, v in fams["pdrt_requests"][4] if labels["outcome"] == "ok"] == [7]
+        assert all(v == 0 for _, _, v in fams["pdrt_live_requests"][4])  # a gauge is not carried on
     finally:
         loop.run_until_complete(late.peers.close())
 
@@ -259,6 +265,11 @@ def test_two_router_processes_serve_one_port_as_one_router(workers, tmp_path):
                  ["topology_versions"] == {"0": 4, "1": 4}, 30, "both processes on generation 4")
         for _ in range(8):
             assert httpx.post(p.url + "/v1/completions", json=BODY, timeout=30).status_code == 200
+        # the restarted process carries on from what its predecessor had counted at the last scrape (the scrapes
+        # above): the router's counter never falls, which Prometheus would read as a reset of all 24
+        text = httpx.get(p.url + "/metrics", timeout=10).text
+        ok = [line for line in text.splitlines() if line.startswith("pdrt_requests_total{") and 'outcome="ok"' in line]
+        assert float(ok[0].rsplit(" ", 1)[1]) == 24
 
         kids = _children(p.popen.pid)
         p.popen.send_signal(signal.SIGTERM)

@@ -33,7 +33,7 @@ from pdruntime.server.router.health_probe import HealthProber
 from pdruntime.server.router.legs import LegError, Legs, Outbound
 from pdruntime.server.router.policy import FAILURE, NEUTRAL, SUCCESS, PairPicker, PairState, RoutingConfig
 from pdruntime.server.router.prefix_tree import routing_text
-from pdruntime.server.router.processes import Peers, families, merge_families
+from pdruntime.server.router.processes import Peers, exposition, families, merge
 from pdruntime.server.router.protocol import observe_url, protocol_for
 from pdruntime.server.router.reply import EdgeCall, EdgeRequest, LiveRequest, Reply, Streamed
 from pdruntime.server.router.topology import Topology, TopologyWatcher, parse_topology
@@ -97,6 +97,7 @@ class Router:
         self.cfg = config or RouterConfig()
         #: the router's sibling processes (--router-processes N > 1; processes.py), None when it is one process
         self.peers = peers
+        self._counts_before: list = []  # with peers: the counts this process index's predecessor left
         share = peers.count if peers is not None else 1
         self.topology = topology or Topology(1, "", ())
         self.topology_file = topology_file
@@ -176,6 +177,7 @@ class Router:
         process may be a restarted one that missed pushes)."""
         if self.peers is None:
             return
+        self._counts_before = self.peers.counts_before()
         await self.peers.open({"rows": self._peer_rows, "config": self._peer_config, "metrics": self._peer_metrics,
                                "topology": self._peer_topology, "trip": self._peer_trip})
         newest = None
@@ -193,8 +195,11 @@ class Router:
                 "inflight_by_pair": {str(k): n for k, n in self._inflight_by_pair().items()}}
 
     async def _peer_metrics(self, _body: object) -> list:
+        """This process's samples, with the counts its predecessors left (processes.py), which it keeps on."""
         self._read_gauges()
-        return families(self.metrics.registry)
+        fams = merge([families(self.metrics.registry), self._counts_before])
+        self.peers.keep_counts(fams)
+        return fams
 
     async def _peer_topology(self, doc: object) -> dict:
         """A sibling relays a push it took (``doc``), or asks which topology runs here (None)."""
@@ -684,7 +689,7 @@ class Router:
         parts = [await self._peer_metrics(None)]
         parts.extend(fams for _, fams in sorted((await self.peers.ask("metrics")).items())
                      if not isinstance(fams, Exception))
-        return merge_families(parts)
+        return exposition(merge(parts))
 
     def render_metrics(self) -> bytes:
         """This process's ``/metrics``."""

@@ -156,6 +156,23 @@ class Peers:
                         "router process %d did not answer %r: %s", i, op, res)
         return dict(zip(others, got))
 
+    def keep_counts(self, fams: list) -> None:
+        """Leave this process's counts (:func:`counts_only`) where a successor of the same index finds them: summed
+        over the processes, a counter that restarted at zero would fall, which ``rate()`` reads as a reset of the
+        whole router's counter and counts the others' totals again."""
+        path = os.path.join(self.folder, f"{self.index}.counts.json")
+        with open(path + ".new", "w") as fh:
+            json.dump(counts_only(fams), fh)
+        os.replace(path + ".new", path)
+
+    def counts_before(self) -> list:
+        """The counts a predecessor of this process index left (:meth:`keep_counts`); [] for the first."""
+        try:
+            with open(os.path.join(self.folder, f"{self.index}.counts.json")) as fh:
+                return json.load(fh)
+        except (OSError, ValueError):
+            return []
+
     def tell(self, op: str, body: Any = None) -> None:
         """Send ``op`` to every sibling without waiting for their answers (a breaker that tripped)."""
         detach(self.ask(op, body))
@@ -168,9 +185,9 @@ def families(registry: CollectorRegistry) -> list:
             for m in registry.collect()]
 
 
-def merge_families(parts: list[list]) -> bytes:
-    """Several processes' :func:`families` as one Prometheus text exposition: a sample's values summed (gauges in
-    :data:`GAUGES_BY_MAX`: their maximum), in the first process's order, samples only others have after them."""
+def merge(parts: list[list]) -> list:
+    """Several processes' :func:`families` as one: a sample's values summed (gauges in :data:`GAUGES_BY_MAX`: their
+    maximum), in the first process's order, samples only others have after them."""
     merged: dict[str, tuple[str, str, str, dict[tuple, list]]] = {}
     for fams in parts:
         for name, typ, doc, unit, samples in fams:
@@ -181,21 +198,31 @@ def merge_families(parts: list[list]) -> bytes:
                 key = (sample, tuple(labels.items()))
                 had = values.get(key)
                 if had is None:
-                    values[key] = [labels, value]
+                    values[key] = [sample, labels, value]
                 else:
-                    had[1] = max(had[1], value) if by_max else had[1] + value
+                    had[2] = max(had[2], value) if by_max else had[2] + value
+    return [[name, typ, doc, unit, list(values.values())] for name, (typ, doc, unit, values) in merged.items()]
 
-    class Merged:
+
+def exposition(fams: list) -> bytes:
+    """:func:`families` in Prometheus' text format, as prometheus_client renders a registry."""
+    class Families:
         def collect(self):
-            for name, (typ, doc, unit, values) in merged.items():
+            for name, typ, doc, unit, samples in fams:
                 m = Metric(name, doc, typ, unit)
-                for (sample, _), (labels, value) in values.items():
+                for sample, labels, value in samples:
                     m.add_sample(sample, labels, value)
                 yield m
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(Merged())
+    registry.register(Families())
     return generate_latest(registry)
+
+
+def counts_only(fams: list) -> list:
+    """The counters and histograms of :func:`families`: what a restarted process carries on from its predecessor
+    (a gauge is a present state, not a count)."""
+    return [f for f in fams if f[1] in ("counter", "histogram")]
 
 
 # ---- the supervisor ------------------------------------------------------------------------------

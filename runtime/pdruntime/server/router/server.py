@@ -468,11 +468,11 @@ async def serve(router: Any, app: Any, host: str, port: int, limits: ConnectionL
     try:
         # sibling router processes (processes.py) listen on the same port: the kernel spreads connections over them
         server = await loop.create_server(proto, host, port, backlog=2048, reuse_port=router.peers is not None)
-        await router.join_peers()
     except OSError as exc:
         await router.stop()
         log.error("cannot listen on %s:%d: %s", host, port, exc)
         raise SystemExit(1) from None
+    await router.join_peers()
     sweeper = loop.create_task(_sweep(connections, keepalive_s))
     log.info("router serving on http://%s:%d", host, port)
     try:
