@@ -41,8 +41,10 @@ def _pages_equal(src, s_ids, dst, d_ids) -> bool:
 
 
 async def _transfer(src, s_ids, dst, d_ids, n, *, token_s=TOKEN, token_c=TOKEN, src_layout=None, dst_layout=None,
-                    corrupt=False, via=None, room=7):
-    """One full transfer prefill(src) -> decode(dst). -> {"server": stats | WireError, "client": ...}."""
+                    corrupt=False, via=None, room=7, progress_race=False):
+    """One full transfer prefill(src) -> decode(dst). -> {"server": stats | WireError, "client": ...}.
+    ``progress_race``: a PROGRESS report is scheduled (a task not yet run) just before the KV is sent, as
+    prefill's periodic reporter can."""
     src_layout = src_layout or transfer.layout_of(src)
     dst_layout = dst_layout or transfer.layout_of(dst)
     prompt = list(range(100, 100 + n))
@@ -53,6 +55,8 @@ async def _transfer(src, s_ids, dst, d_ids, n, *, token_s=TOKEN, token_c=TOKEN, 
         try:
             att = await transfer.accept_attach(conn, token_s)
             h = transfer.make_header(att.room, att.rid, n, 5, wire.prompt_crc(prompt), "", [src_layout], att.checksums)
+            if progress_race:
+                asyncio.get_running_loop().create_task(transfer.send_progress(conn, n, 1))
             out["server"] = await transfer.send_kv(conn, h, [transfer.ShardSource(src, s_ids, src_layout)],
                                                    corrupt_first_chunk=corrupt)
         except WireError as exc:
@@ -187,6 +191,19 @@ def test_round_trip_is_bit_exact_over_scattered_pages_in_several_chunks(dtype, m
     assert _pages_equal(src, s_ids, dst, d_ids)
     untouched = sorted(set(range(12)) - set(d_ids))
     assert all(float(t[untouched].abs().sum()) == 0 for t in dst.k + dst.v)
+
+
+def test_a_progress_report_scheduled_as_the_kv_is_sent_is_dropped_not_interleaved():
+    """Prefill reports progress from a periodic task; one scheduled in the moment its KV became ready used to be
+    written after the HEADER (or, from a second pool thread, into the chunks): decode failed the transfer with
+    "expected CHUNK 0, got PROGRESS" (seven requests in one round of the router bench at load 3). PROGRESS
+    belongs before the HEADER only: once the KV is on its way, a report is dropped."""
+    for seed in range(8):  # where the report would land is a race between two pool threads: try it a few times
+        src, dst = _kv(seed=seed), _kv(fill=False)
+        out = run(_transfer(src, [1, 4, 6], dst, [0, 2, 5], 10, progress_race=True))
+        assert not isinstance(out["client"], WireError), out
+        assert not isinstance(out["server"], WireError), out
+        assert _pages_equal(src, [1, 4, 6], dst, [0, 2, 5])
 
 
 def test_round_trip_into_contiguous_pages_lands_in_place():

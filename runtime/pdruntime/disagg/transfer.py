@@ -137,6 +137,7 @@ class KVConn:
         self._handshake: asyncio.Timeout | None = None  # the deadline of a handshake in progress (prefill side)
         self._evicted = ""  # why the handshake was cut short, if it was
         self._io: Future | None = None  # the blocking step running on the transfer pool, if any
+        self.kv_sending = False  # prefill side: send_kv began; a PROGRESS report from now on is dropped
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future, int] | None = None
         self._lock = threading.Lock()
 
@@ -444,6 +445,7 @@ async def send_kv(conn: KVConn, header: KVHeader, sources: Sequence[ShardSource]
     if len(header.shards) != len(sources):
         raise ValueError(f"{len(sources)} shard sources for a header of {len(header.shards)} shards")
     stats = conn.stats
+    conn.kv_sending = True
     if conn._io is not None and not conn._io.done():  # a PROGRESS frame still being written: never interleave
         await asyncio.wrap_future(conn._io)
     await conn.run(_send_body, conn.fs, header, sources, stats, corrupt_first_chunk)
@@ -504,7 +506,11 @@ async def recv_header(conn: KVConn, timeout_s: float | None = None,
 
 
 async def send_progress(conn: KVConn, tokens: int, steps: int) -> None:
-    """Prefill: one PROGRESS frame (before the HEADER only; :func:`send_kv` waits for one in flight)."""
+    """Prefill: one PROGRESS frame, before the HEADER only: :func:`send_kv` waits for one in flight, and one that
+    comes after it began (a report scheduled as the KV became ready) is dropped, never written between its frames
+    (checked and submitted with no ``await`` between)."""
+    if conn.kv_sending:
+        return
     await conn.run(conn.fs.send_control, FrameType.PROGRESS, {"tokens": int(tokens), "steps": int(steps)})
 
 

@@ -229,11 +229,13 @@ class DecodeWorker(WorkerBase):
             early = self._early_first_token(req, header.first_token_id)
             if early is not None:  # queued before the engine can report anything for this request
                 req.outputs.put_nowait(early)
+            # running from here: a request whose only token prefill sampled may end in the engine, and leave the
+            # table, before the admission below returns
+            self.queues.move(req.rid, "running")
+            self.metrics.queue_time.labels(self.role).observe(self.clock.now() - req.created_at)
             req.page_refs = await self.runner.call(AdmitPrefilled(req, header.first_token_id))
             req.in_engine = True
-            self.queues.move(req.rid, "running")
             # the engine reports the first token (sampled by prefill) with its first decode step
-            self.metrics.queue_time.labels(self.role).observe(self.clock.now() - req.created_at)
         except asyncio.CancelledError:
             raise
         except RequestGone:
