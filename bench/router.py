@@ -99,7 +99,11 @@ async def _serve_noop(role: str, port: int) -> None:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 line, *headers = head.decode("latin-1").split("\r\n")
-                method, path, _ = line.split(" ", 2)
+                try:
+                    method, path, _ = line.split(" ", 2)
+                except ValueError:  # not HTTP/1.1: say what came, and hang up
+                    print(f"noop {role}: not a request line: {head[:300]!r}", flush=True)
+                    return
                 length = 0
                 for h in headers:
                     if h[:15].lower() == "content-length:":

@@ -75,9 +75,12 @@ def test_merged_metrics_are_what_one_process_with_both_processes_counts_would_ex
 
 def test_the_process_count_is_checked_against_the_admission_bound(tmp_path):
     with pytest.raises(ValueError, match=r"--router-processes 0 is not accepted; accepted: 1\.\.64"):
-        check_count(0, 32)
+        check_count(0, 32, 8000)
     with pytest.raises(ValueError, match=r"--router-processes 4 needs --max-pending-per-pair >= 4"):
-        check_count(4, 2)
+        check_count(4, 2, 8000)
+    with pytest.raises(ValueError, match=r"--router-processes 2 needs a fixed --port"):
+        check_count(2, 32, 0)
+    check_count(1, 1, 0)
     out = subprocess.run([sys.executable, "-m", "pdruntime.server", "serve", "--role", "router", "--prefill",
                           "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--router-processes", "4",
                           "--max-pending-per-pair", "2"], capture_output=True, text=True, timeout=60, env=base_env())

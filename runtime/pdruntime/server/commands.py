@@ -280,7 +280,7 @@ def build_server(args: argparse.Namespace, env=None):
                            worker_protocol=args.worker_protocol, worker_agent_port=args.worker_agent_port)
         from pdruntime.server.router.processes import Peers, check_count
 
-        check_count(args.router_processes, args.max_pending_per_pair)
+        check_count(args.router_processes, args.max_pending_per_pair, args.port)
         peers = Peers(args.process_index, args.router_processes, args.peer_dir) if args.peer_dir else None
         router = Router(env, topology=topo, topology_file=args.topology_file, config=cfg, host=args.host, port=args.port,
                         peers=peers)

@@ -33,7 +33,7 @@ from pdruntime.server.router.health_probe import HealthProber
 from pdruntime.server.router.legs import LegError, Legs, Outbound
 from pdruntime.server.router.policy import FAILURE, NEUTRAL, SUCCESS, PairPicker, PairState, RoutingConfig
 from pdruntime.server.router.prefix_tree import routing_text
-from pdruntime.server.router.processes import Peers, exposition, families, merge
+from pdruntime.server.router.processes import Peers, ProcessView, Trip, exposition, families, merge
 from pdruntime.server.router.protocol import observe_url, protocol_for
 from pdruntime.server.router.reply import EdgeCall, EdgeRequest, LiveRequest, Reply, Streamed
 from pdruntime.server.router.topology import Topology, TopologyWatcher, parse_topology
@@ -190,9 +190,12 @@ class Router:
     async def _peer_rows(self, _body: object) -> list[dict]:
         return self.own_rows()
 
+    def _view(self) -> ProcessView:
+        return ProcessView(self.topology.generation, self.topology.draining(),
+                           {str(k): n for k, n in self._inflight_by_pair().items()})
+
     async def _peer_config(self, _body: object) -> dict:
-        return {"topology_version": self.topology.generation, "draining": self.topology.draining(),
-                "inflight_by_pair": {str(k): n for k, n in self._inflight_by_pair().items()}}
+        return asdict(self._view())
 
     async def _peer_metrics(self, _body: object) -> list:
         """This process's samples, with the counts its predecessors left (processes.py), which it keeps on."""
@@ -209,8 +212,9 @@ class Router:
 
     async def _peer_trip(self, body: dict) -> None:
         """A sibling's breaker for this pair (same workers) tripped: rest it here too."""
-        st = self.picker.states.get(body["pair"])
-        if st is not None and (st.pair.prefill_url, st.pair.decode_url) == (body["prefill"], body["decode"]):
+        trip = Trip(**body)
+        st = self.picker.states.get(trip.pair)
+        if st is not None and (st.pair.prefill_url, st.pair.decode_url) == (trip.prefill, trip.decode):
             st.breaker.trip(time.monotonic())
 
     async def stop(self) -> None:
@@ -341,7 +345,7 @@ class Router:
         state.breaker.record(FAILURE, now, trial=trial)
         if state.breaker.opened_at == now != was:
             p = state.pair
-            self.peers.tell("trip", {"pair": p.index, "prefill": p.prefill_url, "decode": p.decode_url})
+            self.peers.tell("trip", asdict(Trip(p.index, p.prefill_url, p.decode_url)))
 
     def _pick(self, live: LiveRequest, exclude: set[int], now: float,
               prompt: str | None) -> tuple[PairState | None, set[int]]:
@@ -639,22 +643,20 @@ class Router:
         out = self.config()
         if self.peers is None:
             return out
-        views = {self.peers.index: await self._peer_config(None), **await self.peers.ask("config")}
+        answers = {self.peers.index: self._view(), **{i: a if isinstance(a, Exception) else ProcessView(**a)
+                                                       for i, a in (await self.peers.ask("config")).items()}}
+        views = [v for v in answers.values() if isinstance(v, ProcessView)]
+        unanswered = sorted(i for i, v in answers.items() if not isinstance(v, ProcessView))
         inflight: dict[str, int] = {}
-        draining = set(out["draining"])
-        for view in views.values():
-            if isinstance(view, Exception):
-                continue
-            draining &= set(view["draining"])
-            for k, n in view["inflight_by_pair"].items():
+        for view in views:
+            for k, n in view.inflight_by_pair.items():
                 inflight[k] = inflight.get(k, 0) + n
-        unanswered = sorted(i for i, v in views.items() if isinstance(v, Exception))
-        out["topology_version"] = -1 if unanswered else min(v["topology_version"] for v in views.values())
-        out["draining"] = sorted(draining)
+        out["topology_version"] = -1 if unanswered else min(v.topology_version for v in views)
+        out["draining"] = sorted(set.intersection(*(set(v.draining) for v in views)))
         out["inflight_by_pair"] = dict(sorted(inflight.items(), key=lambda kv: int(kv[0])))
         out["processes"] = {"count": self.peers.count, "answered_by": self.peers.index, "unanswered": unanswered,
-                            "topology_versions": {str(i): (None if isinstance(v, Exception) else v["topology_version"])
-                                                  for i, v in sorted(views.items())}}
+                            "topology_versions": {str(i): v.topology_version if isinstance(v, ProcessView) else None
+                                                  for i, v in sorted(answers.items())}}
         return out
 
     def _reject_scope(self, scope: dict, status: int) -> None:

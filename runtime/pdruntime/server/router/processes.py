@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -62,10 +63,32 @@ GAUGES_BY_MAX = frozenset({"pdrt_oldest_live_request_age_seconds", "pdrt_router_
 Handler = Callable[[Any], Awaitable[Any]]
 
 
-def check_count(n: int, max_pending: int) -> None:
-    """ValueError naming the flag when ``n`` router processes cannot split the admission bounds."""
+# ---- what the processes tell each other (JSON: dataclasses.asdict one way, ``Cls(**body)`` the other) --------------
+@dataclass(frozen=True)
+class ProcessView:
+    """One process's part of the router's ``/config`` (op ``config``)."""
+
+    topology_version: int
+    draining: list[int]
+    inflight_by_pair: dict[str, int]  # pair index (a JSON key) -> requests in flight there
+
+
+@dataclass(frozen=True)
+class Trip:
+    """A breaker that tripped (op ``trip``): pair ``pair``, while it is these workers."""
+
+    pair: int
+    prefill: str
+    decode: str
+
+
+def check_count(n: int, max_pending: int, port: int) -> None:
+    """ValueError naming the flags when ``n`` router processes cannot share ``port`` or split the admission bounds."""
     if not 1 <= n <= MAX_PROCESSES:
         raise ValueError(f"--router-processes {n} is not accepted; accepted: 1..{MAX_PROCESSES}")
+    if n > 1 and port == 0:
+        raise ValueError(f"--router-processes {n} needs a fixed --port (with 0 each process would get a port of "
+                         "its own); accepted: --port 1..65535")
     if n > max_pending:
         raise ValueError(f"--router-processes {n} needs --max-pending-per-pair >= {n} (each process admits an equal "
                          f"share of the bound, at least one request per pair; it is {max_pending})")
