@@ -283,3 +283,25 @@ def test_two_router_processes_serve_one_port_as_one_router(workers, tmp_path):
         decode.hold = None
         loop.call_soon_threadsafe(decode.release.set)
         p.stop()
+
+
+def test_the_crd_router_processes_field_renders_the_flag_and_leaves_revisions_alone():
+    from pdoperator.core.render import Owner, router_command
+    from pdoperator.core.revisions import revision_hash
+    from pdoperator.core.spec import SpecError, parse_spec
+
+    with pytest.raises(SpecError) as err:
+        parse_spec({"image": "img", "router": {"processes": 0}})
+    assert err.value.problems == ["spec.router.processes=0 is invalid; accepted: an integer in [1, 64]"]
+    with pytest.raises(SpecError, match=r"spec.router.processes=2 is pdstack's router's; accepted with router kind "
+                                        r"'sglang': 1"):
+        parse_spec({"image": "img", "engine": "sglang", "model": {"source": "m"}, "runtimeImage": "pdrt:1",
+                    "router": {"kind": "sglang", "processes": 2}})
+    plain = parse_spec({"image": "img"})
+    two = parse_spec({"image": "img", "router": {"processes": 2}})
+    assert revision_hash(two) == revision_hash(plain)  # a router setting never rolls the pairs
+    owner = Owner("llm", "ns", "uid")
+    command = router_command(two, owner)
+    assert command == router_command(plain, owner) + ["--router-processes", "2"]
+    from pdruntime.cli import build_parser  # the runtime's own parser takes what the operator renders
+    assert build_parser().parse_args(command[1:]).router_processes == 2

@@ -249,6 +249,7 @@ def router_command(spec: PDSpec, owner: Owner) -> list[str]:
     return (["pdrt", "serve", "--role", "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
              "--topology-file", f"{TOPOLOGY_DIR}/{TOPOLOGY_KEY}",
              "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_KEY}"] + protocol + routing_args(spec.routing)
+            + (["--router-processes", str(spec.router_processes)] if spec.router_processes != 1 else [])
             + list(spec.router.args))
 
 

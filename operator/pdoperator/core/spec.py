@@ -394,6 +394,8 @@ class PDSpec:
     # the pdstack runtime image for the agent sidecar (engines sglang, vllm) and pdstack's router with them
     runtime_image: str | None = knob("runtimeImage", None, kind="string")
     router_kind: str = knob("router.kind", "pdstack", choices=ROUTER_KINDS)  # spec.router.kind
+    # pdstack's router's processes per pod (--router-processes; docs/router.md): each on a core of its own
+    router_processes: int = knob("router.processes", 1, lo=1, hi=64)
     rollout: RolloutSpec = section("rollout", RolloutSpec)
     stall: StallSpec = section("stall", StallSpec)
     prefix_cache: PrefixCacheSpec = section("prefixCache", PrefixCacheSpec)
@@ -840,6 +842,15 @@ def _router_kind(r: _Reader, d: Mapping[str, Any], engine: str) -> str:
     return kind
 
 
+def _router_processes(r: _Reader, d: Mapping[str, Any], kind: str) -> int:
+    router = d.get("router")
+    n = r.take(router if isinstance(router, Mapping) else {}, "spec.router", PDSpec, "router_processes")
+    if n != 1 and kind != "pdstack":
+        r.problems.append(f"spec.router.processes={n} is pdstack's router's; accepted with router kind '{kind}': 1 "
+                          "(sglang-router runs threads of its own)")
+    return n
+
+
 def _routing(r: _Reader, d: Mapping[str, Any], kind: str) -> RoutingSpec:
     router = d.get("router")  # not an object: _role has said so
     ro = r.obj(router.get("routing") if isinstance(router, Mapping) else None, "spec.router.routing")
@@ -921,6 +932,7 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
     stall = StallSpec(seconds=r.take(st, "spec.stall", StallSpec, "seconds"))
     router_kind = _router_kind(r, d, engine)
     routing = _routing(r, d, router_kind)
+    router_processes = _router_processes(r, d, router_kind)
     prefix_cache = _prefix_cache(r, d, engine)
     spec = PDSpec(
         image=image,
@@ -943,6 +955,7 @@ def parse_spec(raw: Any, *, name: str | None = None) -> PDSpec:
         vllm=vllm,
         runtime_image=runtime_image,
         router_kind=router_kind,
+        router_processes=router_processes,
         rollout=rollout,
         stall=stall,
         routing=routing,
