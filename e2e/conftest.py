@@ -8,7 +8,8 @@ every pod from its rendered container: the operator from the chart's Deployment 
 its args, under its service account's stored RBAC), the router and the workers from what the operator renders
 (``pdrt serve ...``). ``helm install`` (hooks.upgradeCRD=false: the test cluster serves no batch/v1 Jobs, so
 the CRD comes from crds/ and the example is applied with kubectl, not installed with its pre-delete hook Job),
-then ``kubectl apply`` of examples/cpu-demo.yaml (namespace, image and pull policy set to the loaded ones).
+then ``kubectl apply`` of examples/cpu-demo.yaml (namespace, image and pull policy set to the loaded ones, the router
+on two processes).
 
 Environment:
   PDSTACK_E2E_BACKEND   kind | testcluster (default: kind, which skips saying what is missing without
@@ -223,6 +224,9 @@ def example_manifest(tag: str) -> str:
     doc["metadata"]["namespace"] = NAMESPACE
     doc["spec"]["image"] = f"pdstack-runtime:{tag}"
     doc["spec"]["podTemplate"] = {"imagePullPolicy": "Never"}
+    # the router on two processes (spec.router.processes): the operator's topology pushes, its drain reads of
+    # /config (tests/test_lifecycle.py's scale), `kubectl pd requests` and the Service meet the whole router
+    doc["spec"]["router"]["processes"] = 2
     return yaml.safe_dump(doc)
 
 

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -25,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdruntime.env import RuntimeEnv
 from pdruntime.server.metrics import Metrics
 from pdruntime.server.router.app import Router, RouterConfig
-from pdruntime.server.router.processes import Peers, check_count, exposition, families, merge
+from pdruntime.server.router.processes import Peers, check_count, exposition, families, merge, sockets_folder
 from pdruntime.server.router.reply import LiveRequest
 from pdruntime.server.router.topology import parse_topology
 from pdruntime.util import h1
@@ -305,3 +306,17 @@ def test_the_crd_router_processes_field_renders_the_flag_and_leaves_revisions_al
     assert command == router_command(plain, owner) + ["--router-processes", "2"]
     from pdruntime.cli import build_parser  # the runtime's own parser takes what the operator renders
     assert build_parser().parse_args(command[1:]).router_processes == 2
+
+
+def test_the_sockets_folder_is_one_whose_socket_paths_fit_a_unix_address(tmp_path, monkeypatch):
+    """A pod's TMPDIR can sit deep in a host folder (the test cluster mounts a pod's /tmp so): a socket path there
+    passes the 107 bytes a Unix address holds, and the processes could not listen. The folder then goes to /tmp."""
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    folder = sockets_folder()
+    try:
+        assert folder.startswith("/tmp/pdrt-router-") and oct(os.stat(folder).st_mode & 0o777) == "0o700"
+        assert len(os.path.join(folder, "63.sock.new").encode()) <= 107
+    finally:
+        os.rmdir(folder)

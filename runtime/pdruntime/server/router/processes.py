@@ -249,9 +249,33 @@ def counts_only(fams: list) -> list:
 
 
 # ---- the supervisor ------------------------------------------------------------------------------
+SUN_PATH_MAX = 107  # bytes in a Unix socket's path (sun_path is 108, NUL included)
+
+
+def sockets_folder() -> str:
+    """A new folder (mode 0700: only this user reaches the processes' sockets) whose sockets' paths fit a Unix
+    address: under TMPDIR, else /tmp or /dev/shm where TMPDIR is too deep (a pod's /tmp mounted deep in a host
+    folder, say). ValueError when none will do."""
+    tried = []
+    for base in (tempfile.gettempdir(), "/tmp", "/dev/shm"):
+        if len(os.path.join(base, "pdrt-router-xxxxxxxx", "63.sock.new").encode()) > SUN_PATH_MAX:
+            tried.append(f"{base} (too deep)")
+            continue
+        try:
+            return tempfile.mkdtemp(prefix="pdrt-router-", dir=base)
+        except OSError as exc:
+            tried.append(f"{base} ({exc.strerror})")
+    raise ValueError(f"--router-processes: no folder for the processes' sockets; tried {', '.join(tried)}; accepted: "
+                     f"TMPDIR a writable folder whose path is short enough for a Unix socket ({SUN_PATH_MAX} bytes)")
+
+
 def supervise(argv: list[str], count: int) -> int:
     """Run ``pdrt ARGV`` as ``count`` router processes and supervise them (the module docstring); -> exit status."""
-    folder = tempfile.mkdtemp(prefix="pdrt-router-")  # 0700: only this user reaches the processes' sockets
+    try:
+        folder = sockets_folder()
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     from pdruntime.server.local.supervisor import die_with_parent
 
     procs: list[subprocess.Popen | None] = [None] * count
