@@ -296,7 +296,11 @@ class PrefillWorker(WorkerBase):
         await self.runner.call(AddRequest(req, prefill_only=True))
         first = await req.kv_ready
         pages = self.runner.ready_pages.pop(req.rid, None)
-        blocks, ntok = pages if pages is not None else await self.runner.call(Pages(req.rid))
+        if pages is None:
+            if req.status.state.terminal:  # failed (aborted) since its KV became ready: the engine has let it go
+                raise TransferFailed("failed while prefilling")
+            pages = await self.runner.call(Pages(req.rid))  # queued before any Abort a later failure queues
+        blocks, ntok = pages
         return blocks, ntok, first
 
     def add_routes(self, app: FastAPI) -> None:
