@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import httpx
@@ -33,7 +32,9 @@ from pdruntime.util import h1
 
 sys.path.insert(0, os.path.dirname(__file__))
 from pd_harness import base_env, free_port, spawn, wait_for, wait_healthy  # noqa: E402
-from test_router_server import ScriptedWorker  # noqa: E402
+import test_router_server  # noqa: E402
+
+workers = test_router_server.workers  # its scripted workers fixture (one pair for this module)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -196,18 +197,6 @@ def test_a_process_that_starts_late_runs_the_newest_topology_its_siblings_run(si
 
 
 # ---- a real router on two processes -----------------------------------------------------------------
-@pytest.fixture(scope="module")
-def workers():
-    loop = asyncio.new_event_loop()
-    th = threading.Thread(target=loop.run_forever, daemon=True)
-    th.start()
-    prefill, decode = ScriptedWorker("prefill"), ScriptedWorker("decode")
-    prefill.start(loop)
-    decode.start(loop)
-    yield prefill, decode, loop
-    loop.call_soon_threadsafe(loop.stop)
-
-
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as fh:
         return [int(c) for c in fh.read().split()]

@@ -46,7 +46,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from pdruntime.util.aio import detach, within
-from pdruntime.util.backoff import capped_backoff
 
 log = logging.getLogger("pdruntime.router.processes")
 
@@ -276,7 +275,7 @@ def supervise(argv: list[str], count: int) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    from pdruntime.server.local.supervisor import die_with_parent
+    from pdruntime.server.local.supervisor import backoff_for, die_with_parent, restarts_after
 
     procs: list[subprocess.Popen | None] = [None] * count
     started: list[float] = [0.0] * count
@@ -323,8 +322,8 @@ def supervise(argv: list[str], count: int) -> int:
                     status = rc or 1
                     forward(signal.SIGTERM, None)
                     continue
-                restarts[i] = 0 if now - started[i] >= RESET_AFTER_S else restarts[i] + 1
-                wait = capped_backoff(max(1, restarts[i]), RESTART_BASE_S, RESTART_CAP_S)
+                restarts[i] = restarts_after(restarts[i], started[i], now, RESET_AFTER_S) + 1
+                wait = backoff_for(restarts[i], RESTART_BASE_S, RESTART_CAP_S)
                 log.error("router process %d (pid %d) exited with status %d; restarting it in %.1fs", i, p.pid, rc, wait)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(folder, f"{i}.sock"))
