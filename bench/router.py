@@ -200,19 +200,15 @@ def start_workers(stack: Stack, kind: str, model: str | None) -> tuple[str, str,
     return p_url, d_url, bp
 
 
-def processes_of(which: str) -> int:
-    """``pdstack`` is one router process, ``pdstack-Np`` N of them (``--router-processes N``)."""
-    return int(which[len("pdstack-"):-1]) if which.startswith("pdstack-") else 1
-
-
 def start_router(stack: Stack, which: str, p_url: str, d_url: str, bp: int, wrap: tuple[str, ...] = (),
-                 name: str | None = None, timeout: float = 180) -> str:
-    """Start ``which`` router in front of the workers (``wrap``: an argv prefix, e.g. valgrind's); its URL."""
+                 name: str | None = None, timeout: float = 180, processes: int = 1) -> str:
+    """Start ``which`` router in front of the workers (``wrap``: an argv prefix, e.g. valgrind's; ``processes``:
+    pdstack's ``--router-processes``); its URL."""
     port = free_port()
     if which.startswith("pdstack"):
         argv = [sys.executable, "-m", "pdruntime.server", "serve", "--role", "router", "--host", "127.0.0.1",
                 "--port", str(port), "--prefill", p_url, "--decode", d_url, "--bootstrap-ports", str(bp),
-                "--log-level", "warning", "--router-processes", str(processes_of(which))]
+                "--log-level", "warning", "--router-processes", str(processes)]
     else:
         argv = [sys.executable, *LAUNCH_SGLANG_ROUTER, "--pd-disaggregation", "--prefill", p_url, str(bp),
                 "--decode", d_url, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
@@ -366,7 +362,9 @@ def main() -> int:
     with open(script, "w") as fh:
         fh.write(WRK_LUA.format(body=json.dumps(BODY)))
     stack = Stack(log_dir)
-    routers = [f"pdstack-{n}p" if n > 1 else "pdstack" for n in args.router_processes] + ["sglang"]
+    #: the routers measured, by name -> pdstack's router processes (sglang-router: its own threads)
+    processes = {f"pdstack-{n}p" if n > 1 else "pdstack": n for n in args.router_processes}
+    routers = [*processes, "sglang"]
     results: dict[tuple[str, str], list[dict]] = {}
     counted: dict[str, dict] = {}
     try:
@@ -376,7 +374,8 @@ def main() -> int:
             model = write_tiny_checkpoint(os.path.join(log_dir, "tiny"))
         for kind in args.workers:
             p_url, d_url, bp = start_workers(stack, kind, model)
-            urls = {which: start_router(stack, which, p_url, d_url, bp) for which in routers}
+            urls = {which: start_router(stack, which, p_url, d_url, bp, processes=processes.get(which, 1))
+                    for which in routers}
             pids = {which: stack.procs[f"router-{which}"].pid for which in urls}
             worker_pids = tuple(p.pid for name, p in stack.procs.items() if name.startswith(kind))
             for r in range(args.rounds):

@@ -26,7 +26,8 @@ from pdruntime.env import RuntimeEnv
 from pdruntime.server.metrics import Metrics
 from pdruntime.server.router.app import Router, RouterConfig
 from pdruntime.server.router.processes import Peers, check_count, exposition, families, merge, sockets_folder
-from pdruntime.server.router.reply import LiveRequest
+from pdruntime.server.openai.schemas import ApiError
+from pdruntime.server.router.reply import EdgeCall, LiveRequest
 from pdruntime.server.router.topology import parse_topology
 from pdruntime.util import h1
 
@@ -118,18 +119,29 @@ def test_sibling_processes_split_the_admission_bounds(siblings):
 
 
 def test_a_breaker_that_trips_in_one_process_trips_in_its_siblings(siblings):
+    """Two requests through process 0 to a pair whose workers refuse connections (threshold 2): its breaker opens,
+    and process 1, which sent the pair nothing, rests it too."""
     loop, (a, b) = siblings
 
-    async def fail_twice() -> None:
-        for _ in range(2):
-            a._record_failure(a.picker.states[0], False)
+    async def fail_twice() -> list[int]:
+        a.client, a.models = h1.Client(timeout=5.0), {"tiny": {"model_name": "tiny"}}
+        statuses = []
+        try:
+            for _ in range(2):
+                try:
+                    await a.completion(EdgeCall(False, {}, json.dumps(BODY).encode(), ("127.0.0.1", 5000)))
+                except ApiError as exc:
+                    statuses.append(exc.status)
+        finally:
+            await a.client.aclose()
         for _ in range(100):
             if b.picker.states[0].breaker.opened_at is not None:
-                return
+                break
             await asyncio.sleep(0.02)
+        return statuses
 
     assert b.picker.states[0].breaker.allows(time.monotonic())
-    loop.run_until_complete(fail_twice())
+    assert loop.run_until_complete(fail_twice()) == [502, 502]
     assert a.picker.states[0].breaker.state(time.monotonic()) == "open"
     assert b.picker.states[0].breaker.state(time.monotonic()) == "open"
     assert not b.picker.eligible(time.monotonic())

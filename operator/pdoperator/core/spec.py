@@ -829,9 +829,14 @@ def _prefix_cache(r: _Reader, d: Mapping[str, Any], engine: str) -> PrefixCacheS
     return out
 
 
-def _router_kind(r: _Reader, d: Mapping[str, Any], engine: str) -> str:
+def _router(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    """spec.router, or {} when it is not an object (_role has said so)."""
     router = d.get("router")
-    kind = r.take(router if isinstance(router, Mapping) else {}, "spec.router", PDSpec, "router_kind")
+    return router if isinstance(router, Mapping) else {}
+
+
+def _router_kind(r: _Reader, d: Mapping[str, Any], engine: str) -> str:
+    kind = r.take(_router(d), "spec.router", PDSpec, "router_kind")
     if kind == "vllm":
         r.problems.append("spec.router.kind='vllm' is not rendered: vLLM ships no PD router command (only example "
                           "proxies; vllm-router is a separate project); accepted: kind pdstack, whose router speaks "
@@ -843,8 +848,7 @@ def _router_kind(r: _Reader, d: Mapping[str, Any], engine: str) -> str:
 
 
 def _router_processes(r: _Reader, d: Mapping[str, Any], kind: str) -> int:
-    router = d.get("router")
-    n = r.take(router if isinstance(router, Mapping) else {}, "spec.router", PDSpec, "router_processes")
+    n = r.take(_router(d), "spec.router", PDSpec, "router_processes")
     if n != 1 and kind != "pdstack":
         r.problems.append(f"spec.router.processes={n} is pdstack's router's; accepted with router kind '{kind}': 1 "
                           "(sglang-router runs threads of its own)")
@@ -852,8 +856,7 @@ def _router_processes(r: _Reader, d: Mapping[str, Any], kind: str) -> int:
 
 
 def _routing(r: _Reader, d: Mapping[str, Any], kind: str) -> RoutingSpec:
-    router = d.get("router")  # not an object: _role has said so
-    ro = r.obj(router.get("routing") if isinstance(router, Mapping) else None, "spec.router.routing")
+    ro = r.obj(_router(d).get("routing"), "spec.router.routing")
     routing = RoutingSpec(**{a: r.take(ro, "spec.router.routing", RoutingSpec, a)
                              for a in RoutingSpec.__dataclass_fields__})
     if ro and kind != "pdstack":

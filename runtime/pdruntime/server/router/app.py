@@ -200,6 +200,7 @@ class Router:
     async def _peer_metrics(self, _body: object) -> list:
         """This process's samples, with the counts its predecessors left (processes.py), which it keeps on."""
         self._read_gauges()
+        self.metrics.flush()
         fams = merge([families(self.metrics.registry), self._counts_before])
         self.peers.keep_counts(fams)
         return fams
@@ -315,10 +316,8 @@ class Router:
                 log.warning("rid=%s pair=%d %s leg failed: %s", live.rid, state.pair.index, exc.leg, exc.message)
             finally:
                 self.admission.first_token(state.pair.index)
-                if outcome is FAILURE and self.peers is not None:
-                    self._record_failure(state, trial)
-                else:
-                    state.breaker.record(outcome, time.monotonic(), trial=trial)
+                if state.breaker.record(outcome, time.monotonic(), trial=trial) and self.peers is not None:
+                    self._tell_trip(state)  # the breaker that opened here opens in every process
                 if outcome is not SUCCESS:
                     self.release(state, served=False)
         if busy and last is None:
@@ -338,14 +337,9 @@ class Router:
                            code="pinned_group_unavailable")
         raise self._no_pair_error()
 
-    def _record_failure(self, state: PairState, trial: bool) -> None:
-        """A failure with sibling processes: the breaker that trips here trips in every process."""
-        was = state.breaker.opened_at
-        now = time.monotonic()
-        state.breaker.record(FAILURE, now, trial=trial)
-        if state.breaker.opened_at == now != was:
-            p = state.pair
-            self.peers.tell("trip", asdict(Trip(p.index, p.prefill_url, p.decode_url)))
+    def _tell_trip(self, state: PairState) -> None:
+        p = state.pair
+        self.peers.tell("trip", asdict(Trip(p.index, p.prefill_url, p.decode_url)))
 
     def _pick(self, live: LiveRequest, exclude: set[int], now: float,
               prompt: str | None) -> tuple[PairState | None, set[int]]:
@@ -699,7 +693,7 @@ class Router:
         return self.metrics.render()
 
     def _read_gauges(self) -> None:
-        """The gauges that are read rather than kept (live, oldest age, per-pair state), and the loop's counts."""
+        """The gauges that are read rather than kept (live, oldest age, per-pair state)."""
         self.metrics.live.labels("router").set(len(self.live))
         self.metrics.set_oldest_age(self.oldest_by_stage())
         stale = self.stale_pairs()
@@ -709,7 +703,6 @@ class Router:
         for st in self.picker.states.values():  # per-pair gauges read here, not written on every request
             self.metrics.pair_outstanding.labels(st.pair.key).set(st.outstanding)
             self.metrics.circuit_open.labels(st.pair.key).set(int(st.breaker.state(now) != "closed"))
-        self.metrics.flush()
 
     def build_app(self) -> FastAPI:
         app = lifespan_app("pdrt router", self.start, self.stop)

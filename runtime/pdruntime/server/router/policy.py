@@ -132,8 +132,9 @@ class CircuitBreaker:
             return True
         return False
 
-    def record(self, outcome: Outcome, now: float, *, trial: bool) -> None:
-        """Resolve one dispatched request. Every dispatch must end in exactly one ``record``."""
+    def record(self, outcome: Outcome, now: float, *, trial: bool) -> bool:
+        """Resolve one dispatched request. Every dispatch must end in exactly one ``record``. True when this
+        outcome (a failure) opened the breaker or restarted its cooldown."""
         if trial:
             self.trial_started = None  # resolved: success closes, failure re-opens, neutral re-arms
         if outcome is SUCCESS:
@@ -144,6 +145,8 @@ class CircuitBreaker:
             if self.opened_at is not None or self.failures >= self.threshold:
                 self.opened_at = now
                 self.trial_started = None  # a new cooldown; the next trial starts after it
+                return True
+        return False
 
     def trip(self, now: float) -> None:
         """Open now, as ``threshold`` failures would (another router process's breaker for the same pair tripped)."""

@@ -93,6 +93,11 @@ def check_count(n: int, max_pending: int, port: int) -> None:
                          f"share of the bound, at least one request per pair; it is {max_pending})")
 
 
+def socket_path(folder: str, index: int) -> str:
+    """Where router process ``index`` answers its siblings (it appears once the process serves)."""
+    return os.path.join(folder, f"{index}.sock")
+
+
 class Peers:
     """This router process (``index`` of ``count``) and its siblings, reached over ``folder``'s Unix sockets."""
 
@@ -103,7 +108,7 @@ class Peers:
         self._server: asyncio.AbstractServer | None = None
 
     def path(self, index: int) -> str:
-        return os.path.join(self.folder, f"{index}.sock")
+        return socket_path(self.folder, index)
 
     @property
     def others(self) -> list[int]:
@@ -257,7 +262,8 @@ def sockets_folder() -> str:
     folder, say). ValueError when none will do."""
     tried = []
     for base in (tempfile.gettempdir(), "/tmp", "/dev/shm"):
-        if len(os.path.join(base, "pdrt-router-xxxxxxxx", "63.sock.new").encode()) > SUN_PATH_MAX:
+        longest = socket_path(os.path.join(base, "pdrt-router-xxxxxxxx"), MAX_PROCESSES - 1) + ".new"  # Peers.open
+        if len(longest.encode()) > SUN_PATH_MAX:
             tried.append(f"{base} (too deep)")
             continue
         try:
@@ -311,7 +317,7 @@ def supervise(argv: list[str], count: int) -> int:
                     if p is None and not signals and due[i] is not None and now >= due[i]:
                         spawn(i)
                     elif p is not None and not served[i]:
-                        served[i] = os.path.exists(os.path.join(folder, f"{i}.sock"))
+                        served[i] = os.path.exists(socket_path(folder, i))
                     continue
                 rc, procs[i] = p.returncode, None
                 if signals:
@@ -326,7 +332,7 @@ def supervise(argv: list[str], count: int) -> int:
                 wait = backoff_for(restarts[i], RESTART_BASE_S, RESTART_CAP_S)
                 log.error("router process %d (pid %d) exited with status %d; restarting it in %.1fs", i, p.pid, rc, wait)
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(folder, f"{i}.sock"))
+                    os.unlink(socket_path(folder, i))
                 due[i] = now + wait
             if signals and all(p is None for p in procs):
                 return status
