@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import pytest
 
 from pdruntime.server.openai.events import TokenEvent
+from pdruntime.util.aio import Deadlines
 from pdruntime.util.backoff import capped_backoff
 from pdruntime.util.periodic import PeriodicTask
 from pdruntime.util.ports import BLOCK_RANGE, free_port, free_port_block
@@ -72,6 +74,40 @@ def test_periodic_task_ticks_outlives_a_failing_tick_and_stops():
 
     n, later, running = asyncio.run(main())
     assert n == later and not running
+
+
+def test_deadlines_fire_each_entry_once_past_its_time_unless_discarded_and_survive_a_failing_entry():
+    async def main():
+        d = Deadlines(tick=0.01)
+        fired: list[tuple[str, float, float]] = []  # (name, due, when it fired)
+        now = time.monotonic()
+
+        def entry(name: str, due: float, fail: bool = False) -> None:
+            def fire() -> None:
+                fired.append((name, due, time.monotonic()))
+                if fail:
+                    raise RuntimeError("one bad entry")
+            d.add(name, due, fire)
+
+        entry("bad", now, fail=True)
+        entry("gone", now + 0.01)
+        entry("early", now + 0.01)
+        entry("early", now + 0.03)  # a second add replaces the first
+        entry("late", now + 0.08)
+        d.discard("gone")
+        d.discard("never added")
+        while len(d):
+            await asyncio.sleep(0.01)
+        entry("closed", time.monotonic())
+        d.close()
+        await asyncio.sleep(0.03)
+        return fired
+
+    fired = asyncio.run(main())
+    assert [name for name, _, _ in fired] == ["bad", "early", "late"]  # in due order, each once; the failing entry
+    # did not stop the sweep; discarded and closed entries never fire
+    assert all(at >= due for _, due, at in fired)
+    assert fired[1][1] - fired[0][1] > 0.02  # "early" kept the second add's time (now + 0.03), not the first's
 
 
 def test_token_event_wire_shape_round_trips():

@@ -204,7 +204,7 @@ class Legs:
         """``fut``, to be awaited in :meth:`_open_decode`: if prefill fails first or the deadline passes,
         :meth:`_interrupt` cancels it (for a worker call, that closes its connection) and :meth:`first_event` raises
         that LegError instead of the cancellation. Returned, not awaited here: a coroutine per wait would add a
-        frame to every resume of the request's task. One timer and one prefill callback per request, not per wait."""
+        frame to every resume of the request's task. One deadline entry and one prefill callback per request, not per wait."""
         if self._stop is not None:
             raise self._stop
         self._waiting = fut
@@ -308,7 +308,8 @@ class Legs:
     async def first_event(self) -> TokenEvent:
         """Start both legs; return decode's first token event. Raises LegError (legs aborted). Both legs run on
         their answers' arrival (h1.Client.start), awaited here: no task per leg."""
-        timer = self.client.loop.call_later(self.remaining(), self._deadline_passed)
+        deadlines = self.client.deadlines  # swept, not a loop timer per request (util/aio.py)
+        deadlines.add(self, self.deadline, self._deadline_passed)
         self._start_prefill()
         try:
             try:
@@ -324,7 +325,7 @@ class Legs:
                     await self._prefer_prefill_verdict(exc)
                 raise
             finally:
-                timer.cancel()
+                deadlines.discard(self)
                 self._stop = _WAIT_OVER
         except BaseException:
             if self._decode_call is not None:
