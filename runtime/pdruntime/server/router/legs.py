@@ -19,7 +19,7 @@ from pdruntime.server.router.protocol import WorkerProtocol
 from pdruntime.server.router.topology import Pair
 from pdruntime.util import h1
 from pdruntime.util.aio import detach, within
-from pdruntime.util.headers import BUSY_WAIT_HEADER, DEADLINE_HEADER
+from pdruntime.util.headers import BUSY_WAIT_HEADER, DEADLINE_HEADER, STREAM_INTERVAL_HEADER
 from pdruntime.util.sse import DONE_BYTES as DONE, SSEBuffer
 
 
@@ -100,6 +100,9 @@ class Outbound:
     busy_until: float | None = None  # time.monotonic(): decode waits for KV pages until then at most (None: its own)
     openai: dict | None = None  # the client's OpenAI body (the sglang and vllm worker protocols send it on)
     chat: bool = True  # /v1/chat/completions (else /v1/completions)
+    #: seconds decode may gather token events into one (STREAM_INTERVAL_HEADER), for a client that asked for one
+    #: response; None: a stream, each event as it comes
+    stream_interval: str | None = None
 
     @property
     def route(self) -> str:
@@ -115,7 +118,8 @@ class Legs:
     _stop: LegError | None = None  # why that wait was cut short (_interrupt)
     decode_resp: "h1.Response | None" = None
     _decode_done = False  # decode's stream ended ([DONE] or its body's end)
-    prefill_result: dict | None = None  # prefill's answer (meta_info: the first token's logprobs)
+    _prefill_answer: "h1.Response | None" = None  # prefill's 200 answer, not parsed yet (prefill_result parses it)
+    _prefill_result: dict | None = None
 
     def __init__(self, client: "h1.Client", pair: Pair, out: Outbound,
                  protocol: WorkerProtocol | None = None) -> None:
@@ -136,9 +140,22 @@ class Legs:
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
 
+    @property
+    def prefill_result(self) -> dict | None:
+        """Prefill's answer, once it has come (the first token's logprobs in its meta_info; vLLM's kv_transfer_params),
+        parsed on the first read: most requests never read it (None for an answer that is not JSON)."""
+        resp = self._prefill_answer
+        if resp is not None:
+            self._prefill_answer = None
+            try:
+                self._prefill_result = resp.json()
+            except ValueError:
+                pass
+        return self._prefill_result
+
     # ---- prefill leg ---------------------------------------------------------------------------
     def _start_prefill(self) -> None:
-        """Send the prefill leg now. Its outcome is ``prefill_task``, a future: None (``prefill_result`` holds its
+        """Send the prefill leg now. Its outcome is ``prefill_task``, a future: None (:attr:`prefill_result` reads its
         answer) or its LegError. Driven by the answer's arrival (the call's ``on_done``), without a task;
         cancelling it (:meth:`_cancel_prefill`) closes the call's connection (the worker sees the router hang up)."""
         self.prefill_task = outcome = self.client.loop.create_future()
@@ -174,14 +191,14 @@ class Legs:
                 self._interrupt(error)
             return
         resp = call.result()
+        if resp.status_code == 200:
+            self._prefill_answer = resp
+            outcome.set_result(None)
+            return
         try:
             payload = resp.json()
         except ValueError:
             payload = None
-        if resp.status_code == 200:
-            self.prefill_result = payload
-            outcome.set_result(None)
-            return
         error = _worker_error(resp.status_code, payload, f"prefill answered HTTP {resp.status_code}", "prefill",
                               resp.headers.get("retry-after"))
         outcome.set_exception(error)
@@ -217,8 +234,12 @@ class Legs:
             await self._interruptible(self.prefill_task)  # its LegError is the request's (first_event reports it)
         self.decode_req = self.protocol.decode(self.out, self.pair, self.room, self.prefill_result)
         headers = self.headers
-        if self.busy_until is not None:
-            headers = {**headers, BUSY_WAIT_HEADER: f"{max(0.0, self.busy_until - time.monotonic()):.3f}"}
+        if self.busy_until is not None or self.out.stream_interval is not None:  # decode's own headers
+            headers = dict(headers)
+            if self.busy_until is not None:
+                headers[BUSY_WAIT_HEADER] = f"{max(0.0, self.busy_until - time.monotonic()):.3f}"
+            if self.out.stream_interval is not None:
+                headers[STREAM_INTERVAL_HEADER] = self.out.stream_interval
         # no read timeout of its own: first_event waits for its answer within the deadline, next_event each read
         try:
             self._decode_call = self.client.start(self.client.build_request(
