@@ -295,6 +295,24 @@ def test_a_request_head_carries_every_header_and_a_non_text_value_too():
         b"GET /health HTTP/1.1\r\nHost: h:8\r\n\r\n"
 
 
+async def test_requests_started_in_one_loop_pass_go_out_together_after_it_and_one_cancelled_in_it_is_never_sent():
+    """The client writes what one pass of the loop started at its end (a worker woken by the first finds the others):
+    a call cancelled within that pass never reaches the worker, and the rest are answered on their kept-alive
+    connections."""
+    async with RawServer(lambda m, p, h, b: ok(b)) as srv:
+        client = h1.Client()
+        await asyncio.gather(*(client.post(srv.url + "/x", json={"warm": i}) for i in range(3)))  # three pooled
+        before = len(srv.requests)
+        calls = [client.start(client.build_request("POST", srv.url + "/x", json={"j": j})) for j in range(3)]
+        calls[1].cancel()  # in the same pass: not written yet
+        answers = await asyncio.gather(calls[0].fut, calls[2].fut)
+        assert [r.json() for r in answers] == [{"j": 0}, {"j": 2}]
+        await asyncio.sleep(0.1)
+        await client.aclose()
+    assert sorted(json.loads(b)["j"] for *_, b in srv.requests[before:]) == [0, 2]
+    assert srv.connections == 3
+
+
 async def test_a_connect_and_read_timeout_pair_bounds_the_wait_for_an_answer():
     """``timeout=(connect, read)``, as the router's legs pass it: the read bound cuts a peer that never answers;
     ``(connect, None)``: no read bound of its own (decode's stream)."""
