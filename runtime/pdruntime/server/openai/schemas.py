@@ -233,22 +233,26 @@ class ChatMessage(_Strict):
         return self
 
     def text(self) -> str:
-        if self.content is None:
+        content = self.__dict__["content"]
+        if content is None:
             return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+        if isinstance(content, str):
+            return content
+        return "".join(p.text for p in content)
 
     def worker_dict(self) -> dict:
-        d: dict = {"role": self.role, "content": self.text()}
-        if self.tool_calls:
+        """What a worker renders the message from (read from ``__dict__``: once per message of every request, and an
+        agent's history is dozens of messages)."""
+        f = self.__dict__
+        d: dict = {"role": f["role"], "content": self.text()}
+        if f["tool_calls"]:
             d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
                                                                           "arguments": c.function.arguments}}
-                               for c in self.tool_calls]
-        if self.tool_call_id:
-            d["tool_call_id"] = self.tool_call_id
-        if self.name:
-            d["name"] = self.name
+                               for c in f["tool_calls"]]
+        if f["tool_call_id"]:
+            d["tool_call_id"] = f["tool_call_id"]
+        if f["name"]:
+            d["name"] = f["name"]
         return d
 
 
@@ -300,7 +304,8 @@ class _SamplingFields(_Strict):
             value = f[key]
             if value is not None:
                 out[key] = value
-        out["stop"] = list(self.stop_tuple())
+        stop = f["stop"]
+        out["stop"] = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
         out["ignore_eos"] = f["ignore_eos"]
         out["frequency_penalty"] = f["frequency_penalty"]
         out["presence_penalty"] = f["presence_penalty"]
@@ -337,11 +342,15 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
     def logprobs_n(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
+        f = self.__dict__
+        return (f["top_logprobs"] or 0) if f["logprobs"] else None
 
     def worker_input(self) -> dict:
         """What the workers need to render the prompt and build the grammar (they know the tool-call parser)."""
-        out: dict = {"messages": [m.worker_dict() for m in self.messages]}
+        f = self.__dict__
+        out: dict = {"messages": [m.worker_dict() for m in f["messages"]]}
+        if not f["tools"] and f["response_format"] is None:  # the usual request: nothing else to pass
+            return out
         if self.tools and self.tool_choice != "none":
             out["tools"] = [t.model_dump(by_alias=True, exclude_none=True) for t in self.tools]
             out["tool_choice"] = self.tool_choice if isinstance(self.tool_choice, str) or self.tool_choice is None \
@@ -368,16 +377,18 @@ class CompletionRequest(_SamplingFields):
         return self
 
     def logprobs_n(self) -> int | None:
-        return self.logprobs
+        return self.__dict__["logprobs"]
 
     def sampling_params(self) -> dict:
         out = super().sampling_params()
-        if self.echo and self.logprobs is not None:
-            out["prompt_logprobs"] = self.logprobs  # echo: the prompt's logprobs precede the completion's
+        f = self.__dict__
+        if f["echo"] and f["logprobs"] is not None:
+            out["prompt_logprobs"] = f["logprobs"]  # echo: the prompt's logprobs precede the completion's
         return out
 
     def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        prompt = self.__dict__["prompt"]
+        return prompt if isinstance(prompt, str) else prompt[0]
 
     def worker_input(self) -> dict:
         return {"text": self.prompt_text()}

@@ -39,7 +39,7 @@ from pdruntime.server.router.reply import EdgeCall, EdgeRequest, LiveRequest, Re
 from pdruntime.server.router.topology import Topology, TopologyWatcher, parse_topology
 from pdruntime.server.router.topology_source import TopologySource
 from pdruntime.util import h1
-from pdruntime.util.headers import ADMIN_TOKEN_HEADER, CLIENT_CONNECTION_HEADER, PIN_HEADER, REQUEST_ID_HEADER
+from pdruntime.util.headers import ADMIN_TOKEN_HEADER, PIN_HEADER, REQUEST_ID_HEADER
 
 log = logging.getLogger("pdruntime.router")
 
@@ -511,12 +511,12 @@ class Router:
 
         client_label = self.metrics.clients.label(client)
         rid = self.request_ids.new()
-        connection = f"{call.peer[0]}:{call.peer[1]}" if call.peer else ""
-        headers = {"x-client-id": client, REQUEST_ID_HEADER: rid, CLIENT_CONNECTION_HEADER: connection}
+        headers = {"x-client-id": client, REQUEST_ID_HEADER: rid}
         body = {"sampling_params": oreq.sampling_params(), **oreq.worker_input()}
         # a request waits for capacity at most admission.wait_s after its arrival: in the router's queue, then in decode
         out = Outbound(rid, body, headers, deadline, req.n, busy_until=t0 + self.admission.wait_s, openai=raw,
-                       chat=call.chat, stream_interval=None if req.stream else COLLECT_INTERVAL)
+                       chat=call.chat, stream_interval=None if req.stream else COLLECT_INTERVAL,
+                       connection=f"{call.peer[0]}:{call.peer[1]}" if call.peer else "")
         live = LiveRequest(rid, client, fields["user"] or call.headers.get("x-session-id"), t0,
                            client_request_id=client_request_id(call.headers))
         self.live[rid] = live

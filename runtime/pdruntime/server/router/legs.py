@@ -19,7 +19,7 @@ from pdruntime.server.router.protocol import WorkerProtocol
 from pdruntime.server.router.topology import Pair
 from pdruntime.util import h1
 from pdruntime.util.aio import detach, within
-from pdruntime.util.headers import BUSY_WAIT_HEADER, DEADLINE_HEADER, STREAM_INTERVAL_HEADER
+from pdruntime.util.headers import BUSY_WAIT_HEADER, CLIENT_CONNECTION_HEADER, DEADLINE_HEADER, STREAM_INTERVAL_HEADER
 from pdruntime.util.sse import DONE_BYTES as DONE, SSEBuffer
 
 
@@ -103,6 +103,7 @@ class Outbound:
     #: seconds decode may gather token events into one (STREAM_INTERVAL_HEADER), for a client that asked for one
     #: response; None: a stream, each event as it comes
     stream_interval: str | None = None
+    connection: str = ""  # the client's connection to the router, "host:port" (CLIENT_CONNECTION_HEADER)
 
     @property
     def route(self) -> str:
@@ -233,13 +234,12 @@ class Legs:
             assert self.prefill_task is not None
             await self._interruptible(self.prefill_task)  # its LegError is the request's (first_event reports it)
         self.decode_req = self.protocol.decode(self.out, self.pair, self.room, self.prefill_result)
-        headers = self.headers
-        if self.busy_until is not None or self.out.stream_interval is not None:  # decode's own headers
-            headers = dict(headers)
-            if self.busy_until is not None:
-                headers[BUSY_WAIT_HEADER] = f"{max(0.0, self.busy_until - time.monotonic()):.3f}"
-            if self.out.stream_interval is not None:
-                headers[STREAM_INTERVAL_HEADER] = self.out.stream_interval
+        out = self.out
+        headers = {**self.headers, CLIENT_CONNECTION_HEADER: out.connection}  # decode's own (faults.py reads it)
+        if self.busy_until is not None:
+            headers[BUSY_WAIT_HEADER] = f"{max(0.0, self.busy_until - time.monotonic()):.3f}"
+        if out.stream_interval is not None:
+            headers[STREAM_INTERVAL_HEADER] = out.stream_interval
         # no read timeout of its own: first_event waits for its answer within the deadline, next_event each read
         try:
             self._decode_call = self.client.start(self.client.build_request(

@@ -2,7 +2,7 @@
 
 ``ConnectionStall`` (``PDRT_FAULT_DECODE_STALL_AFTER=N``): the decode worker counts PD requests per client
 connection and stalls every request after the N-th on the same connection. The connection is the one the
-client opened to the router: pdrt's router forwards it to both legs as ``X-PDStack-Client-Connection``
+client opened to the router: pdrt's router forwards it to the decode leg as ``X-PDStack-Client-Connection``
 (``host:port``), because its own connections to workers are not kept per client (a decode stream is closed at
 its last token). Without the header (another router, a direct request) it is the worker's own incoming
 connection (the ASGI ``scope["client"]``). A one-shot request on a fresh connection passes; agents whose rounds
@@ -16,7 +16,7 @@ from collections import OrderedDict
 from contextvars import ContextVar
 from typing import Any
 
-from pdruntime.util.headers import CLIENT_CONNECTION_HEADER  # set by pdrt's router on both legs
+from pdruntime.util.headers import CLIENT_CONNECTION_HEADER  # set by pdrt's router on the decode leg
 
 MAX_CONNECTIONS = 4096  # connections remembered (LRU); a forgotten one counts from zero again
 
