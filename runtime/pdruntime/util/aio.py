@@ -40,7 +40,7 @@ class Deadlines:
 
     Why: on uvloop a ``call_later`` armed and then cancelled costs about 2.6 us (a TimerHandle and a libuv timer,
     closed on the next loop iteration). The router armed two per request, for timers that fire for a handful of
-    requests a day: about 3% of its CPU per request. Here an entry is one dict item, and the sweep runs only while
+    requests a day: 1.5% of its instructions per request (callgrind, docs/benchmarks.md "Eighth look"). Here an entry is one dict item, and the sweep runs only while
     some entry is due (in ``time.monotonic()`` seconds). An entry fires at most ``tick`` seconds late, and once."""
 
     __slots__ = ("tick", "_due", "_timer", "_loop")

@@ -10,9 +10,10 @@ connection is an ``asyncio.Protocol``, so reading an answer costs no stream, no 
 What it does and does not do:
 - requests are written once per pass of the event loop, all of a pass's together (:meth:`Client._flush`), not each
   as it is started: a worker woken by the first finds the others waiting, and serves them in one wake-up. Measured
-  on bench/router.py's no-op workers with the router on two processes: the workers' CPU per request fell by a tenth
-  and the router's requests/s rose by about as much (docs/benchmarks.md, "Eighth look"). The cost is the rest of
-  that pass, a few microseconds, before a request leaves;
+  on bench/router.py's no-op workers with the router on two processes: the workers' and the router's CPU per
+  request fell by 8% each, and requests/s rose by 9% (docs/benchmarks.md, "Eighth look"). The cost: a request
+  leaves when the pass that started it ends (a few microseconds at one request at a time; in a busy pass, the
+  rest of that pass's work);
 - keep-alive per (host, port); an idle connection is reused newest first and closed after ``keepalive_s``
   (below the workers' own 75 s, so a worker never closes one the router is about to use); a reused connection
   that fails before any byte of the answer (the peer closed it meanwhile) is retried once on a new connection;

@@ -280,9 +280,10 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False  # SGLang extension
 
     def stop_tuple(self) -> tuple[str, ...]:
-        if self.stop is None:
+        stop = self.__dict__["stop"]
+        if stop is None:
             return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        return (stop,) if isinstance(stop, str) else tuple(stop)
 
     def logprobs_n(self) -> int | None:
         return None
@@ -304,8 +305,7 @@ class _SamplingFields(_Strict):
             value = f[key]
             if value is not None:
                 out[key] = value
-        stop = f["stop"]
-        out["stop"] = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+        out["stop"] = list(self.stop_tuple())
         out["ignore_eos"] = f["ignore_eos"]
         out["frequency_penalty"] = f["frequency_penalty"]
         out["presence_penalty"] = f["presence_penalty"]
