@@ -307,9 +307,12 @@ async def test_requests_started_in_one_loop_pass_go_out_together_after_it_and_on
         calls[1].cancel()  # in the same pass: not written yet
         answers = await asyncio.gather(calls[0].fut, calls[2].fut)
         assert [r.json() for r in answers] == [{"j": 0}, {"j": 2}]
-        await asyncio.sleep(0.1)
+        deadline = time.monotonic() + 10  # the server has read the cancelled call's connection to its end:
+        while srv.open_now > 2 and time.monotonic() < deadline:  # whatever was written on it has arrived
+            await asyncio.sleep(0.01)
+        assert srv.open_now == 2
+        assert sorted(json.loads(b)["j"] for *_, b in srv.requests[before:]) == [0, 2]
         await client.aclose()
-    assert sorted(json.loads(b)["j"] for *_, b in srv.requests[before:]) == [0, 2]
     assert srv.connections == 3
 
 
