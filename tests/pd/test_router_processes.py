@@ -25,7 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdruntime.env import RuntimeEnv
 from pdruntime.server.metrics import Metrics
 from pdruntime.server.router.app import Router, RouterConfig
-from pdruntime.server.router.processes import Peers, check_count, exposition, families, merge, sockets_folder
+from pdruntime.server.router.processes import (BUILDING, MAX_PROCESSES, SUN_PATH_MAX, Peers, check_count, exposition,
+                                                families, merge, socket_path, sockets_folder)
 from pdruntime.server.openai.schemas import ApiError
 from pdruntime.server.router.reply import EdgeCall, LiveRequest
 from pdruntime.server.router.topology import parse_topology
@@ -318,6 +319,6 @@ def test_the_sockets_folder_is_one_whose_socket_paths_fit_a_unix_address(tmp_pat
     folder = sockets_folder()
     try:
         assert folder.startswith("/tmp/pdrt-router-") and oct(os.stat(folder).st_mode & 0o777) == "0o700"
-        assert len(os.path.join(folder, "63.sock.new").encode()) <= 107
+        assert len((socket_path(folder, MAX_PROCESSES - 1) + BUILDING).encode()) <= SUN_PATH_MAX == 107
     finally:
         os.rmdir(folder)

@@ -133,8 +133,6 @@ class Legs:
         self.prefill_req = protocol.prefill(out, pair, self.room)
         self._read = protocol.reader(out)  # decode's SSE payload -> its token events
         self._pending: collections.deque[TokenEvent] = _NO_EVENTS  # a reader's events beyond the one it returned
-        self.headers = out.headers
-        self.busy_until = out.busy_until
         self._sse = SSEBuffer()  # decode's body -> its SSE payloads
         self._payloads: collections.deque[bytes] = collections.deque()  # received, not yet read
 
@@ -161,7 +159,7 @@ class Legs:
         cancelling it (:meth:`_cancel_prefill`) closes the call's connection (the worker sees the router hang up)."""
         self.prefill_task = outcome = self.client.loop.create_future()
         left = self.remaining()
-        headers = {**self.headers, DEADLINE_HEADER: f"{left:.3f}"}  # prefill's admission reads it
+        headers = {**self.out.headers, DEADLINE_HEADER: f"{left:.3f}"}  # prefill's admission reads it
         try:
             call = self.client.build_request("POST", self.pair.prefill_url + self.prefill_req.path,
                                              json=self.prefill_req.body, headers=headers,
@@ -235,9 +233,9 @@ class Legs:
             await self._interruptible(self.prefill_task)  # its LegError is the request's (first_event reports it)
         self.decode_req = self.protocol.decode(self.out, self.pair, self.room, self.prefill_result)
         out = self.out
-        headers = {**self.headers, CLIENT_CONNECTION_HEADER: out.connection}  # decode's own (faults.py reads it)
-        if self.busy_until is not None:
-            headers[BUSY_WAIT_HEADER] = f"{max(0.0, self.busy_until - time.monotonic()):.3f}"
+        headers = {**out.headers, CLIENT_CONNECTION_HEADER: out.connection}  # decode's own (faults.py reads it)
+        if out.busy_until is not None:
+            headers[BUSY_WAIT_HEADER] = f"{max(0.0, out.busy_until - time.monotonic()):.3f}"
         if out.stream_interval is not None:
             headers[STREAM_INTERVAL_HEADER] = out.stream_interval
         # no read timeout of its own: first_event waits for its answer within the deadline, next_event each read

@@ -98,6 +98,9 @@ def socket_path(folder: str, index: int) -> str:
     return os.path.join(folder, f"{index}.sock")
 
 
+BUILDING = ".new"  # a file's name while it is made, before it is renamed whole into place (sockets, counts)
+
+
 class Peers:
     """This router process (``index`` of ``count``) and its siblings, reached over ``folder``'s Unix sockets."""
 
@@ -137,7 +140,7 @@ class Peers:
         path = self.path(self.index)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a previous run of this process index
-        tmp = path + ".new"
+        tmp = path + BUILDING
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         self._server = await asyncio.start_unix_server(answer, tmp, limit=LINE_LIMIT)
@@ -183,19 +186,24 @@ class Peers:
                         "router process %d did not answer %r: %s", i, op, res)
         return dict(zip(others, got))
 
+    @property
+    def _counts_path(self) -> str:
+        """Where this process index leaves its counts for a successor (:meth:`keep_counts`)."""
+        return os.path.join(self.folder, f"{self.index}.counts.json")
+
     def keep_counts(self, fams: list) -> None:
         """Leave this process's counts (:func:`counts_only`) where a successor of the same index finds them: summed
         over the processes, a counter that restarted at zero would fall, which ``rate()`` reads as a reset of the
         whole router's counter and counts the others' totals again."""
-        path = os.path.join(self.folder, f"{self.index}.counts.json")
-        with open(path + ".new", "w") as fh:
+        path = self._counts_path
+        with open(path + BUILDING, "w") as fh:
             json.dump(counts_only(fams), fh)
-        os.replace(path + ".new", path)
+        os.replace(path + BUILDING, path)
 
     def counts_before(self) -> list:
         """The counts a predecessor of this process index left (:meth:`keep_counts`); [] for the first."""
         try:
-            with open(os.path.join(self.folder, f"{self.index}.counts.json")) as fh:
+            with open(self._counts_path) as fh:
                 return json.load(fh)
         except (OSError, ValueError):
             return []
@@ -262,7 +270,7 @@ def sockets_folder() -> str:
     folder, say). ValueError when none will do."""
     tried = []
     for base in (tempfile.gettempdir(), "/tmp", "/dev/shm"):
-        longest = socket_path(os.path.join(base, "pdrt-router-xxxxxxxx"), MAX_PROCESSES - 1) + ".new"  # Peers.open
+        longest = socket_path(os.path.join(base, "pdrt-router-xxxxxxxx"), MAX_PROCESSES - 1) + BUILDING
         if len(longest.encode()) > SUN_PATH_MAX:
             tried.append(f"{base} (too deep)")
             continue
